@@ -1,0 +1,1 @@
+"""accelfn: composable transforms over a pure PyTorch step function."""
