@@ -1,1 +1,42 @@
-"""accelfn: composable transforms over a pure PyTorch step function."""
+"""accelfn: composable transforms that make a pure PyTorch step function train fast.
+
+    step = af.compiled(af.with_amp(af.with_accumulation(4)(af.with_clipping(my_step))))
+    state = af.TrainState(model, optimizer, scheduler=scheduler)
+    for batch in loader:
+        metrics = step(state, batch)
+"""
+
+from .accumulation import with_accumulation
+from .amp import with_amp
+from .checkpoint import checkpointed, find_blocks
+from .clipping import with_clipping
+from .compile import compiled
+from .distributed import distributed, init_distributed, is_main_process, scale_lr, world_size
+from .nonfinite import with_nonfinite
+from .state import TrainState
+from .step import NonFiniteError, Prepared, Step, StepContext, Transform, describe, lift
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NonFiniteError",
+    "Prepared",
+    "Step",
+    "StepContext",
+    "TrainState",
+    "Transform",
+    "checkpointed",
+    "compiled",
+    "describe",
+    "distributed",
+    "find_blocks",
+    "init_distributed",
+    "is_main_process",
+    "lift",
+    "scale_lr",
+    "with_accumulation",
+    "with_amp",
+    "with_clipping",
+    "with_nonfinite",
+    "world_size",
+]

@@ -1,0 +1,88 @@
+"""Batches: validation, size and splitting of TensorDict or mapping batches."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+Batch = Any  # a TensorDict, or a mapping of names to tensors sharing their first dimension
+
+__all__ = ["Batch", "batch_size", "check_batch", "split_batch"]
+
+
+def check_batch(batch: Any) -> None:
+    """Raise a clear error unless ``batch`` is a non-empty TensorDict or mapping of tensors."""
+    if isinstance(batch, TensorDictBase):
+        if batch.batch_dims == 0:
+            raise ValueError(
+                "the batch TensorDict has no batch dimension (batch_size=[]); build it with "
+                "batch_size=[n] so accelfn knows how many samples it holds"
+            )
+        if batch.batch_size[0] == 0:
+            raise ValueError("the batch is empty (batch_size[0] == 0); skip empty batches")
+        devices = {t.device for t in batch.values(include_nested=True, leaves_only=True)}
+    elif isinstance(batch, Mapping):
+        if not batch:
+            raise ValueError("the batch is an empty mapping; it must hold at least one tensor")
+        sizes = {}
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"batch[{key!r}] is a {type(value).__name__}, not a tensor; put only tensors "
+                    "in a batch (or use a TensorDict, which can hold non-tensor data)"
+                )
+            if value.dim() == 0:
+                raise ValueError(
+                    f"batch[{key!r}] is a 0-d tensor; every batch entry needs a leading "
+                    "sample dimension"
+                )
+            sizes[key] = value.shape[0]
+        if len(set(sizes.values())) > 1:
+            raise ValueError(
+                f"batch entries disagree on the number of samples: {sizes}; every tensor's "
+                "first dimension must be the batch size"
+            )
+        if next(iter(sizes.values())) == 0:
+            raise ValueError("the batch is empty (0 samples); skip empty batches")
+        devices = {t.device for t in batch.values()}
+    else:
+        raise TypeError(
+            f"a batch must be a TensorDict or a mapping of tensors, got {type(batch).__name__}; "
+            "wrap it, e.g. TensorDict({'x': x, 'y': y}, batch_size=[len(x)])"
+        )
+    if len(devices) > 1:
+        raise ValueError(
+            f"the batch holds tensors on several devices {sorted(map(str, devices))}; "
+            "move it with batch.to(device) first"
+        )
+
+
+def batch_size(batch: Any) -> int:
+    """Number of samples in a (checked) batch."""
+    if isinstance(batch, TensorDictBase):
+        return int(batch.batch_size[0])
+    return int(next(iter(batch.values())).shape[0])
+
+
+def split_sizes(total: int, parts: int) -> list[int]:
+    """Sizes of ``parts`` contiguous chunks of ``total`` samples, the first ones larger by one."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def split_batch(batch: Any, parts: int) -> list[Any]:
+    """Split a batch along its first dimension into ``parts`` micro-batches (uneven allowed)."""
+    total = batch_size(batch)
+    if parts > total:
+        raise ValueError(
+            f"cannot split a batch of {total} samples into {parts} micro-batches; use a batch "
+            f"of at least {parts} samples or with_accumulation(n) with n <= {total}"
+        )
+    sizes = split_sizes(total, parts)
+    if isinstance(batch, TensorDictBase):
+        return list(batch.split(sizes, dim=0))
+    chunks = {key: torch.split(value, sizes, dim=0) for key, value in batch.items()}
+    return [{key: chunks[key][i] for key in batch} for i in range(parts)]

@@ -1,0 +1,156 @@
+"""TrainState: the model, optimizer, scheduler and every transform's checkpointable state."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["TrainState"]
+
+
+def _check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    if not trainable:
+        raise ValueError(
+            "the model has no trainable parameters (all requires_grad=False); unfreeze some "
+            "parameters or there is nothing to train"
+        )
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in held if id(p) not in {id(q) for q in model.parameters()}]
+    if foreign:
+        raise ValueError(
+            f"the optimizer holds {len(foreign)} parameter(s) that are not the model's; build "
+            "it from this model, e.g. torch.optim.AdamW(model.parameters())"
+        )
+    if not any(id(p) in trainable for p in held):
+        raise ValueError(
+            "the optimizer holds none of the model's trainable parameters; build it from "
+            "model.parameters() after freezing, not before"
+        )
+
+
+class TrainState:
+    """Everything a training run updates: model, optimizer, scheduler, transform state.
+
+    ``state_dict()`` / ``load_state_dict()`` cover all of it. Transforms keep their state in
+    named *slots* (``state.slot(name, factory)``); a slot is created on first use, and a slot
+    loaded from a checkpoint before it exists is applied when it is created.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any | None = None,
+    ) -> None:
+        _check_model_and_optimizer(model, optimizer)
+        if scheduler is not None and not hasattr(scheduler, "step"):
+            raise TypeError(
+                f"scheduler must be a torch.optim.lr_scheduler scheduler, got "
+                f"{type(scheduler).__name__}"
+            )
+        if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
+            raise ValueError("the scheduler was built for another optimizer than this state's")
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.step = 0  # optimizer updates attempted (skipped ones included)
+        self._slots: dict[str, Any] = {}
+        self._pending: dict[str, Any] = {}
+
+    def slot(self, name: str, factory: Callable[[], Any]) -> Any:
+        """The state object a transform keeps under ``name``, created by ``factory`` once.
+
+        The object is a dict of tensors and plain data, or has ``state_dict``/``load_state_dict``.
+        """
+        if name not in self._slots:
+            obj = factory()
+            if name in self._pending:
+                _load_into(obj, self._pending.pop(name), name)
+            self._slots[name] = obj
+        return self._slots[name]
+
+    @property
+    def slots(self) -> dict[str, Any]:
+        """The transform state objects created so far, by name."""
+        return dict(self._slots)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def state_dict(self) -> dict[str, Any]:
+        """All training state as tensors and plain data (loadable with ``weights_only=True``)."""
+        slots = {name: _save(obj) for name, obj in self._slots.items()}
+        slots.update({k: v for k, v in self._pending.items() if k not in slots})
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "step": self.step,
+            "slots": slots,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned; refuses a mismatched checkpoint whole."""
+        missing = {"model", "optimizer", "scheduler", "step", "slots"} - set(state_dict)
+        if missing:
+            raise KeyError(f"not a TrainState checkpoint: missing {sorted(missing)}")
+        if (state_dict["scheduler"] is None) != (self.scheduler is None):
+            raise ValueError(
+                "the checkpoint and this state disagree on having a scheduler; build the state "
+                "the way the checkpointed run did"
+            )
+        result = self.model.load_state_dict(state_dict["model"], strict=True)
+        del result
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state_dict["scheduler"])
+        self.step = int(state_dict["step"])
+        for name, saved in state_dict["slots"].items():
+            if name in self._slots:
+                _load_into(self._slots[name], saved, name)
+            else:
+                self._pending[name] = saved
+
+    def __repr__(self) -> str:
+        sched = type(self.scheduler).__name__ if self.scheduler is not None else None
+        return (
+            f"TrainState(model={type(self.model).__name__}, "
+            f"optimizer={type(self.optimizer).__name__}, scheduler={sched}, step={self.step}, "
+            f"slots={sorted(self._slots)})"
+        )
+
+
+def _save(obj: Any) -> Any:
+    if hasattr(obj, "state_dict"):
+        return obj.state_dict()
+    if isinstance(obj, dict):
+        return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                for k, v in obj.items()}
+    raise TypeError(f"slot of type {type(obj).__name__} cannot be saved")
+
+
+def _load_into(obj: Any, saved: Any, name: str) -> None:
+    if hasattr(obj, "load_state_dict"):
+        obj.load_state_dict(saved)
+        return
+    if set(obj) != set(saved):
+        raise ValueError(
+            f"checkpointed state of {name!r} has keys {sorted(saved)}, this step expects "
+            f"{sorted(obj)}; the checkpoint comes from a different transform stack"
+        )
+    for key, value in saved.items():
+        if isinstance(obj[key], torch.Tensor):
+            obj[key].copy_(value)
+        else:
+            obj[key] = value

@@ -1,0 +1,560 @@
+"""The step: a pure user function lifted into exactly one optimizer update.
+
+A *step* is built from the user's function ``fn(model, batch) -> loss | mapping`` and a set of
+transforms. Whatever order the transforms were stacked in, a step runs one canonical sequence::
+
+    prepare once (by prepare_order): fp32 islands -> checkpoint wrap -> DDP/FSDP -> compile
+    for each micro-batch:                        (micro_context: e.g. no_sync but on the last)
+        out = fn(model, micro)                   (forward_context: e.g. autocast)
+        backward(scale_loss(coefficient * loss)) (coefficient weights micro-batches exactly)
+    on_grads, by grads_order:  unscale (0) -> weight division (10) -> clip (30) -> custom (50)
+    non-finite guard -> optimizer.step() -> zero_grad(set_to_none=True) -> scheduler.step()
+    on_update                                    (e.g. EMA, after every real update)
+
+so stacking order changes only the printed description, never the result. A transform is any
+object with a unique ``name`` and some of the optional hooks of :class:`Transform`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor, nn
+
+from .batch import Batch, batch_size, check_batch, split_batch
+from .state import TrainState
+
+__all__ = [
+    "LossFn",
+    "NonFiniteError",
+    "Prepared",
+    "Step",
+    "StepContext",
+    "Transform",
+    "apply_transform",
+    "describe",
+    "lift",
+]
+
+LossFn = Callable[[nn.Module, Batch], "Tensor | Mapping[str, Tensor]"]
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised when the non-finite policy says a NaN/Inf loss or gradient must stop training."""
+
+
+@runtime_checkable
+class Transform(Protocol):
+    """The public protocol every transform follows, built-in or user-written.
+
+    Only ``name`` is required. Each hook below is optional and looked up by name:
+
+    ``validate(transforms)``
+        Called whenever a step is built, with every transform of the stack; raise
+        ``ValueError`` to refuse a combination.
+    ``prepare(prepared, state)`` with ``prepare_order: int``
+        Called once per :class:`TrainState`, lazily on the first call, in ascending
+        ``prepare_order``; may replace ``prepared.model`` (what ``fn`` receives) or
+        ``prepared.optimizer_step``.
+    ``forward_context(ctx)``
+        A context manager around each forward (training and ``evaluate``), e.g. autocast.
+    ``micro_context(ctx, index, sync)``
+        A context manager around forward and backward of micro-batch ``index``; ``sync`` is
+        False on micro-batches whose gradients must not be synchronised across processes.
+    ``scale_loss(loss, ctx)``
+        Returns the tensor to differentiate, e.g. multiplied by a loss scale.
+    ``on_grads(ctx)`` with ``grads_order: int``
+        Called once per update with fully accumulated gradients, in ascending ``grads_order``
+        (0 unscale, 10 micro-batch weighting, 30 clipping; user transforms default to 50).
+    ``on_update(ctx, skipped)``
+        Called after the optimizer update; ``skipped`` is a device bool tensor.
+
+    Hooks may keep checkpointable state in ``ctx.state.slot(name, factory)`` and add metrics
+    to ``ctx.metrics`` (device tensors, never read on the host).
+    """
+
+    name: str
+
+
+@dataclass
+class Prepared:
+    """What one :class:`TrainState` looks like to a step after preparation."""
+
+    model: nn.Module
+    optimizer_step: Callable[[], Any]
+    process_group: Any = None  # set by ``distributed`` when more than one process trains
+
+
+@dataclass
+class StepContext:
+    """Per-call information handed to transform hooks."""
+
+    state: TrainState
+    prepared: Prepared
+    device: torch.device
+    num_micro_batches: int
+    metrics: dict[str, Tensor] = field(default_factory=dict)
+    loss: Tensor | None = None
+    grad_norm: Tensor | None = None
+    grads_nonfinite: Tensor | None = None
+    grad_divisor: Tensor | None = None
+    weight_total: Tensor | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        return self.prepared.model
+
+    @property
+    def distributed(self) -> Any:
+        """The process group gradients are reduced over, or None in a single process."""
+        return self.prepared.process_group
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.state.optimizer
+
+    def grads(self) -> list[Tensor]:
+        """The gradients the optimizer will apply (parameters without one are left out)."""
+        return [p.grad for g in self.state.optimizer.param_groups for p in g["params"]
+                if p.grad is not None]
+
+
+def _hooks(transforms: tuple[Any, ...], hook: str, order: str | None = None,
+           default: int = 50) -> list[tuple[int, Any]]:
+    found = [(getattr(t, order, default) if order else 0, t) for t in transforms
+             if callable(getattr(t, hook, None))]
+    return sorted(found, key=lambda pair: pair[0])
+
+
+def _unpack(out: Any, first: bool) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
+    if isinstance(out, Tensor):
+        loss, weight, metrics = out, None, {}
+    elif isinstance(out, (Mapping, TensorDictBase)):
+        if "loss" not in out.keys():
+            raise KeyError(
+                f"the step function returned a mapping without 'loss' (keys: {list(out.keys())}); "
+                "return a scalar loss or a mapping with a 'loss' entry"
+            )
+        loss = out["loss"]
+        weight = out["weight"] if "weight" in out.keys() else None
+        metrics = {k: out[k] for k in out.keys() if k not in ("loss", "weight")}
+    else:
+        raise TypeError(
+            f"the step function returned a {type(out).__name__}; return a scalar loss tensor or "
+            "a mapping with 'loss' (and optional 'weight' and scalar metrics)"
+        )
+    if first:
+        if not isinstance(loss, Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
+            raise ValueError(
+                f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in "
+                "the step function"
+            )
+        if torch.is_grad_enabled() and not loss.requires_grad:
+            raise ValueError(
+                "the loss does not require grad: it is not computed from the model's trainable "
+                "parameters (was it detached, or computed under torch.no_grad()?)"
+            )
+        if weight is not None and (not isinstance(weight, Tensor) or weight.dim() != 0):
+            raise ValueError("'weight' must be a scalar tensor (e.g. the number of tokens)")
+        for k, v in metrics.items():
+            if not isinstance(v, Tensor) or v.dim() != 0:
+                raise ValueError(
+                    f"metric {k!r} must be a scalar tensor; compute it on the device and reduce"
+                )
+    return loss, weight, metrics
+
+
+class _Accumulator:
+    """Running weighted sums of loss and metrics over micro-batches (on the device)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, Tensor] = {}
+        self.weight: Tensor | float | None = None
+
+    def add(self, coef: Tensor | float | None, values: dict[str, Tensor]) -> None:
+        for key, value in values.items():
+            value = value.detach()
+            term = value if coef is None else value * coef
+            self.sums[key] = term if key not in self.sums else self.sums[key] + term
+        if coef is not None:
+            self.weight = coef if self.weight is None else self.weight + coef
+
+    def result(self, divide: bool) -> dict[str, Tensor]:
+        if not divide or self.weight is None:
+            return dict(self.sums)
+        return {k: v / self.weight for k, v in self.sums.items()}
+
+
+class _CallWindow:
+    """Slot of ``with_accumulation(n, mode='calls')``: calls and sums of the open window."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.acc = _Accumulator()
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.calls:
+            raise RuntimeError(
+                f"an accumulation window is open ({self.calls} call(s) with gradients not yet "
+                "applied); call step.flush(state) or save at a window boundary"
+            )
+        return {"calls": 0}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.calls = int(saved["calls"])
+        self.acc = _Accumulator()
+
+
+class _Guard:
+    """Slot of the non-finite guard: skipped updates in total and in a row."""
+
+    def __init__(self) -> None:
+        self.skipped = 0
+        self.consecutive = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"skipped": self.skipped, "consecutive": self.consecutive}
+
+    def load_state_dict(self, saved: dict[str, int]) -> None:
+        self.skipped, self.consecutive = int(saved["skipped"]), int(saved["consecutive"])
+
+
+def _engine_option(transforms: tuple[Any, ...], attr: str, default: Any) -> Any:
+    for t in transforms:
+        if hasattr(t, attr):
+            return getattr(t, attr)
+    return default
+
+
+class Step:
+    """A training step: ``step(state, batch)`` runs exactly one optimizer update.
+
+    Equivalent to the plain PyTorch loop body::
+
+        out = fn(model, batch); loss = out if tensor else out["loss"]
+        loss.backward()
+        if all gradients and the loss are finite: optimizer.step(); scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    with each transform of the stack adding its part at a fixed place (see the module
+    docstring), and returns a TensorDict of detached metrics left on the device.
+    """
+
+    def __init__(self, fn: LossFn, transforms: tuple[Any, ...] = ()) -> None:
+        if not callable(fn):
+            raise TypeError(f"a step needs a callable fn(model, batch), got {type(fn).__name__}")
+        self.fn = fn
+        self.transforms = transforms
+        names = [t.name for t in transforms]
+        for name in names:
+            if names.count(name) > 1:
+                raise ValueError(
+                    f"{name} is applied twice in {describe(self)}; apply each transform once"
+                )
+        for t in transforms:
+            validate = getattr(t, "validate", None)
+            if callable(validate):
+                validate(transforms)
+        self._prepared: weakref.WeakKeyDictionary[TrainState, Prepared] = (
+            weakref.WeakKeyDictionary()
+        )
+        acc = _engine_option(transforms, "accumulation", (1, "split"))
+        self._micro, self._mode = acc
+        policy = _engine_option(transforms, "nonfinite", ("skip", 10))
+        self._policy, self._max_consecutive = policy
+        self._forward_ctx = [t for _, t in _hooks(transforms, "forward_context")]
+        self._micro_ctx = [t for _, t in _hooks(transforms, "micro_context")]
+        self._scale = [t for _, t in _hooks(transforms, "scale_loss")]
+        self._on_grads = [t for _, t in _hooks(transforms, "on_grads", "grads_order")]
+        self._on_update = [t for _, t in _hooks(transforms, "on_update")]
+        self.__name__ = getattr(fn, "__name__", type(fn).__name__)
+        self.__doc__ = getattr(fn, "__doc__", None)
+
+    # ----------------------------------------------------------------- building
+    def with_transform(self, transform: Any) -> Step:
+        """A new step with ``transform`` added on the outside of this one."""
+        if not isinstance(getattr(transform, "name", None), str):
+            raise TypeError(
+                f"{transform!r} is not a transform: it needs a string attribute 'name' "
+                "(see accelfn.Transform)"
+            )
+        return Step(self.fn, (*self.transforms, transform))
+
+    def __repr__(self) -> str:
+        return describe(self)
+
+    # ----------------------------------------------------------------- preparation
+    def prepare(self, state: TrainState) -> Prepared:
+        """Prepare ``state`` for this step (done once, lazily, by the first call)."""
+        prepared = self._prepared.get(state)
+        if prepared is None:
+            prepared = Prepared(model=state.model, optimizer_step=state.optimizer.step)
+            for _, t in _hooks(self.transforms, "prepare", "prepare_order"):
+                t.prepare(prepared, state)
+            self._prepared[state] = prepared
+        return prepared
+
+    def _context(self, state: TrainState, micro: int) -> StepContext:
+        if not isinstance(state, TrainState):
+            raise TypeError(
+                f"a step is called as step(state, batch) with an accelfn.TrainState, got "
+                f"{type(state).__name__}"
+            )
+        prepared = self.prepare(state)
+        return StepContext(state=state, prepared=prepared, device=state.device,
+                           num_micro_batches=micro)
+
+    @contextlib.contextmanager
+    def _forward(self, ctx: StepContext) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for t in self._forward_ctx:
+                stack.enter_context(t.forward_context(ctx))
+            yield
+
+    # ----------------------------------------------------------------- the update
+    def __call__(self, state: TrainState, batch: Batch) -> TensorDict:
+        check_batch(batch)
+        calls_mode = self._mode == "calls"
+        n = 1 if calls_mode else self._micro
+        micros = [batch] if n == 1 else split_batch(batch, n)
+        ctx = self._context(state, n)
+        window = state.slot("accumulation", _CallWindow) if calls_mode else None
+        update = window is None or window.calls + 1 >= self._micro
+        acc = window.acc if window is not None else _Accumulator()
+        post_divide = calls_mode or ctx.distributed is not None
+        total = batch_size(batch)
+        weight_mode: bool | None = None
+        try:
+            for i, micro in enumerate(micros):
+                sync = update and i == len(micros) - 1
+                with contextlib.ExitStack() as stack:
+                    for t in self._micro_ctx:
+                        stack.enter_context(t.micro_context(ctx, i, sync))
+                    with self._forward(ctx):
+                        out = self.fn(ctx.model, micro)
+                    loss, weight, metrics = _unpack(out, first=i == 0 and acc.weight is None)
+                    if weight_mode is None:
+                        weight_mode = weight is not None
+                    elif weight_mode != (weight is not None):
+                        raise ValueError("the step function returned 'weight' for some "
+                                         "micro-batches but not others; return it always")
+                    coef: Tensor | float | None
+                    if weight is not None and (n > 1 or post_divide):
+                        coef = weight.detach().to(torch.float32)
+                        post_divide = True
+                    elif post_divide:
+                        coef = float(batch_size(micro))
+                    elif n > 1:
+                        coef = batch_size(micro) / total
+                    else:
+                        coef = None
+                    acc.add(coef, {"loss": loss, **metrics})
+                    objective = loss if coef is None else loss * coef
+                    for t in self._scale:
+                        objective = t.scale_loss(objective, ctx)
+                    objective.backward()
+        except BaseException:
+            if window is not None:
+                window.calls, window.acc = 0, _Accumulator()
+            state.optimizer.zero_grad(set_to_none=True)
+            raise
+        if window is not None:
+            window.calls += 1
+            if not update:
+                return TensorDict(acc.result(divide=True), batch_size=[])
+            window.calls, window.acc = 0, _Accumulator()
+        return self._update(ctx, acc, post_divide)
+
+    def flush(self, state: TrainState) -> TensorDict | None:
+        """Apply the update of a short final window in ``mode='calls'`` accumulation."""
+        if self._mode != "calls":
+            return None
+        window = state.slot("accumulation", _CallWindow)
+        if window.calls == 0:
+            return None
+        ctx = self._context(state, 1)
+        acc = window.acc
+        window.calls, window.acc = 0, _Accumulator()
+        return self._update(ctx, acc, True)
+
+    def _update(self, ctx: StepContext, acc: _Accumulator, post_divide: bool) -> TensorDict:
+        state, optimizer = ctx.state, ctx.state.optimizer
+        metrics = acc.result(divide=post_divide)
+        ctx.loss = metrics["loss"]
+        if post_divide:
+            ctx.weight_total = torch.as_tensor(acc.weight, dtype=torch.float32,
+                                               device=ctx.device)
+            ctx.grad_divisor = ctx.weight_total
+        grad_steps = [(getattr(t, "grads_order", 50), t.on_grads) for t in self._on_grads]
+        grad_steps.append((10, _divide_grads))
+        grad_steps.sort(key=lambda pair: pair[0])
+        try:
+            for _, hook in grad_steps:
+                hook(ctx)
+            lr = optimizer.param_groups[0]["lr"]
+            metrics["lr"] = (lr.detach().clone() if isinstance(lr, Tensor)
+                             else torch.full((), float(lr), device=ctx.device))
+            skipped = self._guard(ctx)
+        except BaseException:
+            optimizer.zero_grad(set_to_none=True)
+            raise
+        if skipped is None:
+            ctx.prepared.optimizer_step()
+            skip_flag = torch.zeros((), dtype=torch.bool, device=ctx.device)
+        else:
+            skip_flag, skip_host = skipped
+            metrics["skipped"] = skip_flag.float()
+            if not skip_host:
+                ctx.prepared.optimizer_step()
+        optimizer.zero_grad(set_to_none=True)
+        if (skipped is None or not skipped[1]) and state.scheduler is not None:
+            state.scheduler.step()
+        state.step += 1
+        for t in self._on_update:
+            t.on_update(ctx, skip_flag)
+        metrics.update(ctx.metrics)
+        return TensorDict(metrics, batch_size=[])
+
+    def _guard(self, ctx: StepContext) -> tuple[Tensor, bool] | None:
+        """The non-finite guard: one host read of two flags, unless the policy is 'off'."""
+        overflow_only = ctx.grads_nonfinite is not None  # loss scaling already checked grads
+        if self._policy == "off" and not overflow_only:
+            return None
+        loss_bad = ~torch.isfinite(ctx.loss)
+        if ctx.grads_nonfinite is not None:
+            grads_bad = ctx.grads_nonfinite
+        elif ctx.grad_norm is not None:
+            grads_bad = ~torch.isfinite(ctx.grad_norm)
+        else:
+            grads_bad = _grads_nonfinite(ctx.grads(), ctx.device)
+        flags = torch.stack([loss_bad, grads_bad.to(torch.bool)])
+        loss_host, grads_host = flags.tolist()  # the one host read of a step (documented)
+        skip = bool(loss_host or grads_host)
+        guard = ctx.state.slot("nonfinite", _Guard)
+        if not skip:
+            guard.consecutive = 0
+            return flags.any(), False
+        guard.skipped += 1
+        counts = loss_host or not overflow_only
+        if self._policy == "raise" and counts:
+            raise NonFiniteError(
+                f"non-finite {'loss' if loss_host else 'gradients'} at update {ctx.state.step}; "
+                "no state was changed. Lower the learning rate, clip gradients, or use "
+                "with_nonfinite(policy='skip') to skip such updates"
+            )
+        if counts:
+            guard.consecutive += 1
+            if guard.consecutive >= self._max_consecutive:
+                raise NonFiniteError(
+                    f"{guard.consecutive} updates in a row had a non-finite "
+                    f"{'loss' if loss_host else 'gradient'} (last at update {ctx.state.step}); "
+                    "training diverged. Lower the learning rate or check the data"
+                )
+        return flags.any(), True
+
+    # ----------------------------------------------------------------- evaluation
+    def evaluate(self, state: TrainState, batch: Batch) -> TensorDict:
+        """The same forward as a training call (autocast, compiled), without gradients.
+
+        The model is put in eval mode for the call and restored afterwards; metrics are
+        weighted over micro-batches exactly as in training.
+        """
+        check_batch(batch)
+        n = 1 if self._mode == "calls" else self._micro
+        micros = [batch] if n == 1 else split_batch(batch, n)
+        ctx = self._context(state, n)
+        acc = _Accumulator()
+        model = ctx.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for i, micro in enumerate(micros):
+                    with self._forward(ctx):
+                        out = self.fn(model, micro)
+                    loss, weight, metrics = _unpack(out, first=i == 0)
+                    coef = None if n == 1 else (
+                        weight.to(torch.float32) if weight is not None
+                        else float(batch_size(micro)))
+                    acc.add(coef, {"loss": loss, **metrics})
+        finally:
+            model.train(was_training)
+        return TensorDict(acc.result(divide=n > 1), batch_size=[])
+
+
+def _divide_grads(ctx: StepContext) -> None:
+    if ctx.grad_divisor is not None:
+        grads = ctx.grads()
+        if grads:
+            torch._foreach_div_(grads, ctx.grad_divisor)
+
+
+def _grads_nonfinite(grads: list[Tensor], device: torch.device) -> Tensor:
+    """A device flag: does any gradient hold NaN or Inf (one fused pass, values unchanged)."""
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    if not grads:
+        return found.bool()
+    one = torch.ones((), dtype=torch.float32, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, _), group in groups.items():
+        flag = found if dev == device else torch.zeros((), device=dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, flag, one.to(dev))
+        if flag is not found:
+            found += flag.to(device)
+    return found > 0
+
+
+def lift(fn: LossFn | Step) -> Step:
+    """The step of ``fn`` with no transform (a step is returned unchanged)."""
+    if isinstance(fn, Step):
+        return fn
+    if not callable(fn):
+        raise TypeError(
+            f"transforms wrap a function fn(model, batch) -> loss, got {type(fn).__name__}"
+        )
+    return Step(fn)
+
+
+def apply_transform(fn: LossFn | Step, transform: Any) -> Step:
+    """Add ``transform`` on the outside of ``fn`` (a plain function is lifted first)."""
+    return lift(fn).with_transform(transform)
+
+
+def describe(step: Step | Callable[..., Any]) -> str:
+    """The stack as text, outermost first: ``compiled ∘ with_amp(bf16) ∘ my_step``."""
+    if not isinstance(step, Step):
+        return getattr(step, "__name__", repr(step))
+    parts = [repr(t) for t in reversed(step.transforms)]
+    return " ∘ ".join([*parts, getattr(step.fn, "__name__", type(step.fn).__name__)])
+
+
+def configurable(name: str, build: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn ``build(**options) -> transform`` into a transform usable bare or configured.
+
+    ``name(fn)`` applies the transform with default options; ``name(**options)(fn)`` with
+    options, which are checked when the transform is built, before any function is given.
+    """
+
+    def decorator(fn: LossFn | Step | None = None, /, **options: Any) -> Any:
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"{name}() takes options by keyword only: write {name}(option=...)(fn), "
+                f"not {name}({fn!r})"
+            )
+        transform = build(**options)
+        if fn is None:
+            return lambda f: apply_transform(f, transform)
+        return apply_transform(fn, transform)
+
+    decorator.__name__ = decorator.__qualname__ = name
+    decorator.__doc__ = build.__doc__
+    return decorator
