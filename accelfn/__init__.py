@@ -14,7 +14,17 @@ from .compile import compiled
 from .distributed import distributed, init_distributed, is_main_process, scale_lr, world_size
 from .nonfinite import with_nonfinite
 from .state import TrainState
-from .step import NonFiniteError, Prepared, Step, StepContext, Transform, describe, lift
+from .step import (
+    NonFiniteError,
+    Prepared,
+    Step,
+    StepContext,
+    Transform,
+    apply_transform,
+    configurable,
+    describe,
+    lift,
+)
 
 __version__ = "0.1.0"
 
@@ -25,8 +35,10 @@ __all__ = [
     "StepContext",
     "TrainState",
     "Transform",
+    "apply_transform",
     "checkpointed",
     "compiled",
+    "configurable",
     "describe",
     "distributed",
     "find_blocks",

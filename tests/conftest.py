@@ -1,0 +1,90 @@
+"""Shared fixtures: small models, batches and step functions (no accelfn logic here)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+
+
+class Block(nn.Module):
+    """A residual MLP block with dropout-free LayerNorm (a transformer block's shape)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, dim: int = 8, depth: int = 3, classes: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def classify(model, batch):
+    logits = model(batch["x"])
+    loss = F.cross_entropy(logits, batch["y"])
+    return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["y"]).float().mean()}
+
+
+def token_loss(model, batch):
+    """Token-level loss: mean over valid tokens (mask), returning the token count as weight."""
+    logits = model(batch["x"])  # (B, classes) stands in for per-token logits
+    per = F.cross_entropy(logits, batch["y"], reduction="none")
+    mask = batch["mask"].float()
+    tokens = mask.sum()
+    return {"loss": (per * mask).sum() / tokens, "weight": tokens}
+
+
+def make_batch(n: int = 10, seed: int = 0, td: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    data = {
+        "x": torch.randn(n, 6, generator=g),
+        "y": torch.randint(0, 4, (n,), generator=g),
+        "mask": (torch.rand(n, generator=g) > 0.3),
+    }
+    data["mask"][0] = True
+    return TensorDict(data, batch_size=[n]) if td else data
+
+
+@pytest.fixture
+def net():
+    torch.manual_seed(0)
+    return Net()
+
+
+def clone_setup(model, opt_cls=torch.optim.SGD, **opt_kwargs):
+    """Two identical (model, optimizer) pairs."""
+    a = model
+    b = copy.deepcopy(model)
+    kwargs = {"lr": 0.1, **opt_kwargs}
+    return (a, opt_cls(a.parameters(), **kwargs)), (b, opt_cls(b.parameters(), **kwargs))
+
+
+def assert_params_equal(m1, m2, exact: bool = True, atol: float = 0.0, rtol: float = 0.0):
+    for (n1, p1), (_, p2) in zip(m1.named_parameters(), m2.named_parameters()):
+        if exact:
+            assert torch.equal(p1, p2), f"parameter {n1} differs: max {(p1 - p2).abs().max()}"
+        else:
+            torch.testing.assert_close(p1, p2, atol=atol, rtol=rtol, msg=f"parameter {n1}")
+
+
+def as_dict(batch) -> dict:
+    return {k: v for k, v in batch.items()}

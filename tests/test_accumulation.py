@@ -1,0 +1,154 @@
+"""with_accumulation: bitwise the seeds' loop, and the full-batch gradient exactly."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import as_dict, assert_params_equal, classify, clone_setup, make_batch, token_loss
+from reference import chunks, full_batch_grads, reference_update
+from tensordict import TensorDict
+
+import accelfn as af
+
+
+class GradProbe:
+    """Records the gradient the optimizer would apply (after all grad transforms)."""
+
+    name = "grad_probe"
+    grads_order = 99
+
+    def __init__(self):
+        self.grads = None
+
+    def __repr__(self):
+        return "grad_probe"
+
+    def on_grads(self, ctx):
+        self.grads = [p.grad.detach().clone() for p in ctx.state.model.parameters()]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_split_equals_reference_loop_bitwise(net, n):
+    (m1, o1), (m2, o2) = clone_setup(net, torch.optim.SGD, momentum=0.9)
+    step = af.with_accumulation(n)(classify)
+    state = af.TrainState(m1, o1)
+    for i in range(3):
+        batch = make_batch(n=10, seed=i)  # 10 samples: uneven for n=3 and n=4
+        metrics = step(state, batch)
+        ref = reference_update(m2, o2, as_dict(batch), classify, micro=n)
+        sizes = [len(c["x"]) for c in chunks(as_dict(batch), n)]
+        expected = sum(loss * (s / 10) for loss, s in zip(ref["losses"], sizes))
+        torch.testing.assert_close(metrics["loss"], expected, atol=0, rtol=0)
+    assert_params_equal(m1, m2)
+
+
+@pytest.mark.parametrize("n", [3, 7])
+def test_gradient_equals_full_batch(net, n):
+    probe = GradProbe()
+    step = af.apply_transform(af.with_accumulation(n)(classify), probe)
+    ref_model = copy.deepcopy(net)
+    batch = make_batch(n=10)
+    expected = full_batch_grads(ref_model, as_dict(batch), classify)
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.0))
+    metrics = step(state, batch)
+    for got, want in zip(probe.grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    full = classify(ref_model, as_dict(batch))
+    torch.testing.assert_close(metrics["loss"], full["loss"].detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(metrics["accuracy"], full["accuracy"], atol=1e-6, rtol=1e-5)
+
+
+def test_token_weighted_equals_full_batch_token_mean(net):
+    probe = GradProbe()
+    step = af.apply_transform(af.with_accumulation(3)(token_loss), probe)
+    ref_model = copy.deepcopy(net)
+    batch = make_batch(n=11, seed=3)
+    expected = full_batch_grads(ref_model, as_dict(batch), token_loss)
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.0))
+    metrics = step(state, batch)
+    for got, want in zip(probe.grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    full = token_loss(ref_model, as_dict(batch))
+    torch.testing.assert_close(metrics["loss"], full["loss"].detach(), atol=1e-6, rtol=1e-5)
+    # and it differs from plain sample weighting, so the weight is really used
+    sample_probe = GradProbe()
+    plain = af.apply_transform(af.with_accumulation(3)(lambda m, b: token_loss(m, b)["loss"]),
+                               sample_probe)
+    plain(af.TrainState(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.0)), batch)
+    assert not torch.allclose(sample_probe.grads[0], expected[0], atol=1e-6)
+
+
+def test_token_weighted_equals_reference_bitwise(net):
+    (m1, o1), (m2, o2) = clone_setup(net)
+    step = af.with_accumulation(3)(token_loss)
+    state = af.TrainState(m1, o1)
+    for i in range(3):
+        batch = make_batch(n=11, seed=i)
+        step(state, batch)
+        reference_update(m2, o2, as_dict(batch), token_loss, micro=3, token_weighted=True)
+    assert_params_equal(m1, m2)
+
+
+def test_hand_computed_uneven_split():
+    """A linear model y = w.x with squared error: gradient computed by hand."""
+    model = torch.nn.Linear(1, 1, bias=False)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    probe = GradProbe()
+
+    def mse(m, b):
+        return ((m(b["x"]).squeeze(-1) - b["y"]) ** 2).mean()
+
+    x = torch.tensor([[1.0], [2.0], [3.0], [4.0], [5.0]])
+    y = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
+    step = af.apply_transform(af.with_accumulation(2)(mse), probe)  # split 3 + 2
+    step(af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.0)),
+         TensorDict({"x": x, "y": y}, batch_size=[5]))
+    # d/dw mean((w x - 1)^2) at w=0 = mean(-2 x) = -2 * 3 = -6
+    assert probe.grads[0].item() == pytest.approx(-6.0)
+
+
+def test_calls_mode_equals_one_big_batch(net):
+    probe = GradProbe()
+    step = af.apply_transform(af.with_accumulation(3, mode="calls")(classify), probe)
+    ref_model = copy.deepcopy(net)
+    batches = [make_batch(n=n, seed=i) for i, n in enumerate([4, 5, 3])]
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.0))
+    outs = [step(state, b) for b in batches]
+    assert state.step == 1 and "lr" not in outs[0].keys() and "lr" in outs[2].keys()
+    whole = torch.cat([b.to_tensordict() for b in batches])
+    expected = full_batch_grads(ref_model, as_dict(whole), classify)
+    for got, want in zip(probe.grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    full = classify(ref_model, as_dict(whole))
+    torch.testing.assert_close(outs[2]["loss"], full["loss"].detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_calls_mode_short_final_window_via_flush(net):
+    probe = GradProbe()
+    step = af.apply_transform(af.with_accumulation(4, mode="calls")(token_loss), probe)
+    ref_model = copy.deepcopy(net)
+    batches = [make_batch(n=n, seed=10 + i) for i, n in enumerate([4, 4, 4, 4, 5, 2])]
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.0))
+    for b in batches:
+        step(state, b)
+    assert state.step == 1
+    metrics = step.flush(state)
+    assert state.step == 2 and metrics is not None
+    assert step.flush(state) is None
+    tail = torch.cat([b.to_tensordict() for b in batches[4:]])
+    expected = full_batch_grads(ref_model, as_dict(tail), token_loss)
+    for got, want in zip(probe.grads, expected):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_calls_mode_refuses_to_checkpoint_an_open_window(net):
+    step = af.with_accumulation(2, mode="calls")(classify)
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    step(state, make_batch())
+    with pytest.raises(RuntimeError, match="window is open"):
+        state.state_dict()
+    step(state, make_batch())
+    assert state.state_dict()["slots"]["accumulation"] == {"calls": 0}

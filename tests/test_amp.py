@@ -1,0 +1,136 @@
+"""with_amp: bf16 autocast and fp16 with GradScaler, as the seeds write them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import as_dict, assert_params_equal, classify, clone_setup, make_batch
+from reference import reference_update
+from torch import nn
+
+import accelfn as af
+
+
+def test_bf16_equals_autocast_loop_bitwise(net):
+    (m1, o1), (m2, o2) = clone_setup(net, torch.optim.AdamW, lr=1e-2)
+    step = af.with_amp(classify)
+    state = af.TrainState(m1, o1)
+    for i in range(3):
+        batch = make_batch(seed=i)
+        metrics = step(state, batch)
+        ref = reference_update(m2, o2, as_dict(batch), classify, amp_dtype=torch.bfloat16)
+        assert torch.equal(metrics["loss"], ref["losses"][0])
+    assert_params_equal(m1, m2)
+
+
+def test_bf16_really_runs_in_bf16(net):
+    dtypes = []
+    net.head.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    af.with_amp(classify)(state, make_batch())
+    assert dtypes == [torch.bfloat16]
+    af.with_amp(classify).evaluate(state, make_batch())
+    assert dtypes[-1] == torch.bfloat16
+
+
+def test_fp16_with_grad_scaler_equals_reference(net):
+    (m1, o1), (m2, o2) = clone_setup(net, torch.optim.SGD, momentum=0.9)
+    step = af.with_amp(dtype=torch.float16)(af.with_accumulation(2)(classify))
+    state = af.TrainState(m1, o1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=2000)
+    for i in range(3):
+        batch = make_batch(seed=i)
+        metrics = step(state, batch)
+        reference_update(m2, o2, as_dict(batch), classify, amp_dtype=torch.float16,
+                         scaler=scaler, micro=2)
+        assert metrics["loss_scale"] == 2.0**16
+        assert metrics["skipped"] == 0
+    assert_params_equal(m1, m2)
+    saved = state.state_dict()["slots"]["with_amp"]
+    assert saved["scale"] == scaler.get_scale()
+
+
+def test_fp16_overflow_skips_update_and_halves_scale(net):
+    blow_up = {"on": False}
+
+    def fn(model, batch):
+        out = classify(model, batch)
+        if blow_up["on"]:
+            out["loss"] = out["loss"] * 1e30  # finite in fp32, overflows fp16 gradients
+        return out
+
+    sched_opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(sched_opt, step_size=1, gamma=0.5)
+    state = af.TrainState(net, sched_opt, scheduler=sched)
+    step = af.with_amp(dtype=torch.float16)(fn)
+    step(state, make_batch(seed=0))
+    params = [p.detach().clone() for p in net.parameters()]
+    opt_state = {k: v.clone() for k, v in sched_opt.state[next(net.parameters())].items()}
+    lr = sched.get_last_lr()
+    blow_up["on"] = True
+    metrics = step(state, make_batch(seed=1))
+    assert metrics["skipped"] == 1
+    assert metrics["loss_scale"] == 2.0**16
+    assert state.slots["with_amp"].get_scale() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(params, net.parameters()))
+    for k, v in sched_opt.state[next(net.parameters())].items():
+        assert torch.equal(v, opt_state[k]), k
+    assert sched.get_last_lr() == lr
+    assert state.slots["nonfinite"].consecutive == 0  # overflow is not divergence
+    blow_up["on"] = False
+    metrics = step(state, make_batch(seed=2))
+    assert metrics["skipped"] == 0 and metrics["loss_scale"] == 2.0**15
+
+
+class Recurrent(nn.Module):
+    """The seeds' example: conv features, an LSTM that must stay fp32, a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(6, 8, 1)
+        self.lstm = nn.LSTM(8, 8, batch_first=True)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.conv(x.unsqueeze(-1)).transpose(1, 2)
+        out, _ = self.lstm(h)
+        return self.fc(out[:, -1])
+
+
+@pytest.mark.parametrize("spec", [nn.LSTM, "lstm", lambda name, m: name == "lstm"])
+def test_fp32_islands(spec):
+    torch.manual_seed(0)
+    model = Recurrent()
+    seen = {}
+    model.lstm.register_forward_hook(lambda m, i, o: seen.__setitem__("lstm", o[0].dtype))
+    model.conv.register_forward_hook(lambda m, i, o: seen.__setitem__("conv", o.dtype))
+    model.fc.register_forward_hook(lambda m, i, o: seen.__setitem__("fc", o.dtype))
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    af.with_amp(fp32=spec)(classify)(state, make_batch())
+    assert seen == {"conv": torch.bfloat16, "lstm": torch.float32, "fc": torch.bfloat16}
+    assert set(model.state_dict()) == set(Recurrent().state_dict())
+
+
+def test_fp32_islands_match_hand_written_autocast_off():
+    torch.manual_seed(0)
+    model = Recurrent()
+    (m1, o1), (m2, o2) = clone_setup(model)
+
+    def by_hand(model, batch):
+        h = model.conv(batch["x"].unsqueeze(-1)).transpose(1, 2)
+        with torch.autocast("cpu", enabled=False):
+            out, _ = model.lstm(h.float())
+        return F.cross_entropy(model.fc(out[:, -1]), batch["y"])
+
+    state = af.TrainState(m1, o1)
+    batch = make_batch()
+    af.with_amp(fp32=nn.LSTM)(classify)(state, batch)
+    reference_update(m2, o2, as_dict(batch), by_hand, amp_dtype=torch.bfloat16)
+    assert_params_equal(m1, m2)
+
+
+def test_fp32_spec_matching_nothing_is_an_error(net):
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="matched no module"):
+        af.with_amp(fp32=nn.LSTM)(classify)(state, make_batch())

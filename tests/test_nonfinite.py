@@ -1,0 +1,124 @@
+"""The non-finite guard: skip (and count), raise, or off; state untouched on a skip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import classify, make_batch
+
+import accelfn as af
+
+
+def _setup(net):
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return af.TrainState(net, opt, scheduler=sched)
+
+
+def _snapshot(state):
+    opt_state = {i: {k: v.clone() for k, v in s.items()}
+                 for i, s in enumerate(state.optimizer.state.values())}
+    return ([p.detach().clone() for p in state.model.parameters()], opt_state,
+            state.scheduler.state_dict())
+
+
+def _assert_same(a, b):
+    assert all(torch.equal(x, y) for x, y in zip(a[0], b[0]))
+    assert a[1].keys() == b[1].keys()
+    for i in a[1]:
+        for k in a[1][i]:
+            assert torch.equal(a[1][i][k], b[1][i][k])
+    assert a[2] == b[2]
+
+
+class Poison:
+    def __init__(self):
+        self.loss = None  # multiply the loss by this
+        self.grad = None  # put this into one gradient
+        self.hooked = set()
+
+    def fn(self, model, batch):
+        out = classify(model, batch)
+        if self.loss is not None:
+            out["loss"] = out["loss"] * self.loss
+        if id(model) not in self.hooked:
+            self.hooked.add(id(model))
+            model.head.weight.register_hook(
+                lambda g: g if self.grad is None else torch.full_like(g, self.grad))
+        return out
+
+
+@pytest.mark.parametrize("where,value", [("loss", float("nan")), ("loss", float("inf")),
+                                         ("grad", float("nan")), ("grad", float("inf"))])
+def test_skip_leaves_state_untouched(net, where, value):
+    poison = Poison()
+    state = _setup(net)
+    step = af.with_clipping(poison.fn) if where == "loss" else af.lift(poison.fn)
+    step(state, make_batch(seed=0))
+    before = _snapshot(state)
+    setattr(poison, where, value)
+    metrics = step(state, make_batch(seed=1))
+    assert metrics["skipped"] == 1
+    _assert_same(before, _snapshot(state))
+    assert all(p.grad is None for p in net.parameters())
+    assert state.slots["nonfinite"].skipped == 1 and state.step == 2
+    setattr(poison, where, None)
+    assert step(state, make_batch(seed=2))["skipped"] == 0
+    assert state.slots["nonfinite"].consecutive == 0
+
+
+def test_skip_then_raise_after_max_consecutive(net):
+    poison = Poison()
+    state = _setup(net)
+    step = af.with_nonfinite(policy="skip", max_consecutive=3)(poison.fn)
+    poison.loss = float("nan")
+    step(state, make_batch())
+    step(state, make_batch())
+    before = _snapshot(state)
+    with pytest.raises(af.NonFiniteError, match="3 updates in a row"):
+        step(state, make_batch())
+    _assert_same(before, _snapshot(state))
+
+
+def test_raise_policy_raises_first_time_with_state_intact(net):
+    poison = Poison()
+    state = _setup(net)
+    step = af.with_nonfinite(policy="raise")(poison.fn)
+    step(state, make_batch())
+    before = _snapshot(state)
+    poison.grad = float("inf")
+    with pytest.raises(af.NonFiniteError, match="non-finite gradients at update 1"):
+        step(state, make_batch())
+    _assert_same(before, _snapshot(state))
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_off_policy_applies_nan_and_reports_no_skip(net):
+    poison = Poison()
+    state = _setup(net)
+    step = af.with_nonfinite(policy="off")(poison.fn)
+    poison.loss = float("nan")
+    metrics = step(state, make_batch())
+    assert "skipped" not in metrics.keys()
+    assert torch.isnan(net.head.weight).any()
+
+
+def test_guard_reads_the_host_once_per_update_and_off_never(net, monkeypatch):
+    reads = []
+    for name in ("item", "tolist", "__bool__", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _orig=original, _name=name, **k):
+            reads.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    # SGD: unlike CPU Adam, it reads nothing on the host itself
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    step = af.with_amp(af.with_accumulation(2)(af.with_clipping(classify)))
+    step(state, make_batch())
+    assert reads == ["tolist"]
+    reads.clear()
+    af.with_nonfinite(policy="off")(af.with_accumulation(2)(af.with_clipping(classify)))(
+        state, make_batch())
+    assert reads == []

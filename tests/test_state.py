@@ -1,0 +1,85 @@
+"""TrainState: state_dict covers model, optimizer, scheduler and every transform's state."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from conftest import Net, assert_params_equal, classify, make_batch
+
+import accelfn as af
+
+
+def _state(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    return af.TrainState(model, opt, scheduler=sched)
+
+
+def _roundtrip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_save_load_resumes_exactly_with_fp16_scaler():
+    torch.manual_seed(0)
+    base = Net()
+    step = af.with_amp(dtype=torch.float16)(af.with_clipping(classify))
+    batches = [make_batch(seed=i) for i in range(6)]
+
+    straight = _state(copy.deepcopy(base))
+    for b in batches:
+        step(straight, b)
+
+    first = _state(copy.deepcopy(base))
+    for b in batches[:3]:
+        step(first, b)
+    saved = _roundtrip(first.state_dict())
+    assert set(saved["slots"]) == {"with_amp", "nonfinite"}
+
+    resumed = _state(Net())
+    resumed.load_state_dict(saved)  # before the first call: slots applied when created
+    for b in batches[3:]:
+        step(resumed, b)
+    assert_params_equal(resumed.model, straight.model)
+    assert resumed.step == straight.step == 6
+    assert resumed.scheduler.get_last_lr() == straight.scheduler.get_last_lr()
+    assert resumed.slots["with_amp"].get_scale() == straight.slots["with_amp"].get_scale()
+
+
+def test_missing_parts_are_refused():
+    torch.manual_seed(0)
+    state = _state(Net())
+    saved = state.state_dict()
+    del saved["optimizer"]
+    with pytest.raises(KeyError, match="optimizer"):
+        _state(Net()).load_state_dict(saved)
+    model = Net()
+    no_sched = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="scheduler"):
+        no_sched.load_state_dict(state.state_dict())
+
+
+def test_slot_keys_must_match():
+    torch.manual_seed(0)
+    state = _state(Net())
+    state.slot("custom", lambda: {"count": torch.zeros(())})
+    saved = state.state_dict()
+    saved["slots"]["custom"] = {"other": torch.ones(())}
+    fresh = _state(Net())
+    fresh.slot("custom", lambda: {"count": torch.zeros(())})
+    with pytest.raises(ValueError, match="different transform stack"):
+        fresh.load_state_dict(saved)
+
+
+def test_scheduler_for_another_optimizer_is_refused():
+    model = Net()
+    other = torch.optim.SGD(Net().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="another optimizer"):
+        af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+    assert "TrainState(model=Net" in repr(_state(model))

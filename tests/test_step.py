@@ -1,0 +1,229 @@
+"""The bare step and its protocol, against the hand-written reference loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import Net, as_dict, assert_params_equal, classify, clone_setup, make_batch
+from reference import reference_update
+from tensordict import TensorDict
+from torch import nn
+
+import accelfn as af
+
+
+@pytest.mark.parametrize("opt_cls,kwargs", [
+    (torch.optim.SGD, {"momentum": 0.9, "weight_decay": 1e-4}),
+    (torch.optim.AdamW, {"lr": 1e-2}),
+])
+def test_plain_step_equals_reference_bitwise(net, opt_cls, kwargs):
+    (m1, o1), (m2, o2) = clone_setup(net, opt_cls, **kwargs)
+    s1 = torch.optim.lr_scheduler.StepLR(o1, step_size=2, gamma=0.5)
+    s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=2, gamma=0.5)
+    step = af.lift(classify)
+    state = af.TrainState(m1, o1, scheduler=s1)
+    for i in range(5):
+        batch = make_batch(seed=i)
+        metrics = step(state, batch)
+        ref = reference_update(m2, o2, as_dict(batch), classify, scheduler=s2)
+        assert torch.equal(metrics["loss"], ref["losses"][0])
+    assert_params_equal(m1, m2)
+    assert s1.get_last_lr() == s2.get_last_lr()
+    assert state.step == 5
+
+
+def test_metrics_are_detached_device_tensordict(net):
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    metrics = af.lift(classify)(state, make_batch())
+    assert isinstance(metrics, TensorDict)
+    assert set(metrics.keys()) == {"loss", "accuracy", "lr", "skipped"}
+    for value in metrics.values():
+        assert value.dim() == 0 and not value.requires_grad
+        assert value.device == torch.device("cpu")
+    assert metrics["lr"] == pytest.approx(0.1)
+    assert metrics["skipped"] == 0
+
+
+def test_plain_loss_tensor_and_dict_batch(net):
+    def loss_only(model, batch):
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    (m1, o1), (m2, o2) = clone_setup(net)
+    state = af.TrainState(m1, o1)
+    batch = make_batch(td=False)
+    metrics = af.lift(loss_only)(state, batch)
+    ref = reference_update(m2, o2, batch, loss_only)
+    assert torch.equal(metrics["loss"], ref["losses"][0])
+    assert_params_equal(m1, m2)
+
+
+def test_evaluate_no_grad_eval_mode_and_no_update(net):
+    seen = []
+
+    def fn(model, batch):
+        seen.append((model.training, torch.is_grad_enabled()))
+        return classify(model, batch)
+
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    before = [p.clone() for p in net.parameters()]
+    metrics = af.with_accumulation(2)(fn).evaluate(state, make_batch())
+    assert seen == [(False, False), (False, False)]
+    assert net.training
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    with torch.no_grad():
+        full = classify(net.eval(), make_batch())
+    net.train()
+    torch.testing.assert_close(metrics["loss"], full["loss"])
+    assert state.step == 0
+
+
+def test_describe_shows_stack_outermost_first():
+    step = af.compiled(af.with_amp(af.with_accumulation(4)(af.with_clipping(max_norm=1.0)(
+        classify))))
+    text = af.describe(step)
+    assert text == ("compiled ∘ with_amp(auto) ∘ with_accumulation(4) ∘ "
+                    "with_clipping(max_norm=1) ∘ classify")
+    assert repr(step) == text
+    assert repr(af.with_amp(dtype=torch.float16)(classify)).startswith("with_amp(fp16)")
+
+
+def test_same_transform_twice_is_an_error():
+    with pytest.raises(ValueError, match="with_amp is applied twice"):
+        af.with_amp(af.with_clipping(af.with_amp(classify)))
+    with pytest.raises(ValueError, match="with_accumulation is applied twice"):
+        af.with_accumulation(2)(af.with_accumulation(2)(classify))
+
+
+def test_options_are_keyword_only_and_checked_at_build():
+    with pytest.raises(TypeError, match="keyword only"):
+        af.with_clipping(1.0)
+    with pytest.raises(ValueError, match="max_norm"):
+        af.with_clipping(max_norm=-1.0)
+    with pytest.raises(ValueError, match="n >= 1"):
+        af.with_accumulation(0)
+    with pytest.raises(TypeError, match="int"):
+        af.with_accumulation(2.5)
+    with pytest.raises(ValueError, match="mode"):
+        af.compiled(mode="fastest")
+    with pytest.raises(ValueError, match="dtype"):
+        af.with_amp(dtype=torch.float64)
+    with pytest.raises(ValueError, match="strategy"):
+        af.distributed(strategy="zero3")
+    with pytest.raises(ValueError, match="policy"):
+        af.with_nonfinite(policy="ignore")
+
+
+class GradNoise:
+    """A user transform: Gaussian gradient noise after clipping (the protocol's worked example)."""
+
+    name = "gradient_noise"
+    grads_order = 40
+
+    def __init__(self, std: float, seed: int = 0) -> None:
+        self.std = std
+        self.seed = seed
+
+    def __repr__(self) -> str:
+        return f"gradient_noise({self.std})"
+
+    def on_grads(self, ctx):
+        gen = ctx.state.slot(self.name, lambda: torch.Generator().manual_seed(self.seed))
+        for g in ctx.grads():
+            g.add_(torch.randn(g.shape, generator=gen) * self.std)
+
+
+def test_user_transform_composes_with_builtins(net):
+    (m1, o1), (m2, o2) = clone_setup(net)
+    step = af.with_clipping(max_norm=0.5)(af.apply_transform(classify, GradNoise(0.01)))
+    assert "gradient_noise(0.01)" in repr(step)
+    state = af.TrainState(m1, o1)
+    gen = torch.Generator().manual_seed(0)
+    batch = make_batch()
+    step(state, batch)
+    # by hand: backward, clip, then noise, then step
+    out = classify(m2, as_dict(batch))
+    out["loss"].backward()
+    torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.5)
+    for p in m2.parameters():
+        p.grad.add_(torch.randn(p.grad.shape, generator=gen) * 0.01)
+    o2.step()
+    o2.zero_grad(set_to_none=True)
+    assert_params_equal(m1, m2)
+    assert isinstance(GradNoise(0.1), af.Transform)
+
+
+def test_not_a_transform_is_refused():
+    with pytest.raises(TypeError, match="not a transform"):
+        af.lift(classify).with_transform(object())
+
+
+# ----------------------------------------------------------------------------- bad input
+def _state():
+    torch.manual_seed(0)
+    model = Net()
+    return af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+
+
+def _snapshot(state):
+    return ([p.detach().clone() for p in state.model.parameters()],
+            repr(state.optimizer.state_dict()["state"]))
+
+
+@pytest.mark.parametrize("batch,error,match", [
+    ([1, 2, 3], TypeError, "TensorDict or a mapping"),
+    ({"x": torch.randn(4, 6), "y": [0, 1, 2, 3]}, TypeError, "not a tensor"),
+    ({"x": torch.randn(4, 6), "y": torch.zeros(3, dtype=torch.long)}, ValueError, "disagree"),
+    ({"x": torch.randn(0, 6), "y": torch.zeros(0, dtype=torch.long)}, ValueError, "empty"),
+    ({}, ValueError, "empty mapping"),
+    ({"x": torch.randn(4, 6), "y": torch.zeros(4, dtype=torch.long, device="meta")},
+     ValueError, "several devices"),
+    ({"x": torch.randn(4, 6)}, KeyError, "y"),
+])
+def test_bad_batches_fail_before_any_state_change(batch, error, match):
+    state = _state()
+    step = af.with_amp(af.with_clipping(classify))
+    step(state, make_batch())  # optimizer has state now
+    before = _snapshot(state)
+    with pytest.raises(error, match=match):
+        step(state, batch)
+    after = _snapshot(state)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    assert before[1] == after[1]
+    assert all(p.grad is None for p in state.model.parameters())
+
+
+def test_too_small_batch_for_micro_batches():
+    state = _state()
+    with pytest.raises(ValueError, match="into 4 micro-batches"):
+        af.with_accumulation(4)(classify)(state, make_batch(3))
+
+
+@pytest.mark.parametrize("fn,error,match", [
+    (lambda m, b: m(b["x"]), ValueError, "scalar"),
+    (lambda m, b: F.cross_entropy(m(b["x"]), b["y"]).detach(), ValueError, "require grad"),
+    (lambda m, b: {"accuracy": torch.tensor(1.0)}, KeyError, "without 'loss'"),
+    (lambda m, b: (F.cross_entropy(m(b["x"]), b["y"]),), TypeError, "returned a tuple"),
+    (lambda m, b: {"loss": F.cross_entropy(m(b["x"]), b["y"]), "acc": m(b["x"])},
+     ValueError, "'acc' must be a scalar"),
+])
+def test_bad_step_function_outputs(fn, error, match):
+    state = _state()
+    before = _snapshot(state)
+    with pytest.raises(error, match=match):
+        af.with_accumulation(2)(fn)(state, make_batch())
+    assert all(torch.equal(a, b) for a, b in zip(before[0], _snapshot(state)[0]))
+    assert all(p.grad is None for p in state.model.parameters())
+
+
+def test_bad_train_state():
+    model = Net()
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        af.TrainState(model, object())
+    frozen = Net().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        af.TrainState(frozen, torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1))
+    with pytest.raises(ValueError, match="not the model's"):
+        af.TrainState(model, torch.optim.SGD(Net().parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="step\\(state, batch\\)"):
+        af.lift(classify)(model, make_batch())
