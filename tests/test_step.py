@@ -218,7 +218,7 @@ def test_bad_step_function_outputs(fn, error, match):
 
 def test_bad_train_state():
     model = Net()
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
         af.TrainState(model, object())
     frozen = Net().requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
