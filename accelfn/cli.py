@@ -1,0 +1,66 @@
+"""The ``accelfn`` command line.
+
+``accelfn doctor [--json] [--num-workers N]`` checks the machine (see :mod:`accelfn.doctor`).
+
+Each subcommand is one ``add_<name>(subparsers)`` function that builds its parser and sets
+``func`` (taking the parsed arguments, returning the exit status); :data:`COMMANDS` lists
+them, so a new subcommand (e.g. ``bench``) is one function and one entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["COMMANDS", "build_parser", "main"]
+
+
+def _run_doctor(args: argparse.Namespace) -> int:
+    from .doctor import doctor
+
+    report = doctor(num_workers=args.num_workers)
+    print(report.to_json() if args.json else str(report))
+    return 0 if report.ok else 1
+
+
+def add_doctor(subparsers: Any) -> None:
+    """``accelfn doctor``: versions, CUDA, driver, GPUs, settings; each problem with its fix."""
+    p = subparsers.add_parser(
+        "doctor", help="check torch, CUDA, cuDNN, driver and GPUs; print fixes",
+        description="Check this machine for training: versions, CUDA runtime and driver, "
+                    "GPUs, bf16/TF32 support and settings, CPU cores against workers. "
+                    "Exits 1 when a finding is an error.")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--num-workers", type=int, default=None, metavar="N",
+                   help="data-loader workers you plan to use, checked against the CPU cores")
+    p.set_defaults(func=_run_doctor)
+
+
+COMMANDS: list[Callable[[Any], None]] = [add_doctor]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``accelfn`` parser with every subcommand in :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="accelfn", description="accelfn: composable transforms that make a pure "
+                                    "PyTorch step function train fast.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``accelfn`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
