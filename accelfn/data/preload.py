@@ -1,0 +1,293 @@
+"""Preloading: write a dataset once into a memory-mapped TensorDict, then train from it.
+
+A preloaded dataset is a directory holding one memory-mapped file per key (written by
+tensordict: ``TensorDict.memmap_like``) plus ``accelfn_preload.json``, written last, that
+marks it complete. Opening it (:func:`open_preloaded`) maps the files without reading them:
+the operating system pages data in as batches are gathered, and keeps hot pages cached.
+Dtypes are kept (uint8 images stay uint8: 4x smaller than float32, converted on the GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+
+from .pipeline import loader
+
+__all__ = [
+    "ImageFiles",
+    "find_images",
+    "open_preloaded",
+    "preload",
+    "preload_image_folder",
+    "preload_info",
+]
+
+MARKER = "accelfn_preload.json"
+_FORMAT = 1
+
+
+def _marker(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((path / MARKER).read_text())
+    except FileNotFoundError:
+        return None
+
+
+def open_preloaded(path: str | os.PathLike[str]) -> TensorDict:
+    """Open a dataset written by :func:`preload` as a memory-mapped TensorDict (no copy).
+
+    Raises:
+        FileNotFoundError: nothing was preloaded at ``path``.
+        ValueError: the preload at ``path`` did not finish (it was interrupted): run
+            :func:`preload` again with ``overwrite=True``.
+    """
+    path = Path(path)
+    info = _marker(path)
+    if info is None:
+        if (path / "meta.json").exists():
+            raise ValueError(
+                f"{path} holds an unfinished preload (no {MARKER}); run preload(..., "
+                "overwrite=True) again"
+            )
+        raise FileNotFoundError(f"no preloaded dataset at {path} (run accelfn.data.preload)")
+    td = TensorDict.load_memmap(path)
+    if td.batch_size[0] != info["num_samples"]:
+        raise ValueError(
+            f"{path}: {td.batch_size[0]} rows but {MARKER} says {info['num_samples']}; "
+            "preload again with overwrite=True"
+        )
+    return td
+
+
+def preload(
+    source: Any,
+    path: str | os.PathLike[str],
+    *,
+    keys: Sequence[str] | None = None,
+    sample_transform: Callable[[Any], Any] | None = None,
+    batch_size: int = 256,
+    num_workers: int | None = None,
+    worker_type: str = "thread",
+    overwrite: bool = False,
+    metadata: dict[str, Any] | None = None,
+) -> TensorDict:
+    """Write ``source`` once to ``path`` as a memory-mapped TensorDict and return it opened.
+
+    ``source`` is a TensorDict, a dict of tensors, or a map-style dataset whose samples all
+    have the same keys, shapes and dtypes (loaded in parallel workers and checked like in
+    :func:`accelfn.data.loader`, in dataset order). If ``path`` already holds a complete
+    preload of the same number of samples it is opened instead of rewritten ("write once");
+    ``overwrite=True`` rewrites it.
+
+    Args:
+        source: the dataset.
+        path: directory to write (created; must be empty, or a previous preload).
+        keys: keys to keep / names of tuple fields (as in ``loader``).
+        sample_transform: per-sample function applied before writing (e.g. decode + resize).
+        batch_size: samples written per chunk.
+        num_workers: loader workers (default: ``loader``'s default).
+        worker_type: ``"thread"`` or ``"process"``.
+        overwrite: rewrite an existing preload.
+        metadata: JSON-serialisable extras stored in the marker (e.g. class names); read them
+            back with :func:`preload_info`.
+
+    Raises:
+        ValueError: ``path`` exists and is not a preload, an existing preload has a different
+            size, or a sample is inconsistent with the first (named by its index).
+        TypeError: ``source`` is an iterable without a length.
+    """
+    path = Path(path)
+    if isinstance(source, TensorDictBase):
+        n = source.batch_size[0] if source.batch_dims else 0
+    elif isinstance(source, torch.utils.data.IterableDataset) or not hasattr(source, "__len__"):
+        raise TypeError(
+            "preload needs a sized source (a TensorDict or a map-style dataset); turn the "
+            "iterable into a list or a map-style dataset first"
+        )
+    else:
+        n = len(source)
+    if n == 0:
+        raise ValueError("cannot preload an empty dataset")
+
+    if path.exists() and any(path.iterdir()):
+        info = _marker(path)
+        if info is None and not (path / "meta.json").exists():
+            raise ValueError(
+                f"{path} exists and is not a preloaded dataset; choose a new or empty directory"
+            )
+        if info is not None and not overwrite:
+            if info["num_samples"] != n:
+                raise ValueError(
+                    f"{path} already holds a preload of {info['num_samples']} samples but the "
+                    f"source has {n}; pass overwrite=True to rewrite it"
+                )
+            return open_preloaded(path)
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    batches = loader(
+        source,
+        batch_size=min(batch_size, n),
+        shuffle=False,
+        drop_last=False,
+        num_workers=num_workers,
+        worker_type=worker_type,  # type: ignore[arg-type]
+        keys=keys,
+        sample_transform=sample_transform,
+        ragged_keys=(),
+        rank=0,
+        world_size=1,
+    )
+    out: TensorDict | None = None
+    start = 0
+    try:
+        for batch in batches:
+            if out is None:
+                proto = batch.apply(lambda t: t[0].expand(n, *t.shape[1:]), batch_size=[n])
+                out = proto.memmap_like(path)
+            stop = start + batch.batch_size[0]
+            out[start:stop] = batch
+            start = stop
+    finally:
+        batches.close()
+    assert out is not None and start == n
+    info = {
+        "format": _FORMAT,
+        "num_samples": n,
+        "keys": sorted(map(str, out.keys(include_nested=True, leaves_only=True))),
+        "metadata": metadata or {},
+    }
+    tmp = path / (MARKER + ".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path / MARKER)
+    return open_preloaded(path)
+
+
+def preload_info(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The marker of a preload: ``num_samples``, ``keys`` and the ``metadata`` passed in."""
+    info = _marker(Path(path))
+    if info is None:
+        raise FileNotFoundError(f"no preloaded dataset at {path}")
+    return info
+
+
+# --------------------------------------------------------------------------------------------
+# Image files
+
+
+def find_images(root: str | os.PathLike[str]) -> tuple[list[str], list[int], list[str]]:
+    """List an image folder laid out as ``root/<class>/<image>`` (torchvision ``ImageFolder``).
+
+    Returns ``(files, labels, classes)`` with classes sorted by name and labels their indices.
+    """
+    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+
+    classes, class_to_idx = find_classes(os.fspath(root))
+    items = make_dataset(os.fspath(root), class_to_idx, extensions=IMG_EXTENSIONS)
+    return [f for f, _ in items], [label for _, label in items], classes
+
+
+def _fit(img: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    from torchvision.transforms.v2.functional import center_crop, resize
+
+    th, tw = size
+    h, w = img.shape[-2:]
+    if (h, w) != (th, tw):
+        s = max(th / h, tw / w)
+        img = resize(img, [max(th, round(h * s)), max(tw, round(w * s))], antialias=True)
+        img = center_crop(img, [th, tw])
+    return img
+
+
+class ImageFiles(torch.utils.data.Dataset):
+    """A map-style dataset over image files (JPEG, PNG, ...), loaded with ``torchvision.io``.
+
+    * ``jpeg=False`` (default): each sample is ``{"image": uint8 (3, H, W), "label": int64}``,
+      decoded on the CPU; with ``size``, resized (shorter side, antialiased) and centre-cropped
+      to ``size`` so that samples stack. Use it to preload a folder
+      (:func:`preload_image_folder`).
+    * ``jpeg=True``: each sample is the file's encoded bytes ``{"jpeg": uint8 (n_bytes,),
+      "label"}``, declared in ``ragged_keys`` so the loader collates them padded with
+      ``"jpeg_lengths"``; decode them on the GPU with
+      :class:`accelfn.data.gpu.DecodeJPEG`. Reading bytes is cheap I/O, so threads suffice.
+
+    Args:
+        files: image paths.
+        labels: one int per file (default all 0).
+        size: ``(height, width)`` or int for decoded samples.
+        jpeg: yield encoded bytes instead of decoded pixels.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str | os.PathLike[str]],
+        labels: Sequence[int] | None = None,
+        *,
+        size: int | Sequence[int] | None = None,
+        jpeg: bool = False,
+    ) -> None:
+        self.files = [os.fspath(f) for f in files]
+        if labels is not None and len(labels) != len(self.files):
+            raise ValueError(f"got {len(self.files)} files but {len(labels)} labels")
+        self.labels = list(labels) if labels is not None else [0] * len(self.files)
+        if size is not None:
+            size = (size, size) if isinstance(size, int) else tuple(size)
+        self.size = size
+        self.jpeg = jpeg
+        self.ragged_keys = ("jpeg",) if jpeg else ()
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        from torchvision.io import ImageReadMode, decode_image, read_file
+
+        path = self.files[index]
+        data = read_file(path)
+        label = torch.tensor(self.labels[index], dtype=torch.int64)
+        if self.jpeg:
+            if data.numel() < 2 or data[0] != 0xFF or data[1] != 0xD8:
+                raise ValueError(
+                    f"sample {index}: {path} is not a JPEG file; use jpeg=False to decode it "
+                    "on the CPU (any format), or convert it to JPEG"
+                )
+            return {"jpeg": data, "label": label}
+        img = decode_image(data, mode=ImageReadMode.RGB)
+        if self.size is not None:
+            img = _fit(img, self.size)  # type: ignore[arg-type]
+        return {"image": img, "label": label}
+
+
+def preload_image_folder(
+    root: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    *,
+    size: int | Sequence[int],
+    num_workers: int | None = None,
+    overwrite: bool = False,
+) -> TensorDict:
+    """Decode an ``ImageFolder``-style tree once into a preloaded uint8 dataset.
+
+    Every image is decoded on the CPU (in parallel threads), resized and centre-cropped to
+    ``size``, and written as ``"image"`` uint8 ``(N, 3, H, W)`` with ``"label"`` int64. Class
+    names are kept in the marker: ``preload_info(path)["metadata"]["classes"]``. Train with
+    ``loader(open_preloaded(path), ..., transform=<GPU augmentation>)``.
+    """
+    files, labels, classes = find_images(root)
+    if not files:
+        raise ValueError(f"no images found under {root} (expected root/<class>/<image>)")
+    return preload(
+        ImageFiles(files, labels, size=size),
+        path,
+        num_workers=num_workers,
+        overwrite=overwrite,
+        metadata={"classes": classes, "root": os.fspath(root)},
+    )

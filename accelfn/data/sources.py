@@ -1,0 +1,540 @@
+"""Sources: turning indices (or a stream) into CPU TensorDict batches.
+
+* :class:`TensorDictGather` fetches a whole batch from an in-memory or memory-mapped
+  TensorDict with one ``index_select`` per key (no per-sample Python).
+* :class:`SampleCollator` loads samples one by one from a map-style dataset and collates them
+  into a TensorDict, checking every sample against the first one (keys, shapes, dtypes) so a
+  bad sample is reported by its dataset index.
+* :class:`IterableBatcher` does the same for an iterable, as a ``torchdata.nodes`` node.
+* :class:`ProcessMapper` is a ``torchdata.nodes`` node that maps over its source in a pool of
+  worker processes that persist across epochs (``ParallelMapper(method="process")`` in
+  torchdata 0.11 starts new processes on every ``reset()``, i.e. every epoch).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import multiprocessing
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as torch_mp
+from tensordict import TensorDict, TensorDictBase
+from torchdata.nodes import BaseNode
+
+__all__ = [
+    "IterableBatcher",
+    "ProcessMapper",
+    "SampleCollator",
+    "SampleSpec",
+    "TensorDictGather",
+    "collate_samples",
+    "sample_to_dict",
+]
+
+#: Keys given to the two fields of ``(input, target)`` tuple samples (torchvision datasets).
+DEFAULT_PAIR_KEYS = ("image", "label")
+
+Key = str | tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------------------
+# TensorDict sources
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A plain ``torch.Tensor`` view (drops the MemoryMappedTensor subclass and its overhead)."""
+    return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
+
+
+def _nest(flat: Mapping[Key, torch.Tensor]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        if isinstance(key, tuple):
+            d = out
+            for part in key[:-1]:
+                d = d.setdefault(part, {})
+            d[key[-1]] = value
+        else:
+            out[key] = value
+    return out
+
+
+class TensorDictGather:
+    """Fetch a batch from a TensorDict with one gather per key: ``__call__(indices) -> TensorDict``.
+
+    Works on in-memory, memory-mapped (``TensorDict.load_memmap``) or device-resident
+    TensorDicts; the gather runs where the data lives. Indices index the first batch dimension.
+
+    Args:
+        data: the dataset, one row per sample along ``batch_size[0]``.
+        keys: keys to fetch (nested keys as tuples); default all leaves.
+
+    Raises:
+        TypeError: ``data`` is not a TensorDict with at least one batch dimension, or holds
+            non-tensor leaves.
+        ValueError: it is empty, or a requested key is missing.
+    """
+
+    def __init__(self, data: TensorDictBase, keys: Sequence[Key] | None = None) -> None:
+        if not isinstance(data, TensorDictBase):
+            raise TypeError(f"expected a TensorDict, got {type(data).__name__}")
+        if data.batch_dims < 1:
+            raise TypeError(
+                "the TensorDict source needs a batch dimension (one row per sample): build it "
+                "with TensorDict({...}, batch_size=[num_samples])"
+            )
+        n = data.batch_size[0]
+        if n == 0:
+            raise ValueError("the TensorDict source is empty (batch_size[0] == 0)")
+        available = list(data.keys(include_nested=True, leaves_only=True))
+        if keys is None:
+            keys = available
+        leaves: dict[Key, torch.Tensor] = {}
+        for key in keys:
+            if key not in available:
+                raise ValueError(
+                    f"key {key!r} is not in the TensorDict source; available keys: "
+                    f"{sorted(map(str, available))}"
+                )
+            value = data.get(key)
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"key {key!r} of the TensorDict source holds {type(value).__name__}, not a "
+                    "tensor; store per-sample data as tensors (one row per sample)"
+                )
+            leaves[key] = _plain(value)
+        self.num_samples = n
+        self.device = data.device
+        self._leaves = leaves
+
+    def __call__(self, indices: torch.Tensor) -> TensorDict:
+        first = next(iter(self._leaves.values()))
+        if indices.device != first.device:
+            indices = indices.to(first.device, non_blocking=True)
+        out = {k: torch.index_select(v, 0, indices) for k, v in self._leaves.items()}
+        return TensorDict(_nest(out), batch_size=[indices.shape[0]], device=self.device)
+
+
+# --------------------------------------------------------------------------------------------
+# Per-sample sources
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """What every sample must look like: its keys, and per key the shape and dtype.
+
+    ``ragged`` keys hold 1-D tensors whose length may vary per sample (e.g. encoded JPEG
+    bytes); they are collated into a zero-padded ``(batch, max_length)`` tensor plus
+    ``"<key>_lengths"`` (int64).
+    """
+
+    keys: tuple[str, ...]
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+    ragged: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, sample: Mapping[str, torch.Tensor], ragged: Iterable[str] = ()) -> SampleSpec:
+        ragged = frozenset(ragged)
+        for key in ragged:
+            if key not in sample:
+                raise ValueError(
+                    f"ragged key {key!r} is not in the samples; their keys are {list(sample)}"
+                )
+            if sample[key].dim() != 1:
+                raise ValueError(
+                    f"ragged key {key!r} must hold 1-D tensors, got shape "
+                    f"{tuple(sample[key].shape)} in the first sample"
+                )
+        return cls(
+            keys=tuple(sample),
+            shapes={k: tuple(v.shape) for k, v in sample.items()},
+            dtypes={k: v.dtype for k, v in sample.items()},
+            ragged=ragged,
+        )
+
+
+def _to_tensor(value: Any, key: str, index: int) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return _plain(value)
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, (bool, int, float, np.generic)):
+        return torch.as_tensor(value)
+    if type(value).__module__.startswith("PIL."):
+        from torchvision.transforms.v2.functional import pil_to_tensor
+
+        return pil_to_tensor(value)
+    if isinstance(value, Mapping):
+        raise TypeError(
+            f"sample {index}: key {key!r} holds a nested mapping; samples must be flat "
+            "(key -> tensor, array or number): flatten it in sample_transform"
+        )
+    raise TypeError(
+        f"sample {index}: key {key!r} holds {type(value).__name__}, which cannot be collated; "
+        "return tensors, numpy arrays, numbers or PIL images (convert it in sample_transform)"
+    )
+
+
+def sample_to_dict(
+    sample: Any, keys: Sequence[str] | None, index: int
+) -> dict[str, torch.Tensor]:
+    """Convert one sample (mapping, TensorDict, tuple/list, or tensor) to ``{key: tensor}``.
+
+    Tuple samples get their names from ``keys``; without ``keys``, 2-tuples (the torchvision
+    convention ``(input, target)``) are named ``("image", "label")``. ``index`` names the
+    sample in error messages.
+    """
+    if isinstance(sample, (Mapping, TensorDictBase)):
+        names = list(sample.keys()) if keys is None else list(keys)
+        out = {}
+        for k in names:
+            if k not in sample.keys():
+                raise ValueError(
+                    f"sample {index} has no key {k!r}; its keys are {sorted(sample.keys())}. "
+                    "Every sample must have the same keys (fix the dataset, or pass keys= to "
+                    "select the ones to load)"
+                )
+            out[k] = _to_tensor(sample[k], k, index)
+        return out
+    if isinstance(sample, (tuple, list)):
+        if keys is None:
+            if len(sample) != 2:
+                raise ValueError(
+                    f"sample {index} is a {len(sample)}-tuple; pass keys=(...) with one name "
+                    "per field (only (input, target) pairs get default names "
+                    f"{DEFAULT_PAIR_KEYS})"
+                )
+            keys = DEFAULT_PAIR_KEYS
+        if len(keys) != len(sample):
+            raise ValueError(
+                f"sample {index} has {len(sample)} fields but keys={tuple(keys)} names "
+                f"{len(keys)}"
+            )
+        return {k: _to_tensor(v, k, index) for k, v in zip(keys, sample)}
+    if isinstance(sample, torch.Tensor) or type(sample).__module__.startswith("PIL."):
+        if keys is None or len(keys) != 1:
+            raise ValueError(
+                f"sample {index} is a single {type(sample).__name__}; pass keys=('name',) to "
+                "name it"
+            )
+        return {keys[0]: _to_tensor(sample, keys[0], index)}
+    raise TypeError(
+        f"sample {index} is a {type(sample).__name__}; samples must be mappings of tensors, "
+        "tuples of tensors/numbers, or tensors"
+    )
+
+
+def _check(sample: Mapping[str, torch.Tensor], spec: SampleSpec, index: int) -> None:
+    if len(sample) != len(spec.keys) or any(k not in sample for k in spec.keys):
+        missing = [k for k in spec.keys if k not in sample]
+        extra = [k for k in sample if k not in spec.shapes]
+        raise ValueError(
+            f"sample {index} has keys {list(sample)}, but the first sample has "
+            f"{list(spec.keys)} (missing {missing}, unexpected {extra}); every sample must "
+            "have the same keys"
+        )
+    for k in spec.keys:
+        v = sample[k]
+        if v.dtype != spec.dtypes[k]:
+            raise TypeError(
+                f"sample {index}: key {k!r} has dtype {v.dtype}, but the first sample has "
+                f"{spec.dtypes[k]}; convert it in the dataset or sample_transform so every "
+                "sample has the same dtype"
+            )
+        if k in spec.ragged:
+            if v.dim() != 1:
+                raise ValueError(
+                    f"sample {index}: ragged key {k!r} must be 1-D, got shape "
+                    f"{tuple(v.shape)}"
+                )
+        elif tuple(v.shape) != spec.shapes[k]:
+            raise ValueError(
+                f"sample {index}: key {k!r} has shape {tuple(v.shape)}, but the first sample "
+                f"has {spec.shapes[k]}; every sample must have the same shape per key (resize "
+                "or crop in sample_transform, e.g. torchvision.transforms.v2.Resize, or "
+                "preload images at a fixed size with preload_image_folder(size=...))"
+            )
+
+
+def collate_samples(
+    samples: Sequence[tuple[int, Mapping[str, torch.Tensor]]], spec: SampleSpec
+) -> TensorDict:
+    """Stack ``(index, sample)`` pairs into a TensorDict of batch size ``len(samples)``.
+
+    Each sample is checked against ``spec`` first; errors name the sample's index.
+    """
+    n = len(samples)
+    out: dict[str, torch.Tensor] = {}
+    for index, sample in samples:
+        _check(sample, spec, index)
+    for k in spec.keys:
+        if k in spec.ragged:
+            lengths = [s[k].shape[0] for _, s in samples]
+            buf = torch.zeros((n, max(lengths, default=0)), dtype=spec.dtypes[k])
+            for j, (_, s) in enumerate(samples):
+                buf[j, : lengths[j]] = s[k]
+            out[k] = buf
+            out[f"{k}_lengths"] = torch.tensor(lengths, dtype=torch.int64)
+        else:
+            buf = torch.empty((n, *spec.shapes[k]), dtype=spec.dtypes[k])
+            for j, (_, s) in enumerate(samples):
+                buf[j] = s[k]
+            out[k] = buf
+    return TensorDict(out, batch_size=[n])
+
+
+class SampleCollator:
+    """Load a batch from a map-style dataset: ``__call__(indices) -> TensorDict``.
+
+    For each index: ``dataset[i]``, then ``sample_transform`` (a per-sample CPU function, e.g.
+    a torchvision transform), then conversion to ``{key: tensor}`` (see
+    :func:`sample_to_dict`), then a check against the first sample (``dataset[0]``, loaded when
+    the collator is built) and stacking. Picklable when the dataset and transform are, so it
+    can run in worker processes.
+
+    Args:
+        dataset: anything with ``__getitem__(int)`` and ``__len__``.
+        keys: names for tuple samples, or keys to select from mapping samples.
+        sample_transform: optional per-sample function applied to ``dataset[i]``.
+        ragged_keys: keys holding variable-length 1-D tensors (see :class:`SampleSpec`).
+            Defaults to ``dataset.ragged_keys`` when the dataset declares it.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        keys: Sequence[str] | None = None,
+        sample_transform: Callable[[Any], Any] | None = None,
+        ragged_keys: Sequence[str] | None = None,
+    ) -> None:
+        self.dataset = dataset
+        self.keys = None if keys is None else tuple(keys)
+        self.sample_transform = sample_transform
+        if ragged_keys is None:
+            ragged_keys = tuple(getattr(dataset, "ragged_keys", ()))
+        self.spec = SampleSpec.of(self.load(0), ragged_keys)
+
+    def load(self, index: int) -> dict[str, torch.Tensor]:
+        """Load, transform and convert sample ``index`` (no shape check)."""
+        sample = self.dataset[index]
+        if self.sample_transform is not None:
+            sample = self.sample_transform(sample)
+        return sample_to_dict(sample, self.keys, index)
+
+    def __call__(self, indices: torch.Tensor) -> TensorDict:
+        return collate_samples([(i, self.load(i)) for i in indices.tolist()], self.spec)
+
+
+class IterableBatcher(BaseNode[TensorDict]):
+    """Batch and collate the samples of an iterable source node into TensorDicts.
+
+    Sharding is by position: rank ``r`` of ``w`` keeps samples ``r, r + w, r + 2w, ...`` of
+    each pass over the iterable. Its state is the source's state plus counters (plain ints).
+
+    Raises:
+        ValueError: (while iterating) an epoch of the iterable yields no batch at all: the
+            iterable is empty, holds fewer than ``batch_size`` samples with ``drop_last``, or
+            is a one-shot iterator that was already consumed.
+    """
+
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        batch_size: int,
+        *,
+        drop_last: bool = True,
+        keys: Sequence[str] | None = None,
+        sample_transform: Callable[[Any], Any] | None = None,
+        ragged_keys: Sequence[str] = (),
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        super().__init__()
+        self.source = source
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.keys = None if keys is None else tuple(keys)
+        self.sample_transform = sample_transform
+        self.ragged_keys = tuple(ragged_keys)
+        self.rank = rank
+        self.world_size = world_size
+        self.spec: SampleSpec | None = None
+        self._epoch = 0
+        self._pos = 0
+        self._batches = 0
+        self._started = False
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is not None:
+            self.source.reset(initial_state["source"])
+            self._epoch = int(initial_state["epoch"])
+            self._pos = int(initial_state["pos"])
+            self._batches = int(initial_state["batches"])
+            self._started = True
+        else:
+            self.source.reset()
+            if self._started:
+                self._epoch += 1
+            self._pos = self._batches = 0
+            self._started = False
+
+    def next(self) -> TensorDict:
+        self._started = True
+        samples: list[tuple[int, dict[str, torch.Tensor]]] = []
+        while len(samples) < self.batch_size:
+            try:
+                raw = next(self.source)
+            except StopIteration:
+                break
+            pos = self._pos
+            self._pos += 1
+            if pos % self.world_size != self.rank:
+                continue
+            if self.sample_transform is not None:
+                raw = self.sample_transform(raw)
+            sample = sample_to_dict(raw, self.keys, pos)
+            if self.spec is None:
+                self.spec = SampleSpec.of(sample, self.ragged_keys)
+            samples.append((pos, sample))
+        if len(samples) < self.batch_size and (self.drop_last or not samples):
+            if self._batches == 0:
+                raise ValueError(
+                    f"the iterable source gave no batch in epoch {self._epoch}: it yielded "
+                    f"{self._pos} samples ({len(samples)} for rank {self.rank} of "
+                    f"{self.world_size}), batch_size={self.batch_size}, "
+                    f"drop_last={self.drop_last}. Check that it is not empty, use a smaller "
+                    "batch_size or drop_last=False, and pass a re-iterable (a list, an "
+                    "IterableDataset) rather than a one-shot generator"
+                )
+            raise StopIteration
+        self._batches += 1
+        return collate_samples(samples, self.spec)  # type: ignore[arg-type]
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            "source": self.source.state_dict(),
+            "epoch": self._epoch,
+            "pos": self._pos,
+            "batches": self._batches,
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# Persistent worker processes
+
+_WORKER_FN: Callable[[Any], Any] | None = None
+
+
+def _worker_init(fn: Callable[[Any], Any]) -> None:
+    global _WORKER_FN
+    _WORKER_FN = fn
+    torch.set_num_threads(1)
+
+
+def _worker_call(item: Any) -> Any:
+    assert _WORKER_FN is not None
+    return _WORKER_FN(item)
+
+
+class ProcessMapper(BaseNode[Any]):
+    """Map ``map_fn`` over a source node in worker processes that persist across epochs.
+
+    The pool starts at the first ``reset()`` and is reused by every later epoch (``map_fn``
+    is sent to each worker once, at start-up). Results come back in source order; at most
+    ``max_in_flight`` items are being processed or waiting. Tensors travel through shared
+    memory (``torch.multiprocessing``). Its state is the source's state as of the last item
+    returned, so resume is exact whatever was in flight.
+
+    Args:
+        source: node whose items are passed to ``map_fn`` (e.g. index tensors).
+        map_fn: picklable function run in the workers.
+        num_workers: number of processes (>= 1).
+        max_in_flight: items submitted ahead; default ``2 * num_workers``.
+        mp_context: ``"fork"``, ``"spawn"`` or ``"forkserver"``; default the platform's.
+    """
+
+    def __init__(
+        self,
+        source: BaseNode[Any],
+        map_fn: Callable[[Any], Any],
+        num_workers: int,
+        *,
+        max_in_flight: int | None = None,
+        mp_context: str | None = None,
+    ) -> None:
+        super().__init__()
+        if num_workers < 1:
+            raise ValueError(f"ProcessMapper needs num_workers >= 1, got {num_workers}")
+        self.source = source
+        self.map_fn = map_fn
+        self.num_workers = num_workers
+        self.max_in_flight = max_in_flight or 2 * num_workers
+        self.mp_context = mp_context
+        self._pool: cf.ProcessPoolExecutor | None = None
+        self._pending: deque[tuple[cf.Future, dict[str, Any]]] = deque()
+        self._state: dict[str, Any] | None = None
+        self._exhausted = False
+
+    def _ensure_pool(self) -> cf.ProcessPoolExecutor:
+        if self._pool is None:
+            ctx = (
+                torch_mp.get_context(self.mp_context)
+                if self.mp_context
+                else multiprocessing.get_context()
+            )
+            self._pool = cf.ProcessPoolExecutor(
+                self.num_workers, mp_context=ctx, initializer=_worker_init, initargs=(self.map_fn,)
+            )
+            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+        return self._pool
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._ensure_pool()
+        for fut, _ in self._pending:
+            fut.cancel()
+        self._pending.clear()
+        self._exhausted = False
+        self.source.reset(None if initial_state is None else initial_state["source"])
+        self._state = self.source.state_dict()
+
+    def _fill(self) -> None:
+        pool = self._ensure_pool()
+        while not self._exhausted and len(self._pending) < self.max_in_flight:
+            try:
+                item = next(self.source)
+            except StopIteration:
+                self._exhausted = True
+                break
+            self._pending.append((pool.submit(_worker_call, item), self.source.state_dict()))
+
+    def next(self) -> Any:
+        self._fill()
+        if not self._pending:
+            raise StopIteration
+        fut, state = self._pending.popleft()
+        result = fut.result()
+        self._state = state
+        self._fill()
+        return result
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self._state}
+
+    def close(self) -> None:
+        """Stop the worker processes (a later ``reset()`` starts new ones)."""
+        if self._pool is not None:
+            for fut, _ in self._pending:
+                fut.cancel()
+            self._pending.clear()
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
