@@ -146,6 +146,15 @@ class SyncPoint:
         return f"{self.op}{times} at {self.location}{via}{code}"
 
 
+def _display(path: str) -> str:
+    """``path`` relative to the working directory when below it, else absolute."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+    return path if rel.startswith("..") else rel
+
+
 def _caller_site() -> tuple[str, str | None, str | None]:
     """(location, code, via) of the first frame outside torch and this module."""
     frame = sys._getframe(2)
@@ -164,8 +173,7 @@ def _caller_site() -> tuple[str, str | None, str | None]:
             frame = frame.f_back
             continue
         code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() or None
-        loc = f"{os.path.relpath(filename) if not filename.startswith('..') else filename}"
-        return f"{loc}:{frame.f_lineno} in {frame.f_code.co_name}", code, via
+        return f"{_display(filename)}:{frame.f_lineno} in {frame.f_code.co_name}", code, via
     return "<unknown>", None, via
 
 
@@ -221,6 +229,12 @@ class _EmulatedSyncMode(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+# Emulation cannot tell a tensor that would live on the GPU from one that stays on the CPU
+# by design. torch's optimizers keep their step counters on the CPU and read them with
+# ``.item()``: not a sync on a GPU, so not reported.
+_CPU_BY_DESIGN = ("torch/optim/",)
+
+
 class _InMethod(threading.local):
     active: bool = False
 
@@ -240,7 +254,9 @@ class SyncProbe:
     ``"auto"`` picks ``"cuda"`` when CUDA is available and ``"emulate"`` otherwise.
 
     The probe slows the step it encloses; run it on one step, not all of them. Emulation
-    uses a ``TorchDispatchMode``: run it on an eager (not ``torch.compile``-d) step.
+    uses a ``TorchDispatchMode``: run it on an eager (not ``torch.compile``-d) step. As it
+    cannot tell which tensors would live on a GPU, it ignores reads inside ``torch.optim``
+    (optimizers keep their step counters on the CPU on purpose).
     """
 
     def __init__(self, mode: Literal["auto", "cuda", "emulate"] = "auto") -> None:
@@ -263,6 +279,8 @@ class SyncProbe:
 
     def _record(self, op: str) -> None:
         loc, code, via = _caller_site()
+        if self.mode == "emulate" and via is not None and via.startswith(_CPU_BY_DESIGN):
+            return
         entry = self._counts.get((op, loc))
         if entry is None:
             self._counts[(op, loc)] = [code, via, 1]
@@ -314,7 +332,7 @@ class SyncProbe:
                 if "synchroniz" not in text:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
                     continue
-                loc = f"{os.path.relpath(w.filename)}:{w.lineno}"
+                loc = f"{_display(os.path.abspath(w.filename))}:{w.lineno}"
                 code = linecache.getline(w.filename, w.lineno).strip() or None
                 key = ("cuda sync: " + text.splitlines()[0][:80], loc)
                 entry = self._counts.setdefault(key, [code, None, 0])
