@@ -120,8 +120,8 @@ class SyncPoint:
     def fix(self) -> str:
         """How to remove this sync point."""
         op = self.op
-        if op in ("Tensor.item", "Tensor.tolist", "Tensor.numpy", "Tensor.cpu", "to(cpu)",
-                  "copy to cpu") or "local_scalar" in op:
+        if op.startswith(("Tensor.item", "Tensor.tolist", "Tensor.numpy", "Tensor.cpu",
+                          "to(cpu)", "copy to cpu")):
             return ("keep the value on the device and read it only when logging (the step "
                     "returns device tensors; accelfn.Monitor reads them every log_every "
                     "steps); replace Python branches on tensor values with torch.where / "
