@@ -28,11 +28,12 @@ class _Clipping:
 
     def on_grads(self, ctx: StepContext) -> None:
         params = [p for g in ctx.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], self.norm_type)
+        if hasattr(norm, "full_tensor"):  # FSDP2 shards: the norm over all processes
+            norm = norm.full_tensor()
         if self.max_value is None:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.max_norm, self.norm_type)
+            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
         else:
-            grads = [p.grad for p in params]
-            norm = torch.nn.utils.get_total_norm(grads, self.norm_type)
             torch.nn.utils.clip_grad_value_(params, self.max_value)
         ctx.grad_norm = norm
         ctx.metrics["grad_norm"] = norm.detach()

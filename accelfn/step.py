@@ -124,6 +124,10 @@ class StepContext:
         return [p.grad for g in self.state.optimizer.param_groups for p in g["params"]
                 if p.grad is not None]
 
+    def local_grads(self) -> list[Tensor]:
+        """:meth:`grads` as plain tensors: this process' shard of sharded (DTensor) ones."""
+        return [g.to_local() if hasattr(g, "to_local") else g for g in self.grads()]
+
 
 def _hooks(transforms: tuple[Any, ...], hook: str, order: str | None = None,
            default: int = 50) -> list[tuple[int, Any]]:
@@ -433,8 +437,15 @@ class Step:
         elif ctx.grad_norm is not None:
             grads_bad = ~torch.isfinite(ctx.grad_norm)
         else:
-            grads_bad = _grads_nonfinite(ctx.grads(), ctx.device)
+            grads_bad = _grads_nonfinite(ctx.local_grads(), ctx.device)
+        if hasattr(grads_bad, "full_tensor"):
+            grads_bad = grads_bad.full_tensor()
         flags = torch.stack([loss_bad, grads_bad.to(torch.bool)])
+        if ctx.distributed is not None:  # every process takes the same decision
+            flags = flags.to(torch.int32)
+            torch.distributed.all_reduce(flags, torch.distributed.ReduceOp.MAX,
+                                         group=ctx.distributed)
+            flags = flags.bool()
         loss_host, grads_host = flags.tolist()  # the one host read of a step (documented)
         skip = bool(loss_host or grads_host)
         guard = ctx.state.slot("nonfinite", _Guard)
@@ -491,7 +502,7 @@ class Step:
 
 def _divide_grads(ctx: StepContext) -> None:
     if ctx.grad_divisor is not None:
-        grads = ctx.grads()
+        grads = ctx.local_grads()
         if grads:
             torch._foreach_div_(grads, ctx.grad_divisor)
 

@@ -1,0 +1,92 @@
+"""Run under torchrun by tests/test_distributed.py: every distributed case in one launch.
+
+Each rank trains on its own slice of a global batch; rank 0 saves the final parameters of
+each case (and every rank its all-reduce counts) for the test to compare with a
+single-process reference on the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import Net, classify, token_loss
+
+import accelfn as af
+
+# Rank r trains on rows RANK_ROWS[r] of the global batch: uneven across ranks.
+RANK_ROWS = [slice(0, 7), slice(7, 12)]
+STEPS = 3
+
+
+def global_batch(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    n = 12
+    mask = torch.rand(n, generator=g) > 0.3
+    mask[0] = mask[7] = True
+    return {"x": torch.randn(n, 6, generator=g), "y": torch.randint(0, 4, (n,), generator=g),
+            "mask": mask}
+
+
+CASES = {
+    "ddp": lambda: af.distributed(classify),
+    "ddp_acc3": lambda: af.distributed(af.with_accumulation(3)(classify)),
+    "acc3_ddp": lambda: af.with_accumulation(3)(af.distributed(classify)),
+    "ddp_tokens": lambda: af.with_accumulation(2)(af.distributed(token_loss)),
+    "ddp_clip_amp": lambda: af.with_amp(af.distributed(af.with_accumulation(2)(
+        af.with_clipping(max_norm=0.05)(classify)))),
+    "ddp_bf16_hook": lambda: af.distributed(compression="bf16")(classify),
+    "fsdp_acc2_clip": lambda: af.with_clipping(max_norm=0.05)(af.with_accumulation(2)(
+        af.distributed(strategy="fsdp")(classify))),
+    "fsdp_once": lambda: af.with_accumulation(2)(af.distributed(strategy="fsdp",
+                                                                fsdp_sync="once")(classify)),
+}
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.calls = 0
+
+
+def counting_hook(state: Counter, bucket):
+    state.calls += 1
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def main(out_dir: str) -> None:
+    af.init_distributed()
+    rank = dist.get_rank()
+    results = {}
+    for name, build in CASES.items():
+        torch.manual_seed(0)
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        step = build()
+        state = af.TrainState(model, optimizer)
+        counter = Counter()
+        counts = []
+        if name == "ddp_acc3":
+            step.prepare(state).model.register_comm_hook(counter, counting_hook)
+        for i in range(STEPS):
+            rows = RANK_ROWS[rank]
+            batch = {k: v[rows] for k, v in global_batch(i).items()}
+            before = counter.calls
+            metrics = step(state, batch)
+            counts.append(counter.calls - before)
+        full = {}
+        for pname, p in model.named_parameters():
+            full[pname] = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        results[name] = {"params": {k: v.clone() for k, v in full.items()},
+                         "counts": counts, "loss": metrics["loss"].clone()}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

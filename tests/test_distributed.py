@@ -1,0 +1,106 @@
+"""distributed: 2 processes (gloo, CPU) under torchrun against the single-process reference."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import Net, classify, make_batch, token_loss
+from dist_worker import CASES, STEPS, global_batch
+from reference import reference_update
+
+import accelfn as af
+
+HERE = os.path.dirname(__file__)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           os.path.join(HERE, "dist_worker.py"), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def single_process(case: str) -> dict:
+    """The same training on the concatenated global batch, one process, hand-written."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    fn = token_loss if case == "ddp_tokens" else classify
+    for i in range(STEPS):
+        batch = global_batch(i)
+        reference_update(model, optimizer, batch, fn,
+                         amp_dtype=torch.bfloat16 if case == "ddp_clip_amp" else None,
+                         max_norm=0.05 if "clip" in case else None)
+    return dict(model.named_parameters())
+
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_update_equals_single_process_on_all_ranks_batches(results, case):
+    expected = single_process(case)
+    tol = {"ddp_clip_amp": 2e-2, "ddp_bf16_hook": 1e-2}.get(case, 1e-5)
+    for rank in range(2):
+        got = results[rank][case]["params"]
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value.detach(), atol=tol, rtol=tol,
+                                       msg=f"{case} rank {rank} {name}")
+    if not case.startswith("fsdp"):
+        for name in expected:  # DDP replicas stay bitwise identical
+            assert torch.equal(results[0][case]["params"][name],
+                               results[1][case]["params"][name])
+
+
+def test_one_all_reduce_per_bucket_per_update_none_on_other_micro_batches(results):
+    # the tiny model fits one bucket: exactly one all-reduce per update, whatever the
+    # number of micro-batches (3), on both ranks
+    assert results[0]["ddp_acc3"]["counts"] == [1] * STEPS
+    assert results[1]["ddp_acc3"]["counts"] == [1] * STEPS
+
+
+def test_single_process_distributed_is_a_no_op():
+    torch.manual_seed(0)
+    base = Net()
+    m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+    s1 = af.TrainState(m1, torch.optim.SGD(m1.parameters(), lr=0.1))
+    step = af.distributed(af.with_accumulation(2)(classify))
+    step(s1, make_batch())
+    assert step.prepare(s1).model is m1 and step.prepare(s1).process_group is None
+    ref = af.TrainState(m2, torch.optim.SGD(m2.parameters(), lr=0.1))
+    af.with_accumulation(2)(classify)(ref, make_batch())
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    assert af.world_size() == 1 and af.is_main_process()
+
+
+def test_scale_lr_is_linear_in_global_batch():
+    assert af.scale_lr(0.1, batch_size=512, base_batch_size=256) == pytest.approx(0.2)
+    with pytest.raises(ValueError):
+        af.scale_lr(0.1, batch_size=0)
+
+
+def test_world_size_without_launcher_is_an_error(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    with pytest.raises(RuntimeError, match="torchrun"):
+        af.init_distributed()
