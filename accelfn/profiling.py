@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -130,11 +131,14 @@ class Profiler:
             raise RuntimeError("Profiler.start(): already started")
         self.dir.mkdir(parents=True, exist_ok=True)
         self._started_at = time.time()
-        self._prof = profile(
-            activities=self._activities,
-            schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active,
-                              repeat=self.repeat, skip_first=self.skip_first),
-            on_trace_ready=self._on_ready, **self._options)
+        with warnings.catch_warnings():
+            # each cycle is written and summarised as it ends: clearing events is intended
+            warnings.filterwarnings("ignore", message=".*clears events at the end of each")
+            self._prof = profile(
+                activities=self._activities,
+                schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active,
+                                  repeat=self.repeat, skip_first=self.skip_first),
+                on_trace_ready=self._on_ready, **self._options)
         self._prof.start()
         return self
 
