@@ -131,14 +131,11 @@ class Profiler:
             raise RuntimeError("Profiler.start(): already started")
         self.dir.mkdir(parents=True, exist_ok=True)
         self._started_at = time.time()
-        with warnings.catch_warnings():
-            # each cycle is written and summarised as it ends: clearing events is intended
-            warnings.filterwarnings("ignore", message=".*clears events at the end of each")
-            self._prof = profile(
-                activities=self._activities,
-                schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active,
-                                  repeat=self.repeat, skip_first=self.skip_first),
-                on_trace_ready=self._on_ready, **self._options)
+        self._prof = profile(
+            activities=self._activities,
+            schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active,
+                              repeat=self.repeat, skip_first=self.skip_first),
+            on_trace_ready=self._on_ready, **self._options)
         self._prof.start()
         return self
 
@@ -148,7 +145,13 @@ class Profiler:
             if self.done:
                 return
             raise RuntimeError("Profiler.step(): call start() or use `with Profiler(...)`")
-        self._prof.step()
+        if self.repeat > 1:
+            with warnings.catch_warnings():
+                # each cycle is written and summarised as it ends: clearing is intended
+                warnings.filterwarnings("ignore", message=".*clears events at the end of")
+                self._prof.step()
+        else:
+            self._prof.step()
         self._steps += 1
         if self.done:
             self.stop()
