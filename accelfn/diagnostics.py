@@ -252,6 +252,7 @@ class SyncProbe:
     ``masked_select``, ``unique``, boolean-mask indexing, ...) and the ``Tensor.cpu``,
     ``Tensor.numpy`` and ``Tensor.tolist`` methods (patched only while the probe is active).
     ``"auto"`` picks ``"cuda"`` when CUDA is available and ``"emulate"`` otherwise.
+    ``allow`` lists substrings of locations (or ops) whose syncs you accept.
 
     The probe slows the step it encloses; run it on one step, not all of them. Emulation
     uses a ``TorchDispatchMode``: run it on an eager (not ``torch.compile``-d) step. As it
@@ -259,12 +260,14 @@ class SyncProbe:
     (optimizers keep their step counters on the CPU on purpose).
     """
 
-    def __init__(self, mode: Literal["auto", "cuda", "emulate"] = "auto") -> None:
+    def __init__(self, mode: Literal["auto", "cuda", "emulate"] = "auto", *,
+                 allow: Iterable[str] = ()) -> None:
         if mode not in ("auto", "cuda", "emulate"):
             raise ValueError(f"SyncProbe(mode={mode!r}): use 'auto', 'cuda' or 'emulate'")
         if mode == "auto":
             mode = "cuda" if torch.cuda.is_available() else "emulate"
         self.mode: str = mode
+        self.allow = tuple(allow)
         self._counts: dict[tuple[str, str], list[Any]] = {}
         self._in_method = _InMethod()
         self._stack: contextlib.ExitStack | None = None
@@ -273,9 +276,15 @@ class SyncProbe:
 
     @property
     def syncs(self) -> list[SyncPoint]:
-        """The sync points seen, in the order first seen, merged by (op, location)."""
-        return [SyncPoint(op, loc, code, via, n)
-                for (op, loc), (code, via, n) in self._counts.items()]
+        """The sync points seen, in the order first seen, merged by (op, location).
+
+        Points whose location, ``via`` or op contains one of the ``allow`` strings are left
+        out (syncs you accept, e.g. a documented read once per step).
+        """
+        out = [SyncPoint(op, loc, code, via, n)
+               for (op, loc), (code, via, n) in self._counts.items()]
+        return [s for s in out if not any(a in f"{s.location} {s.via} {s.op}"
+                                          for a in self.allow)]
 
     def _record(self, op: str) -> None:
         loc, code, via = _caller_site()
@@ -341,7 +350,7 @@ class SyncProbe:
 
     def findings(self) -> list[Finding]:
         """One warning per sync point, or one ``ok`` finding when there were none."""
-        if not self._counts:
+        if not self.syncs:
             return [Finding("host_syncs", "ok",
                             f"no host-device sync points in the probed step ({self.mode})")]
         return [Finding("host_syncs", "warning", f"host sync: {s}", s.fix) for s in self.syncs]

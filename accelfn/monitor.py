@@ -711,6 +711,7 @@ class Monitor:
         gpu_interval: seconds between pynvml samples.
         sync_check_step: index of the step run under :class:`SyncProbe` (``None``: never);
             needs :meth:`iterate` or :meth:`measure`, and is left out of timing.
+        sync_allow: substrings of sync locations you accept (see :class:`SyncProbe`).
         model: optional; checked for BatchNorm under distributed training (SyncBatchNorm).
         diagnostics: a :class:`Diagnostics` stepped with each step's metrics and batch.
         profiler: a :class:`Profiler` started with the monitor and stepped with each step.
@@ -727,6 +728,7 @@ class Monitor:
                  peak_dtype: torch.dtype | str = torch.bfloat16,
                  device: torch.device | str | None = None, gpu_index: int | None = None,
                  gpu_interval: float = 0.5, sync_check_step: int | None = 3,
+                 sync_allow: Iterable[str] = (),
                  model: nn.Module | None = None, diagnostics: Diagnostics | None = None,
                  profiler: Profiler | None = None, thresholds: Thresholds | None = None,
                  file: IO[str] | None = None) -> None:
@@ -742,6 +744,7 @@ class Monitor:
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         self._cuda = self.device.type == "cuda"
         self.sync_check_step = sync_check_step
+        self.sync_allow = tuple(sync_allow)
         self.model, self.diagnostics, self.profiler = model, diagnostics, profiler
         self.thresholds = thresholds or Thresholds()
         self._main = _rank() == 0
@@ -894,13 +897,13 @@ class Monitor:
     @contextlib.contextmanager
     def probe_syncs(self) -> Iterator[SyncProbe]:
         """Run the enclosed step under :class:`SyncProbe`; its result goes into the report."""
-        with SyncProbe() as probe:
+        with SyncProbe(allow=self.sync_allow) as probe:
             yield probe
         self._probe_result = (self._probe_result or []) + probe.syncs
         self._probe_mode = probe.mode
 
     def _begin_probe(self) -> None:
-        self._probe = SyncProbe()
+        self._probe = SyncProbe(allow=self.sync_allow)
         self._probe_step = self._n
         self._probe.__enter__()
 

@@ -144,6 +144,9 @@ def test_probe_counts_repeats_and_rejects_bad_mode() -> None:
         for _ in range(3):
             x.sum().item()
     assert [s.count for s in probe.syncs] == [3]
+    with SyncProbe(mode="emulate", allow=["test_diagnostics.py"]) as probe:
+        x.sum().item()
+    assert probe.syncs == [] and probe.findings()[0].severity == "ok"
     with pytest.raises(ValueError, match="'auto', 'cuda' or 'emulate'"):
         SyncProbe(mode="gpu")  # type: ignore[arg-type]
 
