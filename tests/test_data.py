@@ -519,3 +519,19 @@ def test_transform_must_return_a_tensordict():
     loader = ad.loader(make_td(), batch_size=4, transform=lambda b: b["image"])
     with pytest.raises(TypeError, match="must return"):
         next(iter(loader))
+
+
+def test_transform_placement_does_not_change_batches():
+    # The loader transforms host batches in the prefetch thread and device batches in the
+    # loop's thread; the per-batch seeds are the same, so the batches are too.
+    td = make_td()
+    sampler = ad.IndexBatchSampler(N, 10, seed=4)
+    after_prefetch = ad.ApplyTransform(
+        tn.Prefetcher(tn.Mapper(sampler, ad.TensorDictGather(td)), prefetch_factor=2),
+        augment(),
+        seed=4,
+    )
+    manual = ad.BatchLoader(after_prefetch)
+    built = ad.loader(td, batch_size=10, seed=4, transform=augment())
+    for _ in range(2):
+        assert same_batches(list(manual), list(built))

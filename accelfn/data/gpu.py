@@ -335,7 +335,14 @@ class RandomHorizontalFlip:
         out = batch.copy()
         for k, x in zip(self.keys, xs):
             mask = flip.view(b, *([1] * (x.dim() - 1)))
-            out.set(k, torch.where(mask, x.flip(-1), x))
+            if x.dtype.is_floating_point or x.dtype == torch.bool:
+                y = torch.where(mask, x.flip(-1), x)
+            else:
+                # Exact for integers (one term is always zero) and several times faster than
+                # torch.where on CPU; not used for floats, where 0 * inf would give nan.
+                m = mask.to(x.dtype)
+                y = x.flip(-1) * m + x * (1 - m)
+            out.set(k, y)
         return out
 
     def __repr__(self) -> str:
@@ -347,7 +354,7 @@ def _max_value(dtype: torch.dtype) -> float:
 
 
 class Normalize:
-    """``(x / max - mean) / std`` per channel, output in ``dtype``; one fused multiply-add.
+    """``(x / max - mean) / std`` per channel, output in ``dtype``: a cast and two in-place ops.
 
     Integer inputs (uint8 images) are first scaled to ``[0, 1]`` by their dtype's maximum
     (255), so ``Normalize`` on raw uint8 batches equals ``ToDtype(float32, scale=True)``
@@ -403,7 +410,8 @@ class Normalize:
                     f"have {len(self.mean)}"
                 )
             scale, shift = self._coeffs(x.device, x.dtype, x.dim())
-            out.set(k, torch.addcmul(shift, x.to(self.dtype), scale))
+            y = x.to(self.dtype, copy=True)
+            out.set(k, y.mul_(scale).add_(shift))
         return out
 
     def __repr__(self) -> str:

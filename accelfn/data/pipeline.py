@@ -10,6 +10,9 @@ The graph that :func:`loader` builds (each stage a ``torchdata.nodes.BaseNode``)
       -> ToDevice                non-blocking copy on a side stream, overlapping compute
       -> ApplyTransform          GPU-side batch transform, seeded per (epoch, batch)
 
+(when batches stay on the host, ApplyTransform runs before the Prefetcher instead, so the
+transform overlaps the loop's compute; its seeds, hence its output, are the same)
+
 and :class:`BatchLoader` iterates it, epoch after epoch, with an exact ``state_dict()`` and
 a record of how long the loop waited for each batch.
 """
@@ -620,12 +623,18 @@ def loader(
             world_size=world_size,
         )
 
+    # Batches that stay on the host are transformed in the prefetch thread, overlapping the
+    # loop's compute; device batches are transformed on the device, in the loop's thread (the
+    # kernels are asynchronous). Same seeds either way, so the same batches.
+    on_host = (dev is None or dev.type == "cpu") and not on_device_source
+    if transform is not None and on_host:
+        node = ApplyTransform(node, transform, seed=seed, rank=rank)
     if prefetch > 0 and not on_device_source:
         node = Prefetcher(node, prefetch_factor=prefetch)
     if pin_memory and not on_device_source:
         node = PinMemory(node)
     if dev is not None:
         node = ToDevice(node, dev, keep_on_host=host_keys(transform))
-    if transform is not None:
+    if transform is not None and not on_host:
         node = ApplyTransform(node, transform, seed=seed, rank=rank)
     return BatchLoader(node, num_batches=num_batches, config=config, close_fns=close_fns)
