@@ -284,6 +284,17 @@ def test_shards_follow_torch_distributed(monkeypatch):
     assert sum(map(len, shards)) == world * 25
 
 
+def test_iterable_shards_by_position():
+    data = _Reiterable([{"x": torch.tensor(i)} for i in range(20)])
+    shards = [
+        torch.cat(
+            [b["x"] for b in ad.loader(data, batch_size=3, shuffle=False, rank=r, world_size=2)]
+        ).tolist()
+        for r in range(2)
+    ]
+    assert shards == [[0, 2, 4, 6, 8, 10, 12, 14, 16], [1, 3, 5, 7, 9, 11, 13, 15, 17]]
+
+
 def test_rank_without_world_size_is_an_error():
     with pytest.raises(ValueError, match="pass both"):
         ad.loader(make_td(), batch_size=4, rank=1)
@@ -433,9 +444,11 @@ def test_wait_share_is_small_when_prefetch_hides_loading():
         ("type", TypeError, ["sample 7", "'label'", "str"]),
     ],
 )
-@pytest.mark.parametrize("workers", [0, 2])
-def test_bad_sample_names_index_and_key(how, exc, words, workers):
-    loader = ad.loader(Broken(how), batch_size=4, shuffle=False, num_workers=workers)
+@pytest.mark.parametrize(("workers", "worker_type"), [(0, "thread"), (2, "thread"), (2, "process")])
+def test_bad_sample_names_index_and_key(how, exc, words, workers, worker_type):
+    loader = ad.loader(
+        Broken(how), batch_size=4, shuffle=False, num_workers=workers, worker_type=worker_type
+    )
     with pytest.raises(exc) as info:
         list(loader)
     for w in words:

@@ -5,7 +5,7 @@ image keys hold ``(batch, channels, height, width)`` tensors (uint8 or floating 
 transforms draw one set of parameters **per sample** from ``generator`` (a ``torch.Generator``
 on the batch's device; the loader seeds one per batch from ``seed``, epoch and batch number),
 with no per-sample Python loop: crops are index arithmetic + one ``gather``, resized crops one
-``roi_align`` call, flips one ``torch.where``. When several keys are listed (e.g. an image and
+``roi_align`` call, flips one masked select. When several keys are listed (e.g. an image and
 its segmentation mask), they all get the same per-sample parameters.
 
 The same code runs on the CPU (tests) and on CUDA, so both give the same distributions.
@@ -318,7 +318,7 @@ class RandomResizedCrop:
 
 
 class RandomHorizontalFlip:
-    """Mirror each sample left-right with probability ``p`` (one ``torch.where``)."""
+    """Mirror each sample left-right with probability ``p`` (one masked select, no loop)."""
 
     def __init__(self, p: float = 0.5, *, keys: str | Sequence[str] = ("image",)) -> None:
         if not 0 <= p <= 1:

@@ -440,6 +440,10 @@ def _worker_init(fn: Callable[[Any], Any]) -> None:
     torch.set_num_threads(1)
 
 
+def _noop() -> None:
+    return None
+
+
 def _worker_call(item: Any) -> Any:
     assert _WORKER_FN is not None
     return _WORKER_FN(item)
@@ -495,6 +499,9 @@ class ProcessMapper(BaseNode[Any]):
                 self.num_workers, mp_context=ctx, initializer=_worker_init, initargs=(self.map_fn,)
             )
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+            # Start the workers now, from the thread calling reset() (normally the main thread),
+            # rather than lazily from whichever thread submits the first batch.
+            self._pool.submit(_noop)
         return self._pool
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
