@@ -159,3 +159,16 @@ def test_image_files_rejects_non_jpeg_in_jpeg_mode(image_folder):
     ds = ad.ImageFiles([str(image_folder / "dog" / "extra.png")], jpeg=True)
     with pytest.raises(ValueError, match="not a JPEG"):
         ds[0]
+
+
+def test_preload_a_torchvision_dataset_of_pil_images(tmp_path):
+    from torchvision.datasets import FakeData
+
+    ds = FakeData(size=12, image_size=(3, 6, 5), num_classes=4, random_offset=3)
+    td = ad.preload(ds, tmp_path / "fake", batch_size=5)
+    assert td["image"].shape == (12, 3, 6, 5) and td["image"].dtype == torch.uint8
+    assert td["label"].dtype == torch.int64
+    from torchvision.transforms.v2.functional import pil_to_tensor
+
+    img, label = ds[7]
+    assert torch.equal(td["image"][7], pil_to_tensor(img)) and int(td["label"][7]) == label
