@@ -23,6 +23,8 @@ def check_batch(batch: Any) -> None:
             )
         if batch.batch_size[0] == 0:
             raise ValueError("the batch is empty (batch_size[0] == 0); skip empty batches")
+        if batch.device is not None:  # a TensorDict with a device holds nothing elsewhere
+            return
         devices = {t.device for t in batch.values(include_nested=True, leaves_only=True)}
     elif isinstance(batch, Mapping):
         if not batch:

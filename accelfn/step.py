@@ -88,6 +88,7 @@ class Prepared:
 
     model: nn.Module
     optimizer_step: Callable[[], Any]
+    device: torch.device
     process_group: Any = None  # set by ``distributed`` when more than one process trains
 
 
@@ -139,6 +140,10 @@ def _hooks(transforms: tuple[Any, ...], hook: str, order: str | None = None,
 def _unpack(out: Any, first: bool) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
     if isinstance(out, Tensor):
         loss, weight, metrics = out, None, {}
+    elif type(out) is dict and "loss" in out:
+        loss = out["loss"]
+        weight = out.get("weight")
+        metrics = {k: v for k, v in out.items() if k != "loss" and k != "weight"}
     elif isinstance(out, (Mapping, TensorDictBase)):
         if "loss" not in out.keys():
             raise KeyError(
@@ -276,7 +281,10 @@ class Step:
         self._forward_ctx = [t for _, t in _hooks(transforms, "forward_context")]
         self._micro_ctx = [t for _, t in _hooks(transforms, "micro_context")]
         self._scale = [t for _, t in _hooks(transforms, "scale_loss")]
-        self._on_grads = [t for _, t in _hooks(transforms, "on_grads", "grads_order")]
+        grad_steps = [(order, t.on_grads) for order, t in
+                      _hooks(transforms, "on_grads", "grads_order")]
+        grad_steps.append((10, _divide_grads))
+        self._grad_steps = [hook for _, hook in sorted(grad_steps, key=lambda pair: pair[0])]
         self._on_update = [t for _, t in _hooks(transforms, "on_update")]
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -299,7 +307,8 @@ class Step:
         """Prepare ``state`` for this step (done once, lazily, by the first call)."""
         prepared = self._prepared.get(state)
         if prepared is None:
-            prepared = Prepared(model=state.model, optimizer_step=state.optimizer.step)
+            prepared = Prepared(model=state.model, optimizer_step=state.optimizer.step,
+                                device=state.device)
             for _, t in _hooks(self.transforms, "prepare", "prepare_order"):
                 t.prepare(prepared, state)
             self._prepared[state] = prepared
@@ -312,15 +321,25 @@ class Step:
                 f"{type(state).__name__}"
             )
         prepared = self.prepare(state)
-        return StepContext(state=state, prepared=prepared, device=state.device,
+        return StepContext(state=state, prepared=prepared, device=prepared.device,
                            num_micro_batches=micro)
 
-    @contextlib.contextmanager
-    def _forward(self, ctx: StepContext) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for t in self._forward_ctx:
-                stack.enter_context(t.forward_context(ctx))
-            yield
+    def _forward(self, ctx: StepContext) -> contextlib.AbstractContextManager[Any]:
+        hooks = self._forward_ctx
+        if not hooks:
+            return _NULL
+        if len(hooks) == 1:
+            return hooks[0].forward_context(ctx)
+        return _stacked([t.forward_context(ctx) for t in hooks])
+
+    def _micro_context(self, ctx: StepContext, index: int,
+                       sync: bool) -> contextlib.AbstractContextManager[Any]:
+        hooks = self._micro_ctx
+        if not hooks:
+            return _NULL
+        if len(hooks) == 1:
+            return hooks[0].micro_context(ctx, index, sync)
+        return _stacked([t.micro_context(ctx, index, sync) for t in hooks])
 
     # ----------------------------------------------------------------- the update
     def __call__(self, state: TrainState, batch: Batch) -> TensorDict:
@@ -338,9 +357,7 @@ class Step:
         try:
             for i, micro in enumerate(micros):
                 sync = update and i == len(micros) - 1
-                with contextlib.ExitStack() as stack:
-                    for t in self._micro_ctx:
-                        stack.enter_context(t.micro_context(ctx, i, sync))
+                with self._micro_context(ctx, i, sync):
                     with self._forward(ctx):
                         out = self.fn(ctx.model, micro)
                     loss, weight, metrics = _unpack(out, first=i == 0 and acc.weight is None)
@@ -364,10 +381,12 @@ class Step:
                     for t in self._scale:
                         objective = t.scale_loss(objective, ctx)
                     objective.backward()
-        except BaseException:
+        except BaseException as error:
             if window is not None:
                 window.calls, window.acc = 0, _Accumulator()
             state.optimizer.zero_grad(set_to_none=True)
+            if isinstance(error, torch.OutOfMemoryError):
+                raise _out_of_memory(self, error) from error
             raise
         if window is not None:
             window.calls += 1
@@ -396,11 +415,8 @@ class Step:
             ctx.weight_total = torch.as_tensor(acc.weight, dtype=torch.float32,
                                                device=ctx.device)
             ctx.grad_divisor = ctx.weight_total
-        grad_steps = [(getattr(t, "grads_order", 50), t.on_grads) for t in self._on_grads]
-        grad_steps.append((10, _divide_grads))
-        grad_steps.sort(key=lambda pair: pair[0])
         try:
-            for _, hook in grad_steps:
+            for hook in self._grad_steps:
                 hook(ctx)
             lr = optimizer.param_groups[0]["lr"]
             metrics["lr"] = (lr.detach().clone() if isinstance(lr, Tensor)
@@ -431,16 +447,13 @@ class Step:
         overflow_only = ctx.grads_nonfinite is not None  # loss scaling already checked grads
         if self._policy == "off" and not overflow_only:
             return None
-        loss_bad = ~torch.isfinite(ctx.loss)
         if ctx.grads_nonfinite is not None:
-            grads_bad = ctx.grads_nonfinite
-        elif ctx.grad_norm is not None:
-            grads_bad = ~torch.isfinite(ctx.grad_norm)
+            flags = torch.stack([~torch.isfinite(ctx.loss), ctx.grads_nonfinite])
+        elif ctx.grad_norm is not None:  # a NaN/Inf gradient makes the total norm NaN/Inf
+            flags = ~torch.isfinite(torch.stack([ctx.loss, ctx.grad_norm.to(ctx.loss.dtype)]))
         else:
             grads_bad = _grads_nonfinite(ctx.local_grads(), ctx.device)
-        if hasattr(grads_bad, "full_tensor"):
-            grads_bad = grads_bad.full_tensor()
-        flags = torch.stack([loss_bad, grads_bad.to(torch.bool)])
+            flags = torch.stack([~torch.isfinite(ctx.loss), grads_bad])
         if ctx.distributed is not None:  # every process takes the same decision
             flags = flags.to(torch.int32)
             torch.distributed.all_reduce(flags, torch.distributed.ReduceOp.MAX,
@@ -498,6 +511,33 @@ class Step:
         finally:
             model.train(was_training)
         return TensorDict(acc.result(divide=n > 1), batch_size=[])
+
+
+_NULL = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _stacked(managers: list[contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for manager in managers:
+            stack.enter_context(manager)
+        yield
+
+
+def _out_of_memory(step: Step, error: BaseException) -> torch.OutOfMemoryError:
+    names = {t.name for t in step.transforms}
+    advice = []
+    n = step._micro if "with_accumulation" in names else 1
+    advice.append(f"with_accumulation({2 * n}) (same update, half the activations)")
+    if "checkpointed" not in names:
+        advice.append("checkpointed (recompute block activations in backward)")
+    if "with_amp" not in names:
+        advice.append("with_amp (bf16 activations take half the memory)")
+    advice.append("a smaller batch")
+    return torch.OutOfMemoryError(
+        f"out of memory in {describe(step)}; the model, optimizer and scheduler are unchanged "
+        f"and gradients were cleared. Try: {'; '.join(advice)}. ({error})"
+    )
 
 
 def _divide_grads(ctx: StepContext) -> None:

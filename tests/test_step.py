@@ -227,3 +227,25 @@ def test_bad_train_state():
         af.TrainState(model, torch.optim.SGD(Net().parameters(), lr=0.1))
     with pytest.raises(TypeError, match="step\\(state, batch\\)"):
         af.lift(classify)(model, make_batch())
+
+
+def test_out_of_memory_leaves_state_intact_and_says_what_helps():
+    state = _state()
+    step = af.with_amp(af.with_accumulation(2)(classify))
+    step(state, make_batch())
+    before = _snapshot(state)
+    calls = {"n": 0}
+
+    def hungry(model, batch):
+        calls["n"] += 1
+        out = classify(model, batch)
+        if calls["n"] == 2:  # the second micro-batch runs out of memory
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return out
+
+    with pytest.raises(torch.OutOfMemoryError, match=r"with_accumulation\(4\).*checkpointed"):
+        af.with_amp(af.with_accumulation(2)(hungry))(state, make_batch())
+    after = _snapshot(state)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    assert before[1] == after[1]
+    assert all(p.grad is None for p in state.model.parameters())
