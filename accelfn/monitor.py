@@ -1197,8 +1197,10 @@ class Monitor:
             verdict = (f"input-bound: the loop waits for data {100 * share:.0f}% of each "
                        "iteration")
         elif syncs:
-            verdict = (f"sync-bound: {len(syncs)} host sync point(s) in the step stall the "
-                       "device")
+            verdict = (f"sync-bound: {len(syncs)} host sync point(s) in the step stall the GPU"
+                       if self._probe_mode == "cuda" else
+                       f"sync-bound: {len(syncs)} host sync point(s) in the step would stall a "
+                       "GPU (emulated probe)")
         elif gpu_low:
             verdict = f"GPU underused ({gpu_util:.0f}% busy): launch or CPU overhead"
         elif gpu_util is not None:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import types
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from accelfn import cli
-from accelfn import doctor as doctor_mod
 from accelfn.doctor import GPUInfo, doctor
+
+# the module, even once ``accelfn.doctor`` is re-exported as the function
+doctor_mod = importlib.import_module("accelfn.doctor")
 
 
 def fake_pynvml(*, cuda: int = 12040, driver: str = "550.54.15",
@@ -61,7 +65,7 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
 
-def _by_check(report: doctor_mod.DoctorReport, check: str) -> list:
+def _by_check(report: Any, check: str) -> list:
     return [f for f in report.findings if f.check == check]
 
 

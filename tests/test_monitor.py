@@ -70,8 +70,8 @@ def test_data_wait_share_matches_known_sleeps() -> None:
     assert r.steps == 14 and r.measured_steps == 12
     assert r.data_wait_share == pytest.approx(expected, abs=0.03)
     assert r.data_wait_s == pytest.approx(DATA_S, abs=0.003)
-    assert r.step_time_s == pytest.approx(DATA_S + STEP_S, rel=0.15)
-    assert r.samples_per_s == pytest.approx(BATCH / (DATA_S + STEP_S), rel=0.15)
+    assert r.step_time_s == pytest.approx(DATA_S + STEP_S, rel=0.25)
+    assert r.samples_per_s == pytest.approx(BATCH / (DATA_S + STEP_S), rel=0.25)
     assert r.verdict.startswith("input-bound")
     (wait,) = [f for f in r.findings if f.check == "data_wait"]
     assert wait.severity == "warning" and "pin_memory=True" in (wait.fix or "")
