@@ -784,7 +784,7 @@ class Monitor:
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._ev_last = torch.cuda.Event(enable_timing=True)
-            self._ev_last.record()
+            self._ev_last.record(torch.cuda.current_stream(self.device))
         if self._gpu is not None and not self._gpu.start(self._t0):
             self._gpu_note = self._gpu.error
             self._gpu = None
@@ -975,7 +975,7 @@ class Monitor:
         event = None
         if self._cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
         if samples is None:
             samples = self.samples_per_step
             if samples is None and self._awaiting_step:

@@ -291,3 +291,37 @@ def test_bad_arguments() -> None:
         Monitor(log_every=0)
     with pytest.raises(ValueError, match="warmup=-1"):
         Monitor(warmup=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_events_sync_debug_mode_and_pynvml() -> None:
+    model = nn.Linear(1024, 1024).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(512, 1024, device="cuda")
+
+    def run(planted: bool) -> Monitor:
+        mon = Monitor(progress=False, warmup=1, log_every=4, sync_check_step=2,
+                      peak_dtype=torch.float32, thresholds=Thresholds(data_wait_share=1.01))
+        mon.count_flops(model, x)
+        with mon:
+            for batch in mon.iterate([x] * 12):
+                loss = model(batch).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if planted:
+                    _ = loss.item()  # planted sync
+                mon.step({"loss": loss.detach()})
+        return mon
+
+    report = run(planted=True).report()
+    assert report.device.startswith("cuda") and report.device_name
+    assert any("test_monitor.py" in s.location for s in report.syncs or [])
+    assert report.verdict.startswith("sync-bound") and "stall the GPU" in report.verdict
+    clean = run(planted=False).report()
+    assert clean.syncs == [], [str(s) for s in clean.syncs or []]
+    assert all(r["step_s"] > 0 for r in clean.rows)
+    assert clean.peak_memory_gib and clean.peak_memory_gib > 0
+    assert clean.metrics["loss"] > 0
+    if clean.peak_flops:
+        assert clean.mfu is not None and 0 < clean.mfu < 1
