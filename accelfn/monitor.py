@@ -697,7 +697,7 @@ class Monitor:
         log_every: read completed records and write them out every this many steps.
         warmup: leading steps left out of the summary (compilation, autotuning, start-up).
         total: expected steps, for the progress bar.
-        progress: show a console progress bar (rank 0 only).
+        progress: show a console progress bar (rank 0 only); ``desc`` labels it.
         jsonl / csv: files for one row per step (rank 0 only).
         tensorboard: a log dir for ``SummaryWriter`` (needs the ``tensorboard`` extra).
         plot: write :meth:`MonitorReport.plot` here when the monitor closes.
