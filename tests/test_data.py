@@ -534,9 +534,11 @@ def test_transform_must_return_a_tensordict():
         next(iter(loader))
 
 
-def test_transform_placement_does_not_change_batches():
-    # The loader transforms host batches in the prefetch thread and device batches in the
-    # loop's thread; the per-batch seeds are the same, so the batches are too.
+@pytest.mark.parametrize("workers", [0, 3])
+def test_transform_placement_does_not_change_batches(workers):
+    # The loader transforms host batches before the prefetcher (in `workers` threads) and
+    # device batches in the loop's thread; the per-batch seeds are the same, so the batches
+    # are too.
     td = make_td()
     sampler = ad.IndexBatchSampler(N, 10, seed=4)
     after_prefetch = ad.ApplyTransform(
@@ -545,6 +547,6 @@ def test_transform_placement_does_not_change_batches():
         seed=4,
     )
     manual = ad.BatchLoader(after_prefetch)
-    built = ad.loader(td, batch_size=10, seed=4, transform=augment())
+    built = ad.loader(td, batch_size=10, seed=4, transform=augment(), num_workers=workers)
     for _ in range(2):
         assert same_batches(list(manual), list(built))

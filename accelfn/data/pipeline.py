@@ -20,6 +20,7 @@ a record of how long the loop waited for each batch.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -128,32 +129,14 @@ class ToDevice(BaseNode[TensorDictBase]):
         return {"source": self._state}
 
 
-class ApplyTransform(BaseNode[TensorDictBase]):
-    """Apply a batch transform, giving it a ``torch.Generator`` seeded per batch.
+class _TagSeeds(BaseNode[tuple[Any, int]]):
+    """Pair each batch with its seed ``mix_seed(seed, rank, epoch, batch_number)``."""
 
-    The generator (on the batch's device) is seeded with ``mix_seed(seed, rank, epoch,
-    batch_number)``, so augmentations are reproducible from ``seed``, differ every epoch and
-    across ranks, and are reproduced exactly after a resume. Transforms without a
-    ``generator`` parameter are called as ``transform(batch)``.
-    """
-
-    def __init__(
-        self,
-        source: BaseNode[TensorDictBase],
-        transform: Callable[..., TensorDictBase],
-        *,
-        seed: int = 0,
-        rank: int = 0,
-    ) -> None:
+    def __init__(self, source: BaseNode[Any], seed: int, rank: int) -> None:
         super().__init__()
-        if not callable(transform):
-            raise TypeError(f"transform must be callable, got {transform!r}")
         self.source = source
-        self.transform = transform
         self.seed = seed
         self.rank = rank
-        self._takes_gen = accepts_generator(transform)
-        self._generators: dict[torch.device, torch.Generator] = {}
         self._epoch = 0
         self._batches = 0
         self._started = False
@@ -172,28 +155,47 @@ class ApplyTransform(BaseNode[TensorDictBase]):
             self._batches = 0
             self._started = False
 
-    def _generator(self, batch: TensorDictBase) -> torch.Generator:
+    def next(self) -> tuple[Any, int]:
+        self._started = True
+        batch = next(self.source)
+        seed = mix_seed(self.seed, self.rank, self._epoch, self._batches)
+        self._batches += 1
+        return batch, seed
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self.source.state_dict(), "epoch": self._epoch, "batches": self._batches}
+
+
+class _SeededCall:
+    """``(batch, seed) -> transform(batch, generator=<seeded on the batch's device>)``."""
+
+    def __init__(self, transform: Callable[..., TensorDictBase]) -> None:
+        self.transform = transform
+        self.takes_generator = accepts_generator(transform)
+        self.keep = set(host_keys(transform))
+        self._local = threading.local()
+
+    def _generator(self, batch: TensorDictBase, seed: int) -> torch.Generator:
         device = batch.device
         if device is None:
-            keep = set(host_keys(self.transform))
             devices = [
                 v.device
                 for k, v in batch.items(leaves_only=True)
-                if k not in keep and isinstance(v, torch.Tensor)
+                if k not in self.keep and isinstance(v, torch.Tensor)
             ]
             device = devices[0] if devices else torch.device("cpu")
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        g = self._generators.get(device)
+        cache = self._local.__dict__.setdefault("generators", {})  # one per thread and device
+        g = cache.get(device)
         if g is None:
-            g = self._generators[device] = torch.Generator(device=device)
-        return g.manual_seed(mix_seed(self.seed, self.rank, self._epoch, self._batches))
+            g = cache[device] = torch.Generator(device=device)
+        return g.manual_seed(seed)
 
-    def next(self) -> TensorDictBase:
-        self._started = True
-        batch = next(self.source)
-        if self._takes_gen:
-            out = self.transform(batch, generator=self._generator(batch))
+    def __call__(self, item: tuple[TensorDictBase, int]) -> TensorDictBase:
+        batch, seed = item
+        if self.takes_generator:
+            out = self.transform(batch, generator=self._generator(batch, seed))
         else:
             out = self.transform(batch)
         if not isinstance(out, TensorDictBase):
@@ -201,15 +203,57 @@ class ApplyTransform(BaseNode[TensorDictBase]):
                 f"the batch transform {self.transform!r} returned {type(out).__name__}; it "
                 "must return the (new) TensorDict batch"
             )
-        self._batches += 1
         return out
 
+
+class ApplyTransform(BaseNode[TensorDictBase]):
+    """Apply a batch transform, giving it a ``torch.Generator`` seeded per batch.
+
+    The generator (on the batch's device) is seeded with ``mix_seed(seed, rank, epoch,
+    batch_number)``, so augmentations are reproducible from ``seed``, differ every epoch and
+    across ranks, and are reproduced exactly after a resume. Transforms without a
+    ``generator`` parameter are called as ``transform(batch)``.
+
+    With ``num_workers > 0`` the transform runs on that many batches at once in worker threads
+    (``torchdata.nodes.ParallelMapper``, in order): for host (CPU) batches, whose transforms
+    are real work rather than asynchronous kernel launches. Seeds are assigned in order
+    before the workers, so the output does not depend on ``num_workers``.
+    """
+
+    def __init__(
+        self,
+        source: BaseNode[TensorDictBase],
+        transform: Callable[..., TensorDictBase],
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if not callable(transform):
+            raise TypeError(f"transform must be callable, got {transform!r}")
+        self.source = source
+        self.transform = transform
+        self.seed = seed
+        self.rank = rank
+        self.num_workers = num_workers
+        tagged = _TagSeeds(source, seed, rank)
+        call = _SeededCall(transform)
+        self._inner: BaseNode[TensorDictBase] = (
+            ParallelMapper(tagged, call, num_workers=num_workers, method="thread")
+            if num_workers > 0
+            else Mapper(tagged, call)
+        )
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._inner.reset(None if initial_state is None else initial_state["inner"])
+
+    def next(self) -> TensorDictBase:
+        return next(self._inner)
+
     def get_state(self) -> dict[str, Any]:
-        return {
-            "source": self.source.state_dict(),
-            "epoch": self._epoch,
-            "batches": self._batches,
-        }
+        return {"inner": self._inner.state_dict()}
 
 
 class _Iterator(Iterator[TensorDictBase]):
@@ -500,8 +544,9 @@ def loader(
         seed: seed of the shuffle and of the transform's per-batch generators.
         drop_last: drop each epoch's final short batch; without it the last batch is smaller.
         device: where batches go (``None``: stay on the host).
-        num_workers: parallel loaders; default 0 for TensorDicts (the gather runs in the
-            prefetch thread) and ``min(8, cpu_count)`` for map-style datasets.
+        num_workers: parallel workers; default 0 for TensorDicts (the gather runs in the
+            prefetch thread) and ``min(8, cpu_count)`` for map-style datasets. When batches
+            stay on the host, ``transform`` also runs on this many batches at once, in threads.
         worker_type: ``"thread"`` or ``"process"`` (map-style datasets only).
         mp_context: start method for worker processes (default: the platform's).
         transform: batch transform run on ``device`` (see :mod:`accelfn.data.gpu`); it is
@@ -592,8 +637,14 @@ def loader(
             )
         num_batches = sampler.num_batches
         config["num_samples"] = n
+        config["num_workers"] = workers
+        config["worker_type"] = worker_type
         node: BaseNode[Any]
-        if workers == 0:
+        on_host = (dev is None or dev.type == "cpu") and not on_device_source
+        if kind == "tensordict" and transform is not None and on_host:
+            # A gather takes microseconds: the threads are better spent on the transform.
+            node = Mapper(sampler, fetch)
+        elif workers == 0:
             node = Mapper(sampler, fetch)
         elif worker_type == "thread":
             node = ParallelMapper(sampler, fetch, num_workers=workers, method="thread")
@@ -601,7 +652,9 @@ def loader(
             proc = ProcessMapper(sampler, fetch, workers, mp_context=mp_context)
             close_fns.append(proc.close)
             node = proc
+        host_workers = workers
     else:
+        host_workers = 0
         if shuffle:
             raise ValueError(
                 "an iterable source is read in order and cannot be shuffled by the loader: "
@@ -628,7 +681,7 @@ def loader(
     # kernels are asynchronous). Same seeds either way, so the same batches.
     on_host = (dev is None or dev.type == "cpu") and not on_device_source
     if transform is not None and on_host:
-        node = ApplyTransform(node, transform, seed=seed, rank=rank)
+        node = ApplyTransform(node, transform, seed=seed, rank=rank, num_workers=host_workers)
     if prefetch > 0 and not on_device_source:
         node = Prefetcher(node, prefetch_factor=prefetch)
     if pin_memory and not on_device_source:
