@@ -88,8 +88,21 @@ class TrainState:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def sync(self) -> None:
+        """Apply the bookkeeping transforms deferred to avoid host syncs.
+
+        With a fused optimizer the non-finite guard reads an update's flags at the next update
+        and steps the scheduler then; call this after the loop before reading the scheduler or
+        the guard's counters. :meth:`state_dict` calls it.
+        """
+        for obj in self._slots.values():
+            settle = getattr(obj, "settle", None)
+            if callable(settle):
+                settle(self)
+
     def state_dict(self) -> dict[str, Any]:
         """All training state as tensors and plain data (loadable with ``weights_only=True``)."""
+        self.sync()
         slots = {name: _save(obj) for name, obj in self._slots.items()}
         slots.update({k: v for k, v in self._pending.items() if k not in slots})
         return {

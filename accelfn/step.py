@@ -221,18 +221,86 @@ class _CallWindow:
         self.acc = _Accumulator()
 
 
+def _skips_on_device(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` honours a device ``found_inf`` flag (fused Adam/AdamW/SGD)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused") for group in optimizer.param_groups)
+
+
 class _Guard:
-    """Slot of the non-finite guard: skipped updates in total and in a row."""
+    """Slot of the non-finite guard: skipped updates in total and in a row.
+
+    With a fused optimizer the skip happens on the device and the flags are read one update
+    later (:meth:`settle`), when they are long computed; otherwise :meth:`decide` reads them
+    before the optimizer step.
+    """
 
     def __init__(self) -> None:
         self.skipped = 0
         self.consecutive = 0
+        self._pending: tuple[Any, ...] | None = None
+
+    def decide(self, flags: Tensor, overflow_only: bool, update: int, policy: str,
+               limit: int) -> bool:
+        loss_bad, grads_bad = flags.tolist()  # the host read of a non-fused update
+        return self._account(loss_bad, grads_bad, overflow_only, update, policy, limit)
+
+    def defer(self, flags: Tensor, overflow_only: bool, update: int, policy: str,
+              limit: int) -> None:
+        event = None
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = flags
+        self._pending = (host, event, overflow_only, update, policy, limit)
+
+    def settle(self, state: TrainState) -> None:
+        """Apply a deferred decision: count it, step the scheduler if the update was real."""
+        if self._pending is None:
+            return
+        host, event, overflow_only, update, policy, limit = self._pending
+        self._pending = None
+        if event is not None:
+            event.synchronize()
+        loss_bad, grads_bad = host.tolist()
+        skipped = self._account(loss_bad, grads_bad, overflow_only, update, policy, limit)
+        if not skipped and state.scheduler is not None:
+            state.scheduler.step()
+
+    def _account(self, loss_bad: bool, grads_bad: bool, overflow_only: bool, update: int,
+                 policy: str, limit: int) -> bool:
+        if not (loss_bad or grads_bad):
+            self.consecutive = 0
+            return False
+        self.skipped += 1
+        if not (loss_bad or not overflow_only):
+            return True  # an fp16 overflow: the loss scale backs off, it is not divergence
+        what = "loss" if loss_bad else "gradients"
+        if policy == "raise":
+            raise NonFiniteError(
+                f"non-finite {what} at update {update}; no state was changed. Lower the "
+                "learning rate, clip gradients, or use with_nonfinite(policy='skip') to skip "
+                "such updates"
+            )
+        self.consecutive += 1
+        if self.consecutive >= limit:
+            raise NonFiniteError(
+                f"{self.consecutive} updates in a row had a non-finite {what} (last at update "
+                f"{update}); training diverged. Lower the learning rate or check the data"
+            )
+        return True
 
     def state_dict(self) -> dict[str, int]:
+        if self._pending is not None:
+            raise RuntimeError("call state.sync() before saving (a decision is pending)")
         return {"skipped": self.skipped, "consecutive": self.consecutive}
 
     def load_state_dict(self, saved: dict[str, int]) -> None:
         self.skipped, self.consecutive = int(saved["skipped"]), int(saved["consecutive"])
+        self._pending = None
 
 
 def _engine_option(transforms: tuple[Any, ...], attr: str, default: Any) -> Any:
@@ -415,39 +483,55 @@ class Step:
             ctx.weight_total = torch.as_tensor(acc.weight, dtype=torch.float32,
                                                device=ctx.device)
             ctx.grad_divisor = ctx.weight_total
+        guard = state.slot("nonfinite", _Guard)
         try:
             for hook in self._grad_steps:
                 hook(ctx)
+            flags = self._flags(ctx)
+            guard.settle(state)  # the previous update's deferred decision (steps the scheduler)
             lr = optimizer.param_groups[0]["lr"]
             metrics["lr"] = (lr.detach().clone() if isinstance(lr, Tensor)
                              else torch.full((), float(lr), device=ctx.device))
-            skipped = self._guard(ctx)
+            on_device = (flags is not None and self._policy != "raise"
+                         and _skips_on_device(optimizer))
+            skip = False
+            if flags is not None and not on_device:
+                skip = guard.decide(flags, ctx.grads_nonfinite is not None, state.step,
+                                    self._policy, self._max_consecutive)
         except BaseException:
             optimizer.zero_grad(set_to_none=True)
             raise
-        if skipped is None:
-            ctx.prepared.optimizer_step()
+        if flags is None:
             skip_flag = torch.zeros((), dtype=torch.bool, device=ctx.device)
         else:
-            skip_flag, skip_host = skipped
+            skip_flag = flags.any()
             metrics["skipped"] = skip_flag.float()
-            if not skip_host:
+        if on_device:
+            # A fused optimizer skips on the device: no host read now. The flags are read at
+            # the next update (long computed by then), which also steps the scheduler.
+            optimizer.found_inf = skip_flag.float()
+            try:
                 ctx.prepared.optimizer_step()
+            finally:
+                del optimizer.found_inf
+            guard.defer(flags, ctx.grads_nonfinite is not None, state.step, self._policy,
+                        self._max_consecutive)
+        elif not skip:
+            ctx.prepared.optimizer_step()
+            if state.scheduler is not None:
+                state.scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if (skipped is None or not skipped[1]) and state.scheduler is not None:
-            state.scheduler.step()
         state.step += 1
         for t in self._on_update:
             t.on_update(ctx, skip_flag)
         metrics.update(ctx.metrics)
         return TensorDict(metrics, batch_size=[])
 
-    def _guard(self, ctx: StepContext) -> tuple[Tensor, bool] | None:
-        """The non-finite guard: one host read of two flags, unless the policy is 'off'."""
-        overflow_only = ctx.grads_nonfinite is not None  # loss scaling already checked grads
-        if self._policy == "off" and not overflow_only:
+    def _flags(self, ctx: StepContext) -> Tensor | None:
+        """Device flags [loss non-finite, gradients non-finite], or None when not checked."""
+        if self._policy == "off" and ctx.grads_nonfinite is None:
             return None
-        if ctx.grads_nonfinite is not None:
+        if ctx.grads_nonfinite is not None:  # loss scaling already checked the gradients
             flags = torch.stack([~torch.isfinite(ctx.loss), ctx.grads_nonfinite])
         elif ctx.grad_norm is not None:  # a NaN/Inf gradient makes the total norm NaN/Inf
             flags = ~torch.isfinite(torch.stack([ctx.loss, ctx.grad_norm.to(ctx.loss.dtype)]))
@@ -459,29 +543,7 @@ class Step:
             torch.distributed.all_reduce(flags, torch.distributed.ReduceOp.MAX,
                                          group=ctx.distributed)
             flags = flags.bool()
-        loss_host, grads_host = flags.tolist()  # the one host read of a step (documented)
-        skip = bool(loss_host or grads_host)
-        guard = ctx.state.slot("nonfinite", _Guard)
-        if not skip:
-            guard.consecutive = 0
-            return flags.any(), False
-        guard.skipped += 1
-        counts = loss_host or not overflow_only
-        if self._policy == "raise" and counts:
-            raise NonFiniteError(
-                f"non-finite {'loss' if loss_host else 'gradients'} at update {ctx.state.step}; "
-                "no state was changed. Lower the learning rate, clip gradients, or use "
-                "with_nonfinite(policy='skip') to skip such updates"
-            )
-        if counts:
-            guard.consecutive += 1
-            if guard.consecutive >= self._max_consecutive:
-                raise NonFiniteError(
-                    f"{guard.consecutive} updates in a row had a non-finite "
-                    f"{'loss' if loss_host else 'gradient'} (last at update {ctx.state.step}); "
-                    "training diverged. Lower the learning rate or check the data"
-                )
-        return flags.any(), True
+        return flags
 
     # ----------------------------------------------------------------- evaluation
     def evaluate(self, state: TrainState, batch: Batch) -> TensorDict:

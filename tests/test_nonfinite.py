@@ -122,3 +122,79 @@ def test_guard_reads_the_host_once_per_update_and_off_never(net, monkeypatch):
     af.with_nonfinite(policy="off")(af.with_accumulation(2)(af.with_clipping(classify)))(
         state, make_batch())
     assert reads == []
+
+
+# ------------------------------------------------------------- fused optimizers: on the device
+def _fused_setup(model):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    return af.TrainState(model, opt, scheduler=sched)
+
+
+def test_fused_optimizer_skips_on_device_and_settles_next_update(net):
+    poison = Poison()
+    state = _fused_setup(net)
+    step = af.with_clipping(poison.fn)
+    step(state, make_batch(seed=0))
+    state.sync()
+    before = _snapshot(state)
+    poison.loss = float("nan")
+    metrics = step(state, make_batch(seed=1))
+    assert metrics["skipped"] == 1
+    state.sync()
+    _assert_same(before, _snapshot(state))  # parameters, Adam moments and step, scheduler
+    assert state.slots["nonfinite"].skipped == 1
+
+
+def test_fused_guard_reads_only_the_previous_updates_flags(net, monkeypatch):
+    state = _fused_setup(net)
+    step = af.with_clipping(classify)
+    reads = []
+    original = torch.Tensor.tolist
+
+    def spy(self):
+        reads.append(self)
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spy)
+    step(state, make_batch(seed=0))
+    assert reads == []  # nothing read on the host during the first update
+    pending = state.slots["nonfinite"]._pending[0]
+    step(state, make_batch(seed=1))
+    assert len(reads) == 1 and reads[0] is pending  # the earlier update's flags, not this one's
+
+
+def test_fused_matches_reference_and_scheduler_catches_up(net):
+    import copy
+
+    from conftest import as_dict
+    from reference import reference_update
+
+    m2 = copy.deepcopy(net)
+    state = _fused_setup(net)
+    o2 = torch.optim.AdamW(m2.parameters(), lr=1e-2, fused=True)
+    s2 = torch.optim.lr_scheduler.StepLR(o2, step_size=1, gamma=0.5)
+    step = af.lift(classify)
+    for i in range(4):
+        batch = make_batch(seed=i)
+        metrics = step(state, batch)
+        reference_update(m2, o2, as_dict(batch), classify, scheduler=s2)
+        assert metrics["lr"] == pytest.approx(1e-2 * 0.5**i)
+    state.sync()
+    assert state.scheduler.get_last_lr() == s2.get_last_lr()
+    for a, b in zip(net.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_fused_divergence_raises_one_update_later_with_state_intact(net):
+    poison = Poison()
+    state = _fused_setup(net)
+    step = af.with_nonfinite(max_consecutive=2)(poison.fn)
+    step(state, make_batch())
+    poison.loss = float("inf")
+    step(state, make_batch())
+    step(state, make_batch())  # second bad update, decided on the device
+    state_before = _snapshot(state)
+    with pytest.raises(af.NonFiniteError, match="2 updates in a row"):
+        step(state, make_batch())  # settles the previous one and raises
+    _assert_same(state_before, _snapshot(state))
