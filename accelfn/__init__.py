@@ -11,8 +11,12 @@ from .amp import with_amp
 from .checkpoint import checkpointed, find_blocks
 from .clipping import with_clipping
 from .compile import compiled
+from .diagnostics import Diagnostics, SyncProbe
 from .distributed import distributed, init_distributed, is_main_process, scale_lr, world_size
+from .doctor import doctor
+from .monitor import Monitor, training_flops
 from .nonfinite import with_nonfinite
+from .profiling import Profiler, profiled
 from .state import TrainState
 from .step import (
     NonFiniteError,
@@ -29,10 +33,14 @@ from .step import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "Diagnostics",
+    "Monitor",
     "NonFiniteError",
     "Prepared",
+    "Profiler",
     "Step",
     "StepContext",
+    "SyncProbe",
     "TrainState",
     "Transform",
     "apply_transform",
@@ -41,11 +49,14 @@ __all__ = [
     "configurable",
     "describe",
     "distributed",
+    "doctor",
     "find_blocks",
     "init_distributed",
     "is_main_process",
     "lift",
+    "profiled",
     "scale_lr",
+    "training_flops",
     "with_accumulation",
     "with_amp",
     "with_clipping",
