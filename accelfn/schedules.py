@@ -1,0 +1,298 @@
+"""Learning-rate schedules with warmup, built from ``torch.optim.lr_scheduler``.
+
+Each helper returns a torch scheduler (or, for the plateau schedule, a small object with the
+same interface) meant for ``TrainState(model, optimizer, scheduler=...)``: the step engine
+calls ``scheduler.step()`` once after every real optimizer update (never per micro-batch,
+never for a skipped update), so every count below is a count of **optimizer updates**::
+
+    steps_per_epoch = len(loader)                 # one step(state, batch) = one update
+    scheduler = af.warmup_cosine(optimizer, warmup_steps=500,
+                                 total_steps=epochs * steps_per_epoch)
+    state = af.TrainState(model, optimizer, scheduler=scheduler)
+
+(with ``with_accumulation(n, mode="calls")`` an update happens every ``n`` calls: divide.)
+Torch's schedulers write a tensor learning rate in place (``fill_``), so they keep working
+when ``compiled(optimizer=True)`` holds each group's ``lr`` as a tensor, and the optimizer
+step never recompiles. The step's metrics report ``lr`` (of the first parameter group).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Literal, SupportsFloat
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import (
+    CosineAnnealingLR,
+    LinearLR,
+    LRScheduler,
+    OneCycleLR,
+    ReduceLROnPlateau,
+    SequentialLR,
+)
+
+__all__ = ["WarmupPlateau", "one_cycle", "warmup_cosine", "warmup_linear", "warmup_plateau"]
+
+
+def _check_optimizer(fn: str, optimizer: Any) -> None:
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"{fn}() takes a torch.optim.Optimizer first, got "
+                        f"{type(optimizer).__name__}")
+
+
+def _check_steps(fn: str, warmup_steps: Any, total_steps: Any | None) -> None:
+    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
+        raise ValueError(f"{fn}(warmup_steps={warmup_steps!r}) must be an int >= 0 (optimizer "
+                         "updates, not epochs)")
+    if total_steps is None:
+        return
+    if not isinstance(total_steps, int) or isinstance(total_steps, bool) or total_steps < 1:
+        raise ValueError(f"{fn}(total_steps={total_steps!r}) must be an int >= 1: the number "
+                         "of optimizer updates, e.g. epochs * len(loader)")
+    if warmup_steps >= total_steps:
+        raise ValueError(f"{fn}(warmup_steps={warmup_steps}) must be smaller than "
+                         f"total_steps={total_steps}")
+
+
+def _start_factor(fn: str, start_factor: float | None, warmup_steps: int) -> float:
+    if start_factor is None:
+        return 1.0 / (warmup_steps + 1)
+    if not isinstance(start_factor, (int, float)) or not 0.0 < start_factor <= 1.0:
+        raise ValueError(f"{fn}(start_factor={start_factor!r}) must be in (0, 1]: the first "
+                         "update's learning rate as a fraction of the base one")
+    return float(start_factor)
+
+
+def _warmup(optimizer: Optimizer, warmup_steps: int, start_factor: float) -> LinearLR:
+    return LinearLR(optimizer, start_factor=start_factor, end_factor=1.0,
+                    total_iters=warmup_steps)
+
+
+def warmup_cosine(
+    optimizer: Optimizer,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr: float = 0.0,
+    start_factor: float | None = None,
+) -> LRScheduler:
+    """Equivalent to ``SequentialLR(optimizer, [LinearLR(optimizer, start_factor, 1.0,
+    warmup_steps), CosineAnnealingLR(optimizer, total_steps - warmup_steps, eta_min=min_lr)],
+    milestones=[warmup_steps])``.
+
+    The learning rate of update ``t`` (counting from 0) for a group of base rate ``lr`` is::
+
+        t <  warmup_steps:  lr * (start_factor + (1 - start_factor) * t / warmup_steps)
+        t >= warmup_steps:  min_lr + (lr - min_lr) * (1 + cos(pi * (t - warmup_steps)
+                                                      / (total_steps - warmup_steps))) / 2
+
+    ``start_factor`` defaults to ``1 / (warmup_steps + 1)``, so warmup climbs
+    ``lr * (t + 1) / (warmup_steps + 1)`` and reaches ``lr`` at ``t = warmup_steps``.
+    ``min_lr`` is absolute (torch's ``eta_min``), the same for every group.
+    ``warmup_steps=0`` gives the plain ``CosineAnnealingLR``.
+    """
+    _check_optimizer("warmup_cosine", optimizer)
+    _check_steps("warmup_cosine", warmup_steps, total_steps)
+    if not isinstance(min_lr, (int, float)) or min_lr < 0:
+        raise ValueError(f"warmup_cosine(min_lr={min_lr!r}) must be a number >= 0")
+    if warmup_steps == 0:
+        return CosineAnnealingLR(optimizer, T_max=total_steps, eta_min=float(min_lr))
+    factor = _start_factor("warmup_cosine", start_factor, warmup_steps)
+    warmup = _warmup(optimizer, warmup_steps, factor)
+    decay = CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=float(min_lr))
+    return SequentialLR(optimizer, [warmup, decay], milestones=[warmup_steps])
+
+
+def warmup_linear(
+    optimizer: Optimizer,
+    *,
+    warmup_steps: int,
+    total_steps: int,
+    end_factor: float = 0.0,
+    start_factor: float | None = None,
+) -> LRScheduler:
+    """Equivalent to ``SequentialLR(optimizer, [LinearLR(optimizer, start_factor, 1.0,
+    warmup_steps), LinearLR(optimizer, 1.0, end_factor, total_steps - warmup_steps)],
+    milestones=[warmup_steps])``.
+
+    Linear warmup to each group's ``lr``, then linear decay to ``lr * end_factor`` at update
+    ``total_steps`` (``end_factor`` is relative to each group, as in ``LinearLR``).
+    ``start_factor`` defaults to ``1 / (warmup_steps + 1)`` (see :func:`warmup_cosine`).
+    """
+    _check_optimizer("warmup_linear", optimizer)
+    _check_steps("warmup_linear", warmup_steps, total_steps)
+    if not isinstance(end_factor, (int, float)) or not 0.0 <= end_factor <= 1.0:
+        raise ValueError(f"warmup_linear(end_factor={end_factor!r}) must be in [0, 1]: the "
+                         "final learning rate as a fraction of the base one")
+    decay_steps = total_steps - warmup_steps
+    if warmup_steps == 0:
+        return LinearLR(optimizer, start_factor=1.0, end_factor=float(end_factor),
+                        total_iters=decay_steps)
+    factor = _start_factor("warmup_linear", start_factor, warmup_steps)
+    warmup = _warmup(optimizer, warmup_steps, factor)
+    decay = LinearLR(optimizer, start_factor=1.0, end_factor=float(end_factor),
+                     total_iters=decay_steps)
+    return SequentialLR(optimizer, [warmup, decay], milestones=[warmup_steps])
+
+
+def _has_momentum(optimizer: Optimizer) -> bool:
+    if "betas" in optimizer.defaults:
+        return True
+    return "momentum" in optimizer.defaults and all(
+        float(g.get("momentum", 0.0)) > 0 for g in optimizer.param_groups)
+
+
+def one_cycle(
+    optimizer: Optimizer,
+    *,
+    total_steps: int,
+    max_lr: float | Sequence[float] | None = None,
+    warmup_steps: int | None = None,
+    pct_start: float = 0.3,
+    anneal_strategy: Literal["cos", "linear"] = "cos",
+    div_factor: float = 25.0,
+    final_div_factor: float = 1e4,
+    three_phase: bool = False,
+    cycle_momentum: bool | None = None,
+) -> LRScheduler:
+    """Equivalent to ``OneCycleLR(optimizer, max_lr, total_steps=total_steps,
+    pct_start=pct_start, ...)`` (its own warmup: from ``max_lr / div_factor`` up to
+    ``max_lr``, then annealing to ``max_lr / div_factor / final_div_factor``).
+
+    ``max_lr`` defaults to each group's current ``lr``. ``warmup_steps``, when given, sets
+    ``pct_start = warmup_steps / total_steps``. ``cycle_momentum`` defaults to True only for
+    optimizers that have momentum (``betas``, or SGD with ``momentum > 0``), where torch's
+    default would switch momentum on for plain SGD. ``total_steps`` counts optimizer
+    updates: ``epochs * steps_per_epoch`` in the seeds' notation.
+    """
+    _check_optimizer("one_cycle", optimizer)
+    _check_steps("one_cycle", 0 if warmup_steps is None else warmup_steps, total_steps)
+    if warmup_steps is not None:
+        if warmup_steps == 0:
+            raise ValueError("one_cycle(warmup_steps=0): the cycle needs a rising phase; give "
+                             "warmup_steps >= 1 or use warmup_cosine(warmup_steps=0, ...)")
+        pct_start = warmup_steps / total_steps
+    if not 0.0 < pct_start < 1.0:
+        raise ValueError(f"one_cycle(pct_start={pct_start!r}) must be in (0, 1)")
+    if max_lr is None:
+        max_lr = [float(g["lr"]) for g in optimizer.param_groups]
+    elif not isinstance(max_lr, (int, float)):
+        max_lr = [float(v) for v in max_lr]
+    if cycle_momentum is None:
+        cycle_momentum = _has_momentum(optimizer)
+    elif cycle_momentum and not _has_momentum(optimizer):
+        raise ValueError("one_cycle(cycle_momentum=True) needs an optimizer with momentum "
+                         "(SGD(momentum>0), Adam/AdamW betas)")
+    return OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=pct_start,
+                      anneal_strategy=anneal_strategy, div_factor=div_factor,
+                      final_div_factor=final_div_factor, three_phase=three_phase,
+                      cycle_momentum=cycle_momentum)
+
+
+class WarmupPlateau:
+    """Linear warmup per update, then ``ReduceLROnPlateau`` driven by evaluation metrics.
+
+    Equivalent to stepping ``LinearLR(optimizer, start_factor, 1.0, warmup_steps)`` after each
+    of the first ``warmup_steps`` updates and calling ``ReduceLROnPlateau.step(metric)`` at
+    each evaluation after that. Give it to ``TrainState(scheduler=...)``: the step engine
+    calls :meth:`step` after every update (a no-op once warmup is over); call
+    :meth:`observe` with the validation metric where the loop evaluates. Metrics observed
+    during warmup are ignored (the warmup owns the learning rate then); ``observe`` reads
+    the metric on the host (``float``), which is a sync, so call it at evaluation time only.
+    """
+
+    def __init__(self, optimizer: Optimizer, warmup: LinearLR | None,
+                 plateau: ReduceLROnPlateau, warmup_steps: int) -> None:
+        self.optimizer = optimizer
+        self.warmup = warmup
+        self.plateau = plateau
+        self.warmup_steps = warmup_steps
+        self.updates = 0
+
+    @property
+    def warming_up(self) -> bool:
+        """True while the warmup still sets the learning rate."""
+        return self.updates < self.warmup_steps
+
+    def step(self) -> None:
+        """Advance the warmup by one optimizer update (a no-op after warmup)."""
+        if self.warming_up and self.warmup is not None:
+            self.warmup.step()
+        self.updates += 1
+
+    def observe(self, metric: SupportsFloat | torch.Tensor) -> bool:
+        """Feed an evaluation metric to ``ReduceLROnPlateau``; True if it was used.
+
+        Returns False (and changes nothing) during warmup.
+        """
+        if self.warming_up:
+            return False
+        value = float(metric)
+        if math.isnan(value):
+            raise ValueError("warmup_plateau.observe() got NaN; the validation metric diverged")
+        self.plateau.step(value)
+        return True
+
+    def get_last_lr(self) -> list[float]:
+        """The current learning rate of each group, as floats."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "updates": self.updates,
+            "warmup": None if self.warmup is None else self.warmup.state_dict(),
+            "plateau": self.plateau.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if (state_dict["warmup"] is None) != (self.warmup is None):
+            raise ValueError("checkpoint and scheduler disagree on having a warmup; build "
+                             "warmup_plateau with the checkpointed run's warmup_steps")
+        self.updates = int(state_dict["updates"])
+        if self.warmup is not None:
+            self.warmup.load_state_dict(state_dict["warmup"])
+        self.plateau.load_state_dict(state_dict["plateau"])
+
+    def __repr__(self) -> str:
+        return (f"WarmupPlateau(warmup_steps={self.warmup_steps}, updates={self.updates}, "
+                f"factor={self.plateau.factor}, patience={self.plateau.patience})")
+
+
+def warmup_plateau(
+    optimizer: Optimizer,
+    *,
+    warmup_steps: int,
+    start_factor: float | None = None,
+    mode: Literal["min", "max"] = "min",
+    factor: float = 0.1,
+    patience: int = 10,
+    threshold: float = 1e-4,
+    threshold_mode: Literal["rel", "abs"] = "rel",
+    cooldown: int = 0,
+    min_lr: float | Sequence[float] = 0.0,
+) -> WarmupPlateau:
+    """Equivalent to ``LinearLR`` warmup over ``warmup_steps`` updates followed by
+    ``ReduceLROnPlateau(optimizer, mode, factor, patience, threshold, threshold_mode,
+    cooldown, min_lr)`` fed with ``observe(val_metric)`` at each evaluation.
+
+    ``patience`` and ``cooldown`` count observations (evaluations), as in torch. See
+    :class:`WarmupPlateau` for the loop.
+    """
+    _check_optimizer("warmup_plateau", optimizer)
+    _check_steps("warmup_plateau", warmup_steps, None)
+    if mode not in ("min", "max"):
+        raise ValueError(f"warmup_plateau(mode={mode!r}) must be 'min' or 'max'")
+    if not 0.0 < factor < 1.0:
+        raise ValueError(f"warmup_plateau(factor={factor!r}) must be in (0, 1): new lr = "
+                         "lr * factor")
+    warmup = None
+    if warmup_steps:
+        warmup = _warmup(optimizer, warmup_steps,
+                         _start_factor("warmup_plateau", start_factor, warmup_steps))
+    min_lrs = min_lr if isinstance(min_lr, (int, float)) else list(min_lr)
+    plateau = ReduceLROnPlateau(optimizer, mode=mode, factor=factor, patience=patience,
+                                threshold=threshold, threshold_mode=threshold_mode,
+                                cooldown=cooldown, min_lr=min_lrs)
+    return WarmupPlateau(optimizer, warmup, plateau, warmup_steps)
