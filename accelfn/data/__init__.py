@@ -2,7 +2,7 @@
 
 ``loader(source, batch_size=..., device=..., transform=...)`` is the one-call entry point; the
 nodes it composes (``IndexBatchSampler``, ``TensorDictGather``, ``SampleCollator``,
-``ProcessMapper``, ``ToDevice``, ``ApplyTransform``) are ``torchdata.nodes`` building blocks
+``PoolMapper``, ``ToDevice``, ``ApplyTransform``) are ``torchdata.nodes`` building blocks
 that can be recombined and wrapped in a ``BatchLoader``. ``preload`` writes a dataset once to
 a memory-mapped TensorDict; ``accelfn.data.gpu`` holds the batch transforms.
 """
@@ -29,7 +29,7 @@ from .preload import (
 from .sampling import IndexBatchSampler, epoch_indices, mix_seed, resolve_shard
 from .sources import (
     IterableBatcher,
-    ProcessMapper,
+    PoolMapper,
     SampleCollator,
     SampleSpec,
     TensorDictGather,
@@ -45,7 +45,7 @@ __all__ = [
     "IndexBatchSampler",
     "IterableBatcher",
     "Normalize",
-    "ProcessMapper",
+    "PoolMapper",
     "RandomCrop",
     "RandomHorizontalFlip",
     "RandomResizedCrop",

@@ -3,7 +3,7 @@
 The graph that :func:`loader` builds (each stage a ``torchdata.nodes.BaseNode``)::
 
     IndexBatchSampler            shuffle (seed, epoch), shard by rank, batch the indices
-      -> Mapper / ParallelMapper / ProcessMapper (TensorDictGather | SampleCollator)
+      -> Mapper / PoolMapper (threads or processes) over TensorDictGather | SampleCollator
          (or IterableWrapper -> IterableBatcher for iterables)
       -> Prefetcher              batches prepared ahead in a background thread
       -> PinMemory               page-locked host memory (only when CUDA is there)
@@ -28,18 +28,11 @@ from typing import Any, Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torchdata.nodes import (
-    BaseNode,
-    IterableWrapper,
-    Mapper,
-    ParallelMapper,
-    PinMemory,
-    Prefetcher,
-)
+from torchdata.nodes import BaseNode, IterableWrapper, Mapper, PinMemory, Prefetcher
 
 from .gpu import accepts_generator, host_keys
 from .sampling import IndexBatchSampler, mix_seed, resolve_shard
-from .sources import IterableBatcher, ProcessMapper, SampleCollator, TensorDictGather
+from .sources import IterableBatcher, PoolMapper, SampleCollator, TensorDictGather
 
 __all__ = ["ApplyTransform", "BatchLoader", "ToDevice", "loader"]
 
@@ -215,8 +208,8 @@ class ApplyTransform(BaseNode[TensorDictBase]):
     ``generator`` parameter are called as ``transform(batch)``.
 
     With ``num_workers > 0`` the transform runs on that many batches at once in worker threads
-    (``torchdata.nodes.ParallelMapper``, in order): for host (CPU) batches, whose transforms
-    are real work rather than asynchronous kernel launches. Seeds are assigned in order
+    (a :class:`~accelfn.data.sources.PoolMapper`, in order): for host (CPU) batches, whose
+    transforms are real work rather than asynchronous kernel launches. Seeds are assigned in order
     before the workers, so the output does not depend on ``num_workers``.
     """
 
@@ -239,11 +232,13 @@ class ApplyTransform(BaseNode[TensorDictBase]):
         self.num_workers = num_workers
         tagged = _TagSeeds(source, seed, rank)
         call = _SeededCall(transform)
-        self._inner: BaseNode[TensorDictBase] = (
-            ParallelMapper(tagged, call, num_workers=num_workers, method="thread")
-            if num_workers > 0
-            else Mapper(tagged, call)
-        )
+        self._inner: BaseNode[TensorDictBase]
+        self._pool: PoolMapper | None = None
+        if num_workers > 0:
+            self._pool = PoolMapper(tagged, call, num_workers)
+            self._inner = self._pool
+        else:
+            self._inner = Mapper(tagged, call)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -254,6 +249,11 @@ class ApplyTransform(BaseNode[TensorDictBase]):
 
     def get_state(self) -> dict[str, Any]:
         return {"inner": self._inner.state_dict()}
+
+    def close(self) -> None:
+        """Stop the worker threads, if any (a later ``reset()`` starts new ones)."""
+        if self._pool is not None:
+            self._pool.close()
 
 
 class _Iterator(Iterator[TensorDictBase]):
@@ -529,7 +529,7 @@ def loader(
       :class:`accelfn.data.ImageFiles`): samples are loaded one by one in ``num_workers``
       worker threads (default), or worker processes that persist across epochs
       (``worker_type="process"``, for Python-heavy work that holds the GIL), each worker
-      producing whole batches.
+      producing whole batches. Workers of both kinds persist across epochs.
     * an iterable (incl. ``IterableDataset``): read in order (``shuffle=False`` required),
       sharded by position.
 
@@ -646,12 +646,12 @@ def loader(
             node = Mapper(sampler, fetch)
         elif workers == 0:
             node = Mapper(sampler, fetch)
-        elif worker_type == "thread":
-            node = ParallelMapper(sampler, fetch, num_workers=workers, method="thread")
         else:
-            proc = ProcessMapper(sampler, fetch, workers, mp_context=mp_context)
-            close_fns.append(proc.close)
-            node = proc
+            pool = PoolMapper(
+                sampler, fetch, workers, worker_type=worker_type, mp_context=mp_context
+            )
+            close_fns.append(pool.close)
+            node = pool
         host_workers = workers
     else:
         host_workers = 0
@@ -682,6 +682,7 @@ def loader(
     on_host = (dev is None or dev.type == "cpu") and not on_device_source
     if transform is not None and on_host:
         node = ApplyTransform(node, transform, seed=seed, rank=rank, num_workers=host_workers)
+        close_fns.append(node.close)
     if prefetch > 0 and not on_device_source:
         node = Prefetcher(node, prefetch_factor=prefetch)
     if pin_memory and not on_device_source:

@@ -6,9 +6,9 @@
   into a TensorDict, checking every sample against the first one (keys, shapes, dtypes) so a
   bad sample is reported by its dataset index.
 * :class:`IterableBatcher` does the same for an iterable, as a ``torchdata.nodes`` node.
-* :class:`ProcessMapper` is a ``torchdata.nodes`` node that maps over its source in a pool of
-  worker processes that persist across epochs (``ParallelMapper(method="process")`` in
-  torchdata 0.11 starts new processes on every ``reset()``, i.e. every epoch).
+* :class:`PoolMapper` is a ``torchdata.nodes`` node that maps over its source in a pool of
+  worker threads or processes that persist across epochs (``ParallelMapper`` in torchdata
+  0.11 starts new ones on every ``reset()``, i.e. every epoch).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torchdata.nodes import BaseNode
 
 __all__ = [
     "IterableBatcher",
-    "ProcessMapper",
+    "PoolMapper",
     "SampleCollator",
     "SampleSpec",
     "TensorDictGather",
@@ -429,41 +429,52 @@ class IterableBatcher(BaseNode[TensorDict]):
 
 
 # --------------------------------------------------------------------------------------------
-# Persistent worker processes
+# Persistent workers
 
 _WORKER_FN: Callable[[Any], Any] | None = None
 
 
-def _worker_init(fn: Callable[[Any], Any]) -> None:
+def _process_init(fn: Callable[[Any], Any]) -> None:
     global _WORKER_FN
     _WORKER_FN = fn
     torch.set_num_threads(1)
+
+
+def _thread_init() -> None:
+    torch.set_num_threads(1)  # per thread (OpenMP): no oversubscription across workers
 
 
 def _noop() -> None:
     return None
 
 
-def _worker_call(item: Any) -> Any:
+def _process_call(item: Any) -> Any:
     assert _WORKER_FN is not None
     return _WORKER_FN(item)
 
 
-class ProcessMapper(BaseNode[Any]):
-    """Map ``map_fn`` over a source node in worker processes that persist across epochs.
+class PoolMapper(BaseNode[Any]):
+    """Map ``map_fn`` over a source node in worker threads or processes that persist.
 
-    The pool starts at the first ``reset()`` and is reused by every later epoch (``map_fn``
-    is sent to each worker once, at start-up). Results come back in source order; at most
-    ``max_in_flight`` items are being processed or waiting. Tensors travel through shared
-    memory (``torch.multiprocessing``). Its state is the source's state as of the last item
-    returned, so resume is exact whatever was in flight.
+    The workers start at the first ``reset()`` and serve every later epoch (for processes,
+    ``map_fn`` is sent to each once, at start-up, and tensors come back through shared
+    memory). Results are returned in source order; at most ``max_in_flight`` items are being
+    processed or waiting. Its state is the source's state as of the last item returned, so
+    resume is exact whatever was in flight. Exceptions in ``map_fn`` are re-raised with
+    their type and message.
+
+    (``torchdata.nodes.ParallelMapper`` in torchdata 0.11 starts new threads or processes on
+    every ``reset()``, i.e. every epoch.)
 
     Args:
         source: node whose items are passed to ``map_fn`` (e.g. index tensors).
-        map_fn: picklable function run in the workers.
-        num_workers: number of processes (>= 1).
+        map_fn: the function; picklable for processes.
+        num_workers: number of threads or processes (>= 1).
+        worker_type: ``"thread"`` (work that releases the GIL: I/O, decoding, tensor ops) or
+            ``"process"`` (Python-heavy work that holds it).
         max_in_flight: items submitted ahead; default ``2 * num_workers``.
-        mp_context: ``"fork"``, ``"spawn"`` or ``"forkserver"``; default the platform's.
+        mp_context: start method for processes (``"fork"``, ``"spawn"``, ``"forkserver"``);
+            default the platform's.
     """
 
     def __init__(
@@ -472,37 +483,54 @@ class ProcessMapper(BaseNode[Any]):
         map_fn: Callable[[Any], Any],
         num_workers: int,
         *,
+        worker_type: str = "thread",
         max_in_flight: int | None = None,
         mp_context: str | None = None,
     ) -> None:
         super().__init__()
         if num_workers < 1:
-            raise ValueError(f"ProcessMapper needs num_workers >= 1, got {num_workers}")
+            raise ValueError(f"PoolMapper needs num_workers >= 1, got {num_workers}")
+        if worker_type not in ("thread", "process"):
+            raise ValueError(f"worker_type must be 'thread' or 'process', got {worker_type!r}")
         self.source = source
         self.map_fn = map_fn
         self.num_workers = num_workers
+        self.worker_type = worker_type
         self.max_in_flight = max_in_flight or 2 * num_workers
         self.mp_context = mp_context
-        self._pool: cf.ProcessPoolExecutor | None = None
+        self._pool: cf.Executor | None = None
         self._pending: deque[tuple[cf.Future, dict[str, Any]]] = deque()
         self._state: dict[str, Any] | None = None
         self._exhausted = False
 
-    def _ensure_pool(self) -> cf.ProcessPoolExecutor:
+    def _ensure_pool(self) -> cf.Executor:
         if self._pool is None:
-            ctx = (
-                torch_mp.get_context(self.mp_context)
-                if self.mp_context
-                else multiprocessing.get_context()
-            )
-            self._pool = cf.ProcessPoolExecutor(
-                self.num_workers, mp_context=ctx, initializer=_worker_init, initargs=(self.map_fn,)
-            )
+            if self.worker_type == "thread":
+                self._pool = cf.ThreadPoolExecutor(
+                    self.num_workers, thread_name_prefix="accelfn-data", initializer=_thread_init
+                )
+            else:
+                ctx = (
+                    torch_mp.get_context(self.mp_context)
+                    if self.mp_context
+                    else multiprocessing.get_context()
+                )
+                self._pool = cf.ProcessPoolExecutor(
+                    self.num_workers,
+                    mp_context=ctx,
+                    initializer=_process_init,
+                    initargs=(self.map_fn,),
+                )
+                # Start the processes now, from the thread calling reset() (normally the main
+                # thread), rather than from whichever thread submits the first item.
+                self._pool.submit(_noop)
             weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
-            # Start the workers now, from the thread calling reset() (normally the main thread),
-            # rather than lazily from whichever thread submits the first batch.
-            self._pool.submit(_noop)
         return self._pool
+
+    def _submit(self, pool: cf.Executor, item: Any) -> cf.Future:
+        if self.worker_type == "thread":
+            return pool.submit(self.map_fn, item)
+        return pool.submit(_process_call, item)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -522,7 +550,7 @@ class ProcessMapper(BaseNode[Any]):
             except StopIteration:
                 self._exhausted = True
                 break
-            self._pending.append((pool.submit(_worker_call, item), self.source.state_dict()))
+            self._pending.append((self._submit(pool, item), self.source.state_dict()))
 
     def next(self) -> Any:
         self._fill()
@@ -538,7 +566,7 @@ class ProcessMapper(BaseNode[Any]):
         return {"source": self._state}
 
     def close(self) -> None:
-        """Stop the worker processes (a later ``reset()`` starts new ones)."""
+        """Stop the workers (a later ``reset()`` starts new ones)."""
         if self._pool is not None:
             for fut, _ in self._pending:
                 fut.cancel()
