@@ -220,6 +220,12 @@ class WarmupPlateau:
         """Advance the warmup by one optimizer update (a no-op after warmup)."""
         if self.warming_up and self.warmup is not None:
             self.warmup.step()
+            if self.updates + 1 == self.warmup_steps:  # exactly the base rate, not ~1 ulp off
+                for group in self.optimizer.param_groups:
+                    if isinstance(group["lr"], torch.Tensor):
+                        group["lr"].fill_(float(group["initial_lr"]))
+                    else:
+                        group["lr"] = group["initial_lr"]
         self.updates += 1
 
     def observe(self, metric: SupportsFloat | torch.Tensor) -> bool:

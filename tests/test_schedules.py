@@ -1,0 +1,344 @@
+"""Schedules: the learning rate of every update against closed forms and torch's own
+schedulers, stepped once per optimizer update (accumulation, skipped updates, 2 processes),
+with tensor learning rates as ``compiled(optimizer=True)`` holds them.
+
+Run as a script under torchrun, this file is the 2-process worker of
+``test_scheduler_steps_once_per_update_on_two_processes``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import Net, as_dict, assert_params_equal, classify, clone_setup, make_batch
+from reference import reference_update
+from torch.optim.lr_scheduler import (
+    CosineAnnealingLR,
+    LinearLR,
+    OneCycleLR,
+    ReduceLROnPlateau,
+    SequentialLR,
+)
+
+import accelfn as af
+from accelfn.schedules import (
+    WarmupPlateau,
+    one_cycle,
+    warmup_cosine,
+    warmup_linear,
+    warmup_plateau,
+)
+
+
+def cosine_at(t, base, warmup, total, min_lr, start):
+    """The seeds' warmup + cosine, written out: the lr used by update ``t``."""
+    if t < warmup:
+        return base * (start + (1 - start) * t / warmup)
+    progress = (t - warmup) / (total - warmup)
+    return min_lr + (base - min_lr) * (1 + math.cos(math.pi * progress)) / 2
+
+
+def linear_at(t, base, warmup, total, end, start):
+    if t < warmup:
+        return base * (start + (1 - start) * t / warmup)
+    return base * (1 + (end - 1) * (t - warmup) / (total - warmup))
+
+
+def two_groups(lr_a=0.1, lr_b=0.02, **kwargs):
+    net = Net()
+    return torch.optim.SGD([{"params": net.inp.parameters(), "lr": lr_a},
+                            {"params": net.head.parameters(), "lr": lr_b}], lr=lr_a, **kwargs)
+
+
+def lrs_over(optimizer, scheduler, updates):
+    """[per-group lrs used by update t] for t in range(updates), stepping once per update."""
+    out = []
+    for _ in range(updates):
+        out.append([float(g["lr"]) for g in optimizer.param_groups])
+        optimizer.step()  # no gradients: changes nothing, keeps torch's order check quiet
+        scheduler.step()
+    return out
+
+
+# ----------------------------------------------------------------- closed forms
+@pytest.mark.parametrize("warmup,start", [(3, None), (3, 0.25), (0, None)])
+def test_warmup_cosine_follows_the_closed_form_per_group(warmup, start):
+    opt = two_groups()
+    sched = warmup_cosine(opt, warmup_steps=warmup, total_steps=10, min_lr=1e-3,
+                          start_factor=start)
+    s = 1 / (warmup + 1) if start is None else start
+    got = lrs_over(opt, sched, 11)
+    for t, lrs in enumerate(got):
+        for lr, base in zip(lrs, (0.1, 0.02)):
+            assert lr == pytest.approx(cosine_at(t, base, warmup, 10, 1e-3, s), rel=1e-9,
+                                       abs=1e-12), t
+    assert got[10] == pytest.approx([1e-3, 1e-3], rel=1e-9)  # min_lr after total_steps
+
+
+def test_warmup_cosine_default_warmup_climbs_t_plus_one_over_warmup_plus_one():
+    opt = two_groups()
+    sched = warmup_cosine(opt, warmup_steps=4, total_steps=20)
+    got = [lrs[0] for lrs in lrs_over(opt, sched, 5)]
+    assert got == pytest.approx([0.1 * (t + 1) / 5 for t in range(5)], rel=1e-12)
+    assert got[0] > 0  # the first update is never wasted on lr 0
+
+
+def test_warmup_cosine_equals_the_hand_built_torch_schedule():
+    opt_a, opt_b = two_groups(), two_groups()
+    mine = warmup_cosine(opt_a, warmup_steps=5, total_steps=30, min_lr=1e-4, start_factor=0.1)
+    ref = SequentialLR(opt_b, [LinearLR(opt_b, start_factor=0.1, total_iters=5),
+                               CosineAnnealingLR(opt_b, T_max=25, eta_min=1e-4)],
+                       milestones=[5])
+    assert lrs_over(opt_a, mine, 30) == lrs_over(opt_b, ref, 30)
+
+
+@pytest.mark.parametrize("warmup,end", [(2, 0.0), (2, 0.1), (0, 0.5)])
+def test_warmup_linear_follows_the_closed_form(warmup, end):
+    opt = two_groups()
+    sched = warmup_linear(opt, warmup_steps=warmup, total_steps=8, end_factor=end)
+    s = 1 / (warmup + 1)
+    for t, lrs in enumerate(lrs_over(opt, sched, 9)):
+        for lr, base in zip(lrs, (0.1, 0.02)):
+            assert lr == pytest.approx(linear_at(t, base, warmup, 8, end, s), rel=1e-9,
+                                       abs=1e-12), t
+
+
+def test_one_cycle_equals_the_seeds_onecyclelr():
+    net = Net()
+    opt_a = torch.optim.AdamW(net.parameters(), lr=1e-3)
+    opt_b = torch.optim.AdamW(Net().parameters(), lr=1e-3)
+    opt_c = torch.optim.AdamW(Net().parameters(), lr=1e-3)
+    ref = OneCycleLR(opt_b, max_lr=1e-3, epochs=10, steps_per_epoch=20, pct_start=0.3,
+                     div_factor=25, final_div_factor=1e4)
+    mine = one_cycle(opt_a, total_steps=200)  # max_lr: the optimizer's lr
+    by_warmup = one_cycle(opt_c, max_lr=1e-3, total_steps=200, warmup_steps=60)
+    used = []
+    for _ in range(200):
+        for opt in (opt_a, opt_c):
+            assert opt.param_groups[0]["lr"] == opt_b.param_groups[0]["lr"]
+            assert opt.param_groups[0]["betas"] == opt_b.param_groups[0]["betas"]
+        used.append(opt_a.param_groups[0]["lr"])
+        for opt, s in ((opt_b, ref), (opt_a, mine), (opt_c, by_warmup)):
+            opt.step()
+            s.step()
+    assert max(used) == pytest.approx(1e-3) and used.index(max(used)) == 59
+    assert used[0] == pytest.approx(1e-3 / 25) and used[-1] == pytest.approx(1e-3 / 25 / 1e4)
+
+
+def test_one_cycle_leaves_sgd_without_momentum_alone():
+    opt = torch.optim.SGD(Net().parameters(), lr=0.1)
+    sched = one_cycle(opt, total_steps=10)
+    lrs = [lr for lr, in lrs_over(opt, sched, 10)]
+    assert opt.param_groups[0]["momentum"] == 0  # torch's default would set 0.85..0.95
+    assert max(lrs) == pytest.approx(0.1, rel=1e-6) and lrs[0] == pytest.approx(0.1 / 25)
+    with pytest.raises(ValueError, match="momentum"):
+        one_cycle(opt, total_steps=10, cycle_momentum=True)
+
+
+def test_warmup_plateau_warms_up_then_follows_reduce_on_plateau():
+    opt = two_groups()
+    sched = warmup_plateau(opt, warmup_steps=4, factor=0.5, patience=1)
+    assert isinstance(sched, WarmupPlateau) and sched.optimizer is opt
+    ref_opt = two_groups()
+    ref = ReduceLROnPlateau(ref_opt, factor=0.5, patience=1)
+    for t in range(4):
+        assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.1 * (t + 1) / 5)
+        assert sched.observe(0.0) is False  # ignored during warmup
+        opt.step()
+        sched.step()
+    assert sched.get_last_lr() == [0.1, 0.02]  # exactly the base rates
+    metrics = [1.0, 0.9, 0.95, 0.93, 0.92, torch.tensor(0.5), 0.6, 0.7, 0.8]
+    for i, m in enumerate(metrics):
+        for _ in range(3):  # per-update steps after warmup change nothing
+            sched.step()
+        assert sched.observe(m) is True
+        ref.step(float(m))
+        assert sched.get_last_lr() == [g["lr"] for g in ref_opt.param_groups], i
+    assert sched.get_last_lr()[0] < 0.1 / 2  # it did reduce, more than once
+    with pytest.raises(ValueError, match="NaN"):
+        sched.observe(float("nan"))
+
+
+def test_warmup_plateau_checkpoint_round_trip_through_train_state(net):
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = af.TrainState(net, opt, scheduler=warmup_plateau(opt, warmup_steps=2, patience=0))
+    step = af.lift(classify)
+    for i in range(3):
+        step(state, make_batch(seed=i))
+    state.scheduler.observe(1.0)
+    state.scheduler.observe(2.0)  # patience 0: reduced once
+    saved = state.state_dict()
+    net2 = Net()
+    opt2 = torch.optim.SGD(net2.parameters(), lr=0.1)
+    state2 = af.TrainState(net2, opt2, scheduler=warmup_plateau(opt2, warmup_steps=2,
+                                                                patience=0))
+    state2.load_state_dict(saved)
+    assert state2.scheduler.updates == 3 and not state2.scheduler.warming_up
+    assert state2.scheduler.get_last_lr() == pytest.approx([0.01])
+    for s in (state.scheduler, state2.scheduler):
+        s.observe(3.0)
+    assert state2.scheduler.get_last_lr() == state.scheduler.get_last_lr() == pytest.approx(
+        [0.001])
+
+
+# ----------------------------------------------------------------- inside the step
+def test_scheduler_steps_once_per_update_under_accumulation(net):
+    (m1, o1), (m2, o2) = clone_setup(net, momentum=0.9)
+    s1 = warmup_cosine(o1, warmup_steps=2, total_steps=6, min_lr=0.01)
+    s2 = SequentialLR(o2, [LinearLR(o2, start_factor=1 / 3, total_iters=2),
+                           CosineAnnealingLR(o2, T_max=4, eta_min=0.01)], milestones=[2])
+    state = af.TrainState(m1, o1, scheduler=s1)
+    step = af.with_accumulation(4)(classify)
+    for i in range(6):
+        batch = make_batch(n=10, seed=i)
+        metrics = step(state, batch)
+        assert metrics["lr"].item() == pytest.approx(cosine_at(i, 0.1, 2, 6, 0.01, 1 / 3))
+        reference_update(m2, o2, as_dict(batch), classify, micro=4, scheduler=s2)
+        assert s1.last_epoch == i + 1  # once per update, not per micro-batch
+    assert_params_equal(m1, m2)
+    assert s1.get_last_lr() == s2.get_last_lr()
+
+
+def test_skipped_update_does_not_advance_the_schedule(net):
+    poison = {"on": False}
+
+    def fn(model, batch):
+        out = classify(model, batch)
+        if poison["on"]:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = af.TrainState(net, opt, scheduler=warmup_cosine(opt, warmup_steps=3,
+                                                            total_steps=10))
+    step = af.lift(fn)
+    step(state, make_batch(seed=0))
+    poison["on"] = True
+    metrics = step(state, make_batch(seed=1))
+    assert metrics["skipped"].item() == 1
+    assert state.scheduler.last_epoch == 1
+    poison["on"] = False
+    metrics = step(state, make_batch(seed=2))
+    assert metrics["lr"].item() == pytest.approx(0.1 * 2 / 4)  # update 1's rate, not 2's
+
+
+class TensorLR:
+    """What compiled(optimizer=True) does to the optimizer, without compiling."""
+
+    name = "tensor_lr"
+
+    def prepare(self, prepared, state):
+        for group in state.optimizer.param_groups:
+            group["lr"] = torch.tensor(float(group["lr"]))
+
+
+@pytest.mark.parametrize("make", [
+    lambda o: warmup_cosine(o, warmup_steps=2, total_steps=6),
+    lambda o: warmup_linear(o, warmup_steps=2, total_steps=6),
+    lambda o: one_cycle(o, total_steps=6),
+    lambda o: warmup_plateau(o, warmup_steps=2),
+])
+def test_tensor_learning_rates_are_updated_in_place(net, make):
+    opt_f = torch.optim.SGD(Net().parameters(), lr=0.1)
+    ref = make(opt_f)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    state = af.TrainState(net, opt, scheduler=make(opt))  # built before the lr is a tensor
+    step = af.lift(classify).with_transform(TensorLR())
+    step(state, make_batch(seed=0))
+    lr = opt.param_groups[0]["lr"]
+    assert isinstance(lr, torch.Tensor)
+    opt_f.step()
+    ref.step()
+    for i in range(1, 5):
+        metrics = step(state, make_batch(seed=i))
+        assert opt.param_groups[0]["lr"] is lr  # same tensor: a compiled step never recompiles
+        assert metrics["lr"].item() == pytest.approx(float(opt_f.param_groups[0]["lr"]))
+        opt_f.step()
+        ref.step()
+        assert lr.item() == pytest.approx(float(opt_f.param_groups[0]["lr"]))
+
+
+def test_schedules_built_on_tensor_learning_rates():
+    opt = two_groups()
+    for g in opt.param_groups:
+        g["lr"] = torch.tensor(float(g["lr"]))
+    sched = warmup_cosine(opt, warmup_steps=2, total_steps=5)
+    got = lrs_over(opt, sched, 6)
+    assert [row[1] for row in got] == pytest.approx(
+        [cosine_at(t, 0.02, 2, 5, 0.0, 1 / 3) for t in range(6)], abs=1e-8)
+    assert all(isinstance(g["lr"], torch.Tensor) for g in opt.param_groups)
+
+
+# ----------------------------------------------------------------- errors
+@pytest.mark.parametrize("call,match", [
+    (lambda o: warmup_cosine(o, warmup_steps=10, total_steps=10), "smaller than"),
+    (lambda o: warmup_cosine(o, warmup_steps=-1, total_steps=10), "int >= 0"),
+    (lambda o: warmup_cosine(o, warmup_steps=1, total_steps=2.5), "epochs"),
+    (lambda o: warmup_cosine(o, warmup_steps=1, total_steps=5, start_factor=0), r"\(0, 1\]"),
+    (lambda o: warmup_cosine(o, warmup_steps=1, total_steps=5, min_lr=-1), ">= 0"),
+    (lambda o: warmup_linear(o, warmup_steps=1, total_steps=5, end_factor=2), r"\[0, 1\]"),
+    (lambda o: one_cycle(o, total_steps=5, warmup_steps=0), "rising phase"),
+    (lambda o: one_cycle(o, total_steps=5, pct_start=1.0), r"\(0, 1\)"),
+    (lambda o: warmup_plateau(o, warmup_steps=1, factor=1.0), "lr \\* factor"),
+    (lambda o: warmup_plateau(o, warmup_steps=1, mode="lowest"), "'min' or 'max'"),
+    (lambda o: warmup_cosine(o.param_groups, warmup_steps=1, total_steps=5), "Optimizer"),
+])
+def test_bad_arguments_say_how_to_fix_them(call, match):
+    opt = torch.optim.SGD(Net().parameters(), lr=0.1)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(opt)
+
+
+# ----------------------------------------------------------------- two processes
+STEPS, WARMUP, TOTAL = 5, 2, 6
+
+
+def _worker(out: str) -> None:
+    import torch.distributed as dist
+
+    af.init_distributed()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    state = af.TrainState(model, opt, scheduler=warmup_cosine(opt, warmup_steps=WARMUP,
+                                                              total_steps=TOTAL))
+    step = af.distributed(af.with_accumulation(2)(classify))
+    lrs = [float(step(state, make_batch(n=6, seed=10 * i + rank))["lr"]) for i in range(STEPS)]
+    torch.save({"last_epoch": state.scheduler.last_epoch, "lrs": lrs,
+                "final": float(opt.param_groups[0]["lr"])},
+               os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_scheduler_steps_once_per_update_on_two_processes(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # torchrun's environment, set by hand: two workers without a launcher process
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, str(tmp_path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
+             "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outputs)
+    expected = [cosine_at(t, 0.1, WARMUP, TOTAL, 0.0, 1 / (WARMUP + 1)) for t in range(STEPS)]
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        assert got["last_epoch"] == STEPS  # not STEPS * processes, not per micro-batch
+        assert got["lrs"] == pytest.approx(expected, rel=1e-6)  # float32 metric
+        assert got["final"] == pytest.approx(cosine_at(STEPS, 0.1, WARMUP, TOTAL, 0.0, 1 / 3))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
