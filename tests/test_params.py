@@ -1,0 +1,236 @@
+"""Parameter groups (no decay on biases, norms and embeddings, by module type), layer-wise
+learning rates, and freezing by module path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+from conftest import Net, classify, make_batch
+from torch import nn
+
+import accelfn as af
+from accelfn.params import NO_DECAY_TYPES, freeze, no_decay_names, param_groups, unfreeze
+
+
+def names_by_decay(model, groups):
+    """{weight_decay: set of parameter names} for groups of a model."""
+    ids = {id(p): n for n, p in model.named_parameters()}
+    out: dict[float, set[str]] = {}
+    for g in groups:
+        out.setdefault(g["weight_decay"], set()).update(ids[id(p)] for p in g["params"])
+    return out
+
+
+class TinyTransformer(nn.Module):
+    def __init__(self, vocab=50, dim=16, depth=2, tie=False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        layer = nn.TransformerEncoderLayer(dim, nhead=2, dim_feedforward=32, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.head(self.norm(self.encoder(self.embed(tokens))))
+
+
+# ----------------------------------------------------------------- weight decay
+def test_resnet18_no_decay_on_batchnorm_and_biases():
+    model = torchvision.models.resnet18(num_classes=10)
+    got = names_by_decay(model, param_groups(model, weight_decay=1e-4))
+    decay, spared = set(), set()
+    for mod_name, module in model.named_modules():
+        for local, _ in module.named_parameters(recurse=False):
+            name = f"{mod_name}.{local}" if mod_name else local
+            if isinstance(module, (nn.Conv2d, nn.Linear)) and local == "weight":
+                decay.add(name)
+            else:
+                assert isinstance(module, nn.BatchNorm2d) or local == "bias", name
+                spared.add(name)
+    assert got == {1e-4: decay, 0.0: spared}
+    assert "fc.bias" in spared and "bn1.weight" in spared and "layer2.0.downsample.1.bias" in spared
+    assert "layer2.0.downsample.0.weight" in decay and "conv1.weight" in decay
+
+
+def test_transformer_no_decay_on_layernorm_biases_and_embedding():
+    model = TinyTransformer()
+    got = names_by_decay(model, param_groups(model, weight_decay=0.05))
+    expected_decay = {"head.weight"} | {
+        f"encoder.layers.{i}.{w}" for i in range(2)
+        for w in ("self_attn.in_proj_weight", "self_attn.out_proj.weight", "linear1.weight",
+                  "linear2.weight")}
+    assert got[0.05] == expected_decay
+    assert got[0.0] == set(dict(model.named_parameters())) - expected_decay
+    assert {"embed.weight", "encoder.layers.0.self_attn.in_proj_bias", "norm.weight",
+            "encoder.layers.1.norm2.bias"} <= got[0.0]
+
+
+def test_rule_is_by_module_type_not_by_shape_or_name():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(8))  # 1-d but not a bias or a norm: decays
+            self.table = nn.Embedding(4, 8)  # 2-d but an embedding: no decay
+            self.mix = nn.MultiheadAttention(8, 2, add_bias_kv=True)
+            self.rnn = nn.GRU(8, 8)
+
+    model = Odd()
+    spared = no_decay_names(model)
+    assert "scale" not in spared and "table.weight" in spared
+    assert {"mix.in_proj_bias", "mix.bias_k", "mix.bias_v", "mix.out_proj.bias",
+            "rnn.bias_ih_l0", "rnn.bias_hh_l0"} <= spared
+    assert "rnn.weight_ih_l0" not in spared and "mix.in_proj_weight" not in spared
+    # a subclass of a norm layer is a norm layer; custom types can be added
+    norm2d = torchvision.models.convnext.LayerNorm2d(4)
+    assert no_decay_names(nn.ModuleDict({"norm": norm2d})) == {"norm.weight", "norm.bias"}
+    act = nn.ModuleDict({"act": nn.PReLU()})
+    assert no_decay_names(act) == set()
+    assert no_decay_names(act, (*NO_DECAY_TYPES, nn.PReLU)) == {"act.weight"}
+
+
+def test_custom_types_and_skip():
+    model = nn.Sequential(nn.Linear(4, 4), nn.PReLU(4))
+    got = names_by_decay(model, param_groups(model, weight_decay=0.1,
+                                             no_decay_types=(*NO_DECAY_TYPES, nn.PReLU),
+                                             skip=["0.weight"]))
+    assert got == {0.0: {"0.weight", "0.bias", "1.weight"}}
+    with pytest.raises(ValueError, match=r"not parameter names.*close: \['0.weight'"):
+        param_groups(model, weight_decay=0.1, skip=["0.weigth"])
+
+
+def test_groups_apply_decay_only_where_they_should():
+    """AdamW on zero gradients: decayed weights shrink by (1 - lr * wd), the others stay."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(),
+                          nn.Linear(4, 4), TinyTransformer(dim=4, depth=1))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(param_groups(model, weight_decay=0.5), lr=0.1)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    spared = no_decay_names(model)
+    for n, p in model.named_parameters():
+        if n in spared:
+            assert torch.equal(p, before[n]), n
+        else:
+            torch.testing.assert_close(p, before[n] * (1 - 0.1 * 0.5), msg=n)
+
+
+def test_tied_weights_appear_once_and_named_groups():
+    model = TinyTransformer(tie=True)
+    groups = param_groups(model, weight_decay=0.1, named=True)
+    names = [n for g in groups for n, _ in g["params"]]
+    assert len(names) == len(set(names)) == len(list(model.parameters()))
+    assert "embed.weight" in [n for g in groups if g["weight_decay"] == 0 for n, _ in
+                              g["params"]]
+    opt = torch.optim.AdamW(groups, lr=1e-3)
+    assert opt.param_groups[0]["param_names"][0] == names[0]
+
+
+def test_lr_is_set_on_every_group_and_empty_groups_are_dropped():
+    model = nn.Linear(3, 3, bias=False)
+    groups = param_groups(model, weight_decay=0.1, lr=0.5)
+    assert len(groups) == 1 and groups[0]["lr"] == 0.5 and groups[0]["weight_decay"] == 0.1
+    assert "lr" not in param_groups(model, weight_decay=0.1)[0]
+
+
+# ----------------------------------------------------------------- layer-wise rates
+def test_layer_decay_on_a_transformer():
+    model = TinyTransformer()
+    groups = param_groups(model, weight_decay=0.05, lr=1.0, layer_decay=0.5)
+    lr_of = {n: g["lr"] for g in groups for n, p in model.named_parameters()
+             if any(p is q for q in g["params"])}
+    assert lr_of["embed.weight"] == 0.5 ** 3  # before the 2 blocks: depth 0
+    assert lr_of["encoder.layers.0.linear1.weight"] == 0.5 ** 2
+    assert lr_of["encoder.layers.0.norm1.bias"] == 0.5 ** 2
+    assert lr_of["encoder.layers.1.self_attn.in_proj_weight"] == 0.5
+    assert lr_of["norm.weight"] == lr_of["head.weight"] == 1.0
+    decays = {(g["lr"], g["weight_decay"]) for g in groups}
+    assert (0.25, 0.05) in decays and (0.25, 0.0) in decays and len(groups) == 7
+
+
+def test_layer_decay_on_resnet_blocks():
+    model = torchvision.models.resnet18(num_classes=10)
+    groups = param_groups(model, weight_decay=1e-4, lr=0.1, layer_decay=0.9)
+    lr_of = {n: g["lr"] for g in groups for n, p in model.named_parameters()
+             if any(p is q for q in g["params"])}
+    assert lr_of["conv1.weight"] == pytest.approx(0.1 * 0.9 ** 9)  # stem: 8 blocks + 1
+    assert lr_of["layer1.0.conv1.weight"] == pytest.approx(0.1 * 0.9 ** 8)
+    assert lr_of["layer4.1.bn2.bias"] == pytest.approx(0.1 * 0.9)
+    assert lr_of["fc.weight"] == pytest.approx(0.1)
+
+
+def test_layer_decay_params_between_blocks_go_with_the_next_block():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+    model = nn.Sequential(nn.Linear(4, 4), Block(), nn.LayerNorm(4), Block(), nn.Linear(4, 2))
+    groups = param_groups(model, weight_decay=0.0, lr=1.0, layer_decay=0.5, named=True)
+    lr_of = {n: g["lr"] for g in groups for n, _ in g["params"]}
+    assert lr_of == {"0.weight": 0.125, "0.bias": 0.125, "1.fc.weight": 0.25,
+                     "1.fc.bias": 0.25, "2.weight": 0.5, "2.bias": 0.5, "3.fc.weight": 0.5,
+                     "3.fc.bias": 0.5, "4.weight": 1.0, "4.bias": 1.0}
+    explicit = param_groups(model, weight_decay=0.0, lr=1.0, layer_decay=0.5, named=True,
+                            blocks=["1", "3"])
+    assert {n: g["lr"] for g in explicit for n, _ in g["params"]} == lr_of
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"layer_decay": 0.8}, "needs lr="),
+    ({"lr": 0.1, "layer_decay": 1.5}, r"\(0, 1\]"),
+    ({"blocks": ["blocks.0"]}, "only applies with layer_decay"),
+    ({"lr": 0.1, "layer_decay": 0.8, "blocks": ["blocks.7"]}, "not a module or parameter"),
+    ({"weight_decay": -1}, ">= 0"),
+    ({"lr": 0.0}, "> 0"),
+])
+def test_bad_arguments(kwargs, match):
+    kwargs = {"weight_decay": 0.1, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        param_groups(Net(), **kwargs)
+
+
+def test_layer_decay_without_blocks_asks_for_them():
+    with pytest.raises(ValueError, match=r"blocks=\[\.\.\.\]"):
+        param_groups(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)),
+                     weight_decay=0.1, lr=0.1, layer_decay=0.5)
+
+
+# ----------------------------------------------------------------- freezing
+def test_freeze_by_module_and_parameter_path_then_unfreeze():
+    model = torchvision.models.resnet18(num_classes=10)
+    assert freeze(model, "layer1", "fc.bias") is model
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen == {n for n, _ in model.named_parameters() if n.startswith("layer1.")} | {
+        "fc.bias"}
+    unfreeze(model, "layer1.0")
+    assert not any(n.startswith("layer1.0.") for n, p in model.named_parameters()
+                   if not p.requires_grad)
+    unfreeze(model)
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_unknown_paths_name_the_closest_modules():
+    model = torchvision.models.resnet18(num_classes=10)
+    with pytest.raises(ValueError, match=r"'layer5'.*did you mean.*layer\d.*top-level"):
+        freeze(model, "layer5")
+    with pytest.raises(ValueError, match="at least one"):
+        freeze(model)
+    with pytest.raises(TypeError, match="strings"):
+        freeze(model, model.fc)
+
+
+def test_frozen_backbone_trains_only_the_head(net):
+    freeze(net, "inp", "blocks")
+    groups = param_groups(net, weight_decay=0.01)
+    assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in net.head.parameters()}
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    state = af.TrainState(net, torch.optim.AdamW(groups, lr=1e-2))
+    af.lift(classify)(state, make_batch())
+    for n, p in net.named_parameters():
+        assert torch.equal(p, before[n]) != n.startswith("head."), n
+    everything = param_groups(net, weight_decay=0.01, trainable_only=False)
+    assert sum(len(g["params"]) for g in everything) == len(list(net.parameters()))
