@@ -195,6 +195,17 @@ class _Reiterable(torch.utils.data.IterableDataset):
         return iter(self.data)
 
 
+def test_each_iter_starts_an_epoch_and_old_iterators_are_stale():
+    loader = ad.loader(make_td(), batch_size=10, seed=1)
+    first = iter(loader)
+    a = next(first)["label"]
+    second = iter(loader)  # a new epoch, as after a `break`
+    b = next(second)["label"]
+    assert not torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="stale"):
+        next(first)
+
+
 def test_drop_last_false_keeps_short_batch():
     loader = ad.loader(make_td(), batch_size=10, drop_last=False)
     sizes = [b.batch_size[0] for b in loader]
