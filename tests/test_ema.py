@@ -1,0 +1,250 @@
+"""with_ema against torch.optim.swa_utils.AveragedModel updated after each optimizer step."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from conftest import Net, as_dict, classify, clone_setup, make_batch
+from reference import reference_update
+from torch import nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+import accelfn as af
+from accelfn.diagnostics import SyncProbe
+from accelfn.ema import ema_state_dict, ema_weights, with_ema
+
+
+class BNNet(nn.Module):
+    """A classifier with BatchNorm: float running statistics and an integer counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.bn(self.inp(x))))
+
+
+def ema_values(state):
+    return state.slots["with_ema"].named_values()
+
+
+def assert_matches_averaged_model(state, ref: AveragedModel, buffers: bool = True):
+    ema = ema_values(state)
+    for name, p in ref.module.named_parameters():
+        assert torch.equal(ema[name], p), f"{name}: max {(ema[name] - p).abs().max()}"
+    if buffers:
+        for name, b in ref.module.named_buffers():
+            if b.is_floating_point():
+                assert torch.equal(ema[f"buffer:{name}"], b), name
+
+
+@pytest.mark.parametrize("micro", [1, 2])
+def test_equals_averaged_model_step_by_step(micro):
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(BNNet(), torch.optim.AdamW, lr=1e-2)
+    ref = AveragedModel(m2, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    step = with_ema(decay=0.9)(af.with_accumulation(micro)(classify))
+    state = af.TrainState(m1, o1)
+    for i in range(5):
+        batch = make_batch(seed=i)
+        step(state, batch)
+        reference_update(m2, o2, as_dict(batch), classify, micro=micro)
+        ref.update_parameters(m2)
+        assert_matches_averaged_model(state, ref)  # bitwise, after every update
+    ema = ema_values(state)
+    assert not torch.equal(ema["head.weight"], m1.head.weight)  # really an average
+    # integer buffers follow the model (AveragedModel would average and truncate them)
+    assert torch.equal(ema["buffer:bn.num_batches_tracked"], m1.bn.num_batches_tracked)
+
+
+def test_buffers_copy_equals_averaged_model_without_buffers():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(BNNet(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref = AveragedModel(m2, multi_avg_fn=get_ema_multi_avg_fn(0.8))
+    step = with_ema(decay=0.8, buffers="copy")(classify)
+    state = af.TrainState(m1, o1)
+    for i in range(4):
+        batch = make_batch(seed=i)
+        step(state, batch)
+        reference_update(m2, o2, as_dict(batch), classify)
+        ref.update_parameters(m2)
+    got, want = ema_state_dict(state), ref.module.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+def test_skipped_updates_leave_the_average_alone_and_every_counts_real_updates(net):
+    poison = {"on": False}
+
+    def fn(model, batch):
+        out = classify(model, batch)
+        if poison["on"]:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+    (m1, o1), (m2, o2) = clone_setup(net, torch.optim.AdamW, lr=1e-2)
+    ref = AveragedModel(m2, multi_avg_fn=get_ema_multi_avg_fn(0.7))
+    state = af.TrainState(m1, o1)
+    step = with_ema(decay=0.7, every=2)(fn)
+    real = 0
+    for i in range(7):
+        poison["on"] = i in (0, 3)  # the very first update is skipped too
+        batch = make_batch(seed=i)
+        before = {k: v.clone() for k, v in ema_values(state).items()} if i else None
+        metrics = step(state, batch)
+        if poison["on"]:
+            assert metrics["skipped"].item() == 1
+            if before is not None:
+                assert all(torch.equal(before[k], v) for k, v in ema_values(state).items())
+            continue
+        reference_update(m2, o2, as_dict(batch), fn)
+        real += 1
+        if real % 2 == 0:
+            ref.update_parameters(m2)
+        assert_matches_averaged_model(state, ref, buffers=False)
+    slot = state.slots["with_ema"]
+    assert slot.updates.item() == 5 and slot.n_averaged.item() == 2
+    assert ref.n_averaged.item() == 2
+
+
+def test_warmup_uses_min_decay_and_its_ramp():
+    torch.manual_seed(0)
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    step = with_ema(decay=0.5, warmup=True)(classify)
+    expected = None
+    for i in range(11):  # the ramp reaches the decay at the 9th average
+        step(state, make_batch(seed=i))
+        weights = [p.detach().double() for p in model.parameters()]
+        if expected is None:
+            expected = weights  # the first average copies
+        else:
+            n = i  # averages taken before this one
+            d = min(0.5, (1 + n) / (10 + n))
+            expected = [d * e + (1 - d) * w for e, w in zip(expected, weights)]
+    for (name, e), want in zip(ema_values(state).items(), expected):
+        torch.testing.assert_close(e.double(), want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_update_has_no_host_sync():
+    torch.manual_seed(0)
+    model = BNNet()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = with_ema(decay=0.9, every=2, warmup=True)(classify)
+    step(state, make_batch())
+    slot = state.slots["with_ema"]
+    with SyncProbe(mode="emulate") as probe:
+        slot.update(model, torch.zeros((), dtype=torch.bool), 0.9, 2, True)
+        slot.update(model, torch.ones((), dtype=torch.bool), 0.9, 2, True)
+    assert probe.syncs == []
+
+
+def test_checkpoint_resume_equals_uninterrupted_run():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(BNNet(), torch.optim.AdamW, lr=1e-2)
+    step = with_ema(decay=0.9)(classify)
+    s1 = af.TrainState(m1, o1)
+    s2 = af.TrainState(m2, o2)
+    for i in range(3):
+        step(s1, make_batch(seed=i))
+        step(s2, make_batch(seed=i))
+    buffer = io.BytesIO()
+    torch.save(s2.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    assert "with_ema" in saved["slots"]
+    m3 = BNNet()
+    s3 = af.TrainState(m3, torch.optim.AdamW(m3.parameters(), lr=1e-2))
+    s3.load_state_dict(saved)  # applied when the slot is created, at the first call
+    for i in range(3, 6):
+        step(s1, make_batch(seed=i))
+        step(s3, make_batch(seed=i))
+    for k, v in ema_values(s1).items():
+        assert torch.equal(v, ema_values(s3)[k]), k
+    assert ema_values(s3)["inp.weight"] is not ema_values(s1)["inp.weight"]
+
+
+def test_evaluate_with_ema_weights_then_restore():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(BNNet(), torch.optim.AdamW, lr=1e-2)
+    ref = AveragedModel(m2, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    step = with_ema(decay=0.9)(classify)
+    state = af.TrainState(m1, o1)
+    for i in range(3):
+        batch = make_batch(seed=i)
+        step(state, batch)
+        reference_update(m2, o2, as_dict(batch), classify)
+        ref.update_parameters(m2)
+    own = copy.deepcopy(m1.state_dict())
+    val = make_batch(n=16, seed=99)
+    with ema_weights(state) as model:
+        assert model is m1
+        metrics = step.evaluate(state, val)
+    with torch.no_grad():
+        expected = classify(ref.module.eval(), as_dict(val))
+    assert torch.equal(metrics["loss"], expected["loss"])
+    for k, v in m1.state_dict().items():  # the model's own weights are back, exactly
+        assert torch.equal(v, own[k]), k
+    assert not torch.equal(step.evaluate(state, val)["loss"], metrics["loss"])
+    fresh = BNNet()
+    fresh.load_state_dict(ema_state_dict(state))
+    for k, v in ref.module.state_dict().items():
+        if v.is_floating_point():
+            assert torch.equal(fresh.state_dict()[k], v), k
+
+
+def test_tied_weights_and_swap_restore_after_an_error():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+            self.b = self.a
+            self.head = nn.Linear(6, 4)
+
+        def forward(self, x):
+            return self.head(self.b(self.a(x)))
+
+    torch.manual_seed(0)
+    model = Tied()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    step = with_ema(decay=0.5)(classify)
+    for i in range(3):
+        step(state, make_batch(seed=i))
+    sd = ema_state_dict(state)
+    assert torch.equal(sd["a.weight"], sd["b.weight"])
+    assert torch.equal(sd["a.weight"], ema_values(state)["a.weight"])
+    own = model.a.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="boom"), ema_weights(state):
+        assert torch.equal(model.a.weight, sd["a.weight"])
+        raise RuntimeError("boom")
+    assert torch.equal(model.a.weight, own)
+
+
+def test_errors_and_description():
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="with_ema"):
+        with ema_weights(state):
+            pass
+    for kwargs, match in [({"decay": 1.0}, r"\[0, 1\)"), ({"every": 0}, "int >= 1"),
+                          ({"buffers": "mean"}, "buffers"), ({"warmup": 5}, "True or False")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            with_ema(**kwargs)
+    with pytest.raises(TypeError, match="keyword"):
+        with_ema(0.99)
+    assert repr(with_ema(classify)) == "with_ema(0.999) ∘ classify"
+    assert repr(with_ema(decay=0.9, every=4, warmup=True)(classify)).startswith(
+        "with_ema(0.9, every=4, warmup)")
+    step = with_ema(classify)
+    step.prepare(state)  # creates the average: the model's weights, nothing averaged yet
+    with ema_weights(state):
+        assert torch.equal(model.head.weight, ema_values(state)["head.weight"])
+    with pytest.raises(ValueError, match="applied twice"):
+        with_ema(with_ema(classify))
