@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .bench import add_bench
+
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 
@@ -38,7 +40,7 @@ def add_doctor(subparsers: Any) -> None:
     p.set_defaults(func=_run_doctor)
 
 
-COMMANDS: list[Callable[[Any], None]] = [add_doctor]
+COMMANDS: list[Callable[[Any], None]] = [add_doctor, add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:
