@@ -51,6 +51,14 @@ class EarlyStopping:
     does it on demand (e.g. after the last epoch). For a :class:`TrainState`, only the
     model's weights are stored and restored (not the optimizer's state).
 
+    To keep the best *EMA* weights, call it inside :func:`accelfn.ema_weights` with
+    ``restore_best=False`` and restore after the block (changes inside it are undone)::
+
+        with af.ema_weights(state):
+            stop = es.update(step.evaluate(state, val)["loss"], state)
+        if stop:
+            es.restore(state)
+
     ``update`` reads the metric on the host (``float``): call it at evaluation time, not in
     the per-step loop. :meth:`state_dict` covers counters and best weights for checkpoints.
     """

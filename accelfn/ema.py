@@ -216,24 +216,20 @@ def ema_weights(state: TrainState) -> Iterator[nn.Module]:
         with af.ema_weights(state):
             metrics = step.evaluate(state, batch)
 
-    The weights are swapped in place (no extra copy of the model; a compiled or wrapped
-    model sees them too). Do not train inside the block. Yields ``state.model``.
+    The EMA values are copied into the model's own tensors (a compiled or wrapped model sees
+    them too) and the model's values are put back on exit, also after an exception; changes
+    made to the model inside the block are discarded and never reach the average. Costs one
+    temporary copy of the weights. Yields ``state.model``.
     """
     slot = _ema_slot(state)
-    targets = slot.sources(state.model)
+    targets = [t.detach() for t in slot.sources(state.model)]
     with torch.no_grad():
-        _swap(targets, slot.values)
+        own = [t.clone() for t in targets]
+        torch._foreach_copy_(targets, slot.values)
         try:
             yield state.model
         finally:
-            _swap(targets, slot.values)
-
-
-def _swap(a: list[Tensor], b: list[Tensor]) -> None:
-    for x, y in zip(a, b):
-        keep = x.detach().clone()
-        x.detach().copy_(y)
-        y.copy_(keep)
+            torch._foreach_copy_(targets, own)
 
 
 def ema_state_dict(state: TrainState) -> dict[str, Tensor]:

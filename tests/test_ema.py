@@ -200,7 +200,7 @@ def test_evaluate_with_ema_weights_then_restore():
             assert torch.equal(fresh.state_dict()[k], v), k
 
 
-def test_tied_weights_and_swap_restore_after_an_error():
+def test_tied_weights_and_restore_after_an_error():
     class Tied(nn.Module):
         def __init__(self):
             super().__init__()
@@ -223,8 +223,11 @@ def test_tied_weights_and_swap_restore_after_an_error():
     own = model.a.weight.detach().clone()
     with pytest.raises(RuntimeError, match="boom"), ema_weights(state):
         assert torch.equal(model.a.weight, sd["a.weight"])
+        with torch.no_grad():
+            model.a.weight.add_(1.0)  # discarded: never reaches the average
         raise RuntimeError("boom")
     assert torch.equal(model.a.weight, own)
+    assert torch.equal(ema_values(state)["a.weight"], sd["a.weight"])
 
 
 def test_errors_and_description():
