@@ -6,6 +6,7 @@
         metrics = step(state, batch)
 """
 
+from . import data, datasets
 from .accumulation import with_accumulation
 from .amp import with_amp
 from .checkpoint import checkpointed, find_blocks
@@ -47,6 +48,8 @@ __all__ = [
     "checkpointed",
     "compiled",
     "configurable",
+    "data",
+    "datasets",
     "describe",
     "distributed",
     "doctor",

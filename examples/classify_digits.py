@@ -64,7 +64,9 @@ def digit_step(model: nn.Module, batch) -> dict[str, torch.Tensor]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=None, help="stop after this many updates")
+    parser.add_argument("--steps", type=int, default=None, help="train for this many updates")
+    parser.add_argument("--stop-at", type=int, default=None,
+                        help="save and stop after this many updates (resume with --resume)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -119,16 +121,17 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"data: {len(train_set)} train / {len(test_set)} held-out digits on {device}, "
               f"{af.world_size()} process(es)")
 
-    monitor = Monitor(total=total - state.step, progress=not args.quiet, desc="digits",
+    stop = min(total, args.stop_at or total)
+    monitor = Monitor(total=stop - state.step, progress=not args.quiet, desc="digits",
                       samples_per_step=args.batch_size * af.world_size(), log_every=10,
                       sync_check_step=None)
     start = time.perf_counter()
     with monitor:
-        while state.step < total:
+        while state.step < stop:
             for batch in monitor.iterate(train):
                 metrics = step(state, batch)
                 monitor.step(metrics)
-                if state.step >= total:
+                if state.step >= stop:
                     break
     elapsed = time.perf_counter() - start
     state.sync()  # settle the last update's deferred non-finite decision

@@ -1,0 +1,111 @@
+"""accelfn's transforms inside your own loop: your evaluation, your logging, your schedule.
+
+    python examples/hand_written_loop.py
+    torchrun --nproc_per_node=2 examples/hand_written_loop.py
+    python examples/hand_written_loop.py --epochs 2 --resume runs/loop/last.pt
+
+Nothing here is owned by accelfn but the step: the loop, the epoch structure, when to
+evaluate, what to log (read from the device every ``--log-every`` updates only), and when to
+save are plain Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+
+import accelfn as af
+from accelfn import data
+from accelfn.datasets import digits
+
+
+def loss_fn(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    logits = model(batch["image"].flatten(1))
+    loss = F.cross_entropy(logits, batch["label"])
+    return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).float().mean()}
+
+
+def evaluate(step: af.Step, state: af.TrainState, batches) -> float:
+    """Held-out accuracy, summed over processes."""
+    device = state.device
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in batches:
+        result = step.evaluate(state, batch)
+        totals += torch.stack([result["accuracy"].double() * len(batch),
+                               torch.tensor(float(len(batch)), device=device)])
+    if af.world_size() > 1:
+        torch.distributed.all_reduce(totals)
+    return float(totals[0] / totals[1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--out", default="runs/loop")
+    parser.add_argument("--resume", default=None)
+    args = parser.parse_args(argv)
+
+    device = af.init_distributed()
+    torch.manual_seed(0)
+    dataset = digits()
+    is_test = torch.arange(len(dataset)) % 5 == 0
+    train = data.loader(dataset[~is_test], batch_size=64, device=device, seed=1,
+                        transform=data.Normalize(mean=[0.3], std=[0.38]))
+    test = data.loader(dataset[is_test], batch_size=90, shuffle=False, drop_last=False,
+                       device=device, transform=data.Normalize(mean=[0.3], std=[0.38]))
+
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    state = af.TrainState(model, optimizer)  # no scheduler: this loop sets the lr itself
+    step = af.distributed(af.with_amp(af.with_accumulation(2)(af.with_clipping(loss_fn))))
+
+    start_epoch = 0
+    if args.resume:
+        saved = torch.load(args.resume, weights_only=True, map_location=device)
+        state.load_state_dict(saved["state"])
+        start_epoch = int(saved["epoch"]) + 1
+
+    if af.is_main_process():
+        print(f"step: {af.describe(step)}")
+    log_rows: list[dict] = []
+    pending: list[tuple[int, TensorDict]] = []  # device metrics, read every log_every
+    main_process = af.is_main_process()
+    accuracy = 0.0
+    for epoch in range(start_epoch, args.epochs):
+        for group in optimizer.param_groups:           # a hand-written step decay
+            group["lr"] = 3e-3 * (0.5 ** epoch)
+        t0 = time.perf_counter()
+        for batch in train:
+            pending.append((state.step, step(state, batch)))
+            if len(pending) == args.log_every:
+                for update, metrics in pending:       # one read for many updates
+                    log_rows.append({"update": update, "epoch": epoch,
+                                     **{k: round(float(v), 5) for k, v in metrics.items()}})
+                pending.clear()
+        accuracy = evaluate(step, state, test)
+        if main_process:
+            print(f"epoch {epoch}: held-out accuracy {accuracy:.3f} "
+                  f"({time.perf_counter() - t0:.1f} s)")
+            os.makedirs(args.out, exist_ok=True)
+            torch.save({"state": state.state_dict(), "epoch": epoch},
+                       os.path.join(args.out, "last.pt"))
+    if main_process and log_rows:
+        with open(os.path.join(args.out, "log.csv"), "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(log_rows[0]))
+            writer.writeheader()
+            writer.writerows(log_rows)
+    if af.world_size() > 1:
+        torch.distributed.destroy_process_group()
+    return {"updates": state.step, "held_out_accuracy": accuracy}
+
+
+if __name__ == "__main__":
+    main()

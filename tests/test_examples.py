@@ -1,0 +1,129 @@
+"""The bundled examples: they run, learn, resume, and run under torchrun with 2 processes."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import Net, as_dict, classify, make_batch
+
+import accelfn as af
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "examples",
+                                                                     f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_custom_transform_equals_noise_written_by_hand():
+    example = load_example("custom_transform")
+    torch.manual_seed(0)
+    base = Net()
+    m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    state = af.TrainState(m1, o1)
+    step = example.with_gradient_noise(std=0.05, seed=3)(af.with_clipping(max_norm=0.5)(
+        classify))
+    gen = torch.Generator().manual_seed(3)
+    for i in range(3):
+        batch = make_batch(seed=i)
+        step(state, batch)
+        classify(m2, as_dict(batch))["loss"].backward()
+        torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.5)
+        for p in m2.parameters():
+            p.grad.add_(torch.randn(p.grad.shape, generator=gen), alpha=0.05)
+        o2.step()
+        o2.zero_grad(set_to_none=True)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="std"):
+        example.with_gradient_noise(std=0)
+
+
+def test_custom_transform_resumes_with_the_same_noise(tmp_path):
+    example = load_example("custom_transform")
+    step = example.with_gradient_noise(std=0.05)(classify)
+    batches = [make_batch(seed=i) for i in range(4)]
+
+    def fresh():
+        torch.manual_seed(0)
+        model = Net()
+        return af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    straight = fresh()
+    for b in batches:
+        step(straight, b)
+    first = fresh()
+    for b in batches[:2]:
+        step(first, b)
+    torch.save(first.state_dict(), tmp_path / "ckpt.pt")
+    resumed = fresh()
+    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))
+    for b in batches[2:]:
+        step(resumed, b)
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.slow
+def test_digits_example_learns_and_resumes_exactly(tmp_path):
+    example = load_example("classify_digits")
+    straight = str(tmp_path / "straight")
+    report = example.main(["--steps", "40", "--out", straight, "--quiet"])
+    assert report["updates"] == 40
+    assert report["held_out_accuracy"] > 0.8  # chance is 0.1
+    split = str(tmp_path / "split")
+    example.main(["--steps", "40", "--stop-at", "15", "--out", split, "--quiet"])
+    resumed = example.main(["--steps", "40", "--out", split, "--quiet",
+                            "--resume", os.path.join(split, "last.pt")])
+    assert resumed["updates"] == 40
+    a = torch.load(os.path.join(straight, "last.pt"), weights_only=True)["state"]["model"]
+    b = torch.load(os.path.join(split, "last.pt"), weights_only=True)["state"]["model"]
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.slow
+def test_hand_written_loop_example(tmp_path):
+    example = load_example("hand_written_loop")
+    out = str(tmp_path / "loop")
+    report = example.main(["--epochs", "2", "--out", out])
+    assert report["held_out_accuracy"] > 0.8
+    assert os.path.exists(os.path.join(out, "log.csv"))
+    again = example.main(["--epochs", "3", "--out", out, "--resume",
+                          os.path.join(out, "last.pt")])
+    assert again["updates"] == report["updates"] * 3 // 2
+
+
+TORCHRUN_CASES = {
+    "classify_digits": ["--steps", "6", "--quiet"],
+    "custom_transform": ["--steps", "6"],
+    "hand_written_loop": ["--epochs", "1"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(TORCHRUN_CASES))
+def test_examples_run_under_torchrun(name, tmp_path):
+    from test_distributed import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
+           os.path.join(ROOT, "examples", f"{name}.py"), *TORCHRUN_CASES[name],
+           "--out", str(tmp_path / name)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "distributed(ddp)" in proc.stdout
