@@ -233,8 +233,8 @@ def ema_weights(state: TrainState) -> Iterator[nn.Module]:
 
 
 def ema_state_dict(state: TrainState) -> dict[str, Tensor]:
-    """``state.model.state_dict()`` with the EMA weights in place of the model's: what
-    ``AveragedModel.module.state_dict()`` holds, ready for ``model.load_state_dict``.
+    """Equivalent to ``AveragedModel.module.state_dict()``: ``state.model.state_dict()`` with
+    the EMA weights in place of the model's, ready for ``model.load_state_dict``.
 
     Values are copies (they do not change with later updates).
     """

@@ -56,7 +56,8 @@ def channels_last(obj: T) -> T:
 
 
 def is_channels_last(obj: nn.Module | Tensor) -> bool:
-    """Whether every 4-D weight of a model (or a 4-D tensor) is in channels-last format.
+    """Equivalent to ``t.is_contiguous(memory_format=torch.channels_last)`` for every 4-D
+    parameter and buffer of a model (or for one 4-D tensor).
 
     False for a model or tensor without 4-D tensors.
     """

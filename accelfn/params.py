@@ -42,8 +42,8 @@ def no_decay_names(
     model: nn.Module,
     no_decay_types: tuple[type[nn.Module], ...] = NO_DECAY_TYPES,
 ) -> set[str]:
-    """Names (as in ``model.named_parameters()``) of the parameters that get no weight decay:
-    biases, and every parameter owned directly by a module of ``no_decay_types``."""
+    """Equivalent to the names (as in ``model.named_parameters()``) of the biases and of every
+    parameter owned directly by a module of ``no_decay_types``: what gets no weight decay."""
     spared: set[int] = set()
     for module in model.modules():
         by_type = isinstance(module, no_decay_types)

@@ -192,15 +192,17 @@ def one_cycle(
 
 
 class WarmupPlateau:
-    """Linear warmup per update, then ``ReduceLROnPlateau`` driven by evaluation metrics.
+    """Equivalent to ``LinearLR`` warmup stepped per update, then ``ReduceLROnPlateau``
+    stepped per evaluation.
 
-    Equivalent to stepping ``LinearLR(optimizer, start_factor, 1.0, warmup_steps)`` after each
-    of the first ``warmup_steps`` updates and calling ``ReduceLROnPlateau.step(metric)`` at
-    each evaluation after that. Give it to ``TrainState(scheduler=...)``: the step engine
-    calls :meth:`step` after every update (a no-op once warmup is over); call
-    :meth:`observe` with the validation metric where the loop evaluates. Metrics observed
-    during warmup are ignored (the warmup owns the learning rate then); ``observe`` reads
-    the metric on the host (``float``), which is a sync, so call it at evaluation time only.
+    That is: ``LinearLR(optimizer, start_factor, 1.0, warmup_steps).step()`` after each of
+    the first ``warmup_steps`` updates (ending exactly on the base rates), and
+    ``ReduceLROnPlateau.step(metric)`` at each evaluation after that. Give it to
+    ``TrainState(scheduler=...)``: the step engine calls :meth:`step` after every update (a
+    no-op once warmup is over); call :meth:`observe` with the validation metric where the
+    loop evaluates. Metrics observed during warmup are ignored (the warmup owns the learning
+    rate then); ``observe`` reads the metric on the host (``float``), which is a sync, so
+    call it at evaluation time only.
     """
 
     def __init__(self, optimizer: Optimizer, warmup: LinearLR | None,
