@@ -66,6 +66,9 @@ def _layer_ids(model: nn.Module, blocks: Sequence[str] | None) -> tuple[dict[str
         paths = list(blocks)
         for path in paths:
             _resolve(model, path, "param_groups(blocks=...)")
+            if not _is_module(model, path):
+                raise ValueError(f"param_groups(blocks=...): {path!r} is a parameter; give "
+                                 "the module paths of the blocks, shallowest first")
     depth = len(paths)
     owner: dict[int, int] = {}
     for i, path in enumerate(paths):
@@ -170,6 +173,14 @@ def param_groups(
         raise ValueError(f"{type(model).__name__} has no trainable parameters; unfreeze some "
                          "or pass trainable_only=False")
     return [groups[k] for k in sorted(groups, key=lambda k: (k[0], not k[1]))]
+
+
+def _is_module(model: nn.Module, path: str) -> bool:
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def _close(path: str, candidates: list[str]) -> list[str]:

@@ -184,6 +184,7 @@ def test_layer_decay_params_between_blocks_go_with_the_next_block():
     ({"lr": 0.1, "layer_decay": 1.5}, r"\(0, 1\]"),
     ({"blocks": ["blocks.0"]}, "only applies with layer_decay"),
     ({"lr": 0.1, "layer_decay": 0.8, "blocks": ["blocks.7"]}, "not a module or parameter"),
+    ({"lr": 0.1, "layer_decay": 0.8, "blocks": ["head.weight"]}, "is a parameter"),
     ({"weight_decay": -1}, ">= 0"),
     ({"lr": 0.0}, "> 0"),
 ])
