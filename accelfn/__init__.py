@@ -15,9 +15,14 @@ from .compile import compiled
 from .diagnostics import Diagnostics, SyncProbe
 from .distributed import distributed, init_distributed, is_main_process, scale_lr, world_size
 from .doctor import doctor
+from .early_stopping import EarlyStopping
+from .ema import ema_state_dict, ema_weights, with_ema
+from .memory_format import channels_last, is_channels_last
 from .monitor import Monitor, training_flops
 from .nonfinite import with_nonfinite
+from .params import NO_DECAY_TYPES, freeze, no_decay_names, param_groups, unfreeze
 from .profiling import Profiler, profiled
+from .schedules import WarmupPlateau, one_cycle, warmup_cosine, warmup_linear, warmup_plateau
 from .state import TrainState
 from .step import (
     NonFiniteError,
@@ -34,7 +39,9 @@ from .step import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "NO_DECAY_TYPES",
     "Diagnostics",
+    "EarlyStopping",
     "Monitor",
     "NonFiniteError",
     "Prepared",
@@ -44,7 +51,9 @@ __all__ = [
     "SyncProbe",
     "TrainState",
     "Transform",
+    "WarmupPlateau",
     "apply_transform",
+    "channels_last",
     "checkpointed",
     "compiled",
     "configurable",
@@ -53,16 +62,28 @@ __all__ = [
     "describe",
     "distributed",
     "doctor",
+    "ema_state_dict",
+    "ema_weights",
     "find_blocks",
+    "freeze",
     "init_distributed",
+    "is_channels_last",
     "is_main_process",
     "lift",
+    "no_decay_names",
+    "one_cycle",
+    "param_groups",
     "profiled",
     "scale_lr",
     "training_flops",
+    "unfreeze",
+    "warmup_cosine",
+    "warmup_linear",
+    "warmup_plateau",
     "with_accumulation",
     "with_amp",
     "with_clipping",
+    "with_ema",
     "with_nonfinite",
     "world_size",
 ]

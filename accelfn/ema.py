@@ -157,6 +157,15 @@ class _Ema:
         self._slot(ctx.state).update(ctx.state.model, skipped, self.decay, self.every,
                                      self.warmup)
 
+    evaluate_options = ("weights",)
+
+    def evaluate_context(self, ctx: StepContext,
+                         weights: str = "model") -> contextlib.AbstractContextManager[Any]:
+        """``step.evaluate(state, batch, weights="ema")`` evaluates the EMA weights."""
+        if weights not in ("model", "ema"):
+            raise ValueError(f"evaluate(weights={weights!r}): use 'model' or 'ema'")
+        return ema_weights(ctx.state) if weights == "ema" else contextlib.nullcontext()
+
 
 def _build_ema(
     *,

@@ -58,6 +58,12 @@ class TrainState:
                 f"scheduler must be a torch.optim.lr_scheduler scheduler, got "
                 f"{type(scheduler).__name__}"
             )
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            raise TypeError(
+                "ReduceLROnPlateau steps on a validation metric, not once per update; use "
+                "accelfn.warmup_plateau(optimizer, ...) and call .observe(metric) when you "
+                "evaluate, or keep the plateau scheduler outside the TrainState"
+            )
         if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
             raise ValueError("the scheduler was built for another optimizer than this state's")
         self.model = model

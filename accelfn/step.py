@@ -74,6 +74,9 @@ class Transform(Protocol):
         (0 unscale, 10 micro-batch weighting, 30 clipping; user transforms default to 50).
     ``on_update(ctx, skipped)``
         Called after the optimizer update; ``skipped`` is a device bool tensor.
+    ``evaluate_context(ctx, **options)`` with ``evaluate_options: tuple[str, ...]``
+        A context manager around ``step.evaluate``, given the evaluate options it declares
+        (e.g. ``with_ema`` takes ``weights="ema"``).
 
     Hooks may keep checkpointable state in ``ctx.state.slot(name, factory)`` and add metrics
     to ``ctx.metrics`` (device tensors, never read on the host).
@@ -546,12 +549,20 @@ class Step:
         return flags
 
     # ----------------------------------------------------------------- evaluation
-    def evaluate(self, state: TrainState, batch: Batch) -> TensorDict:
+    def evaluate(self, state: TrainState, batch: Batch, **options: Any) -> TensorDict:
         """The same forward as a training call (autocast, compiled), without gradients.
 
         The model is put in eval mode for the call and restored afterwards; metrics are
-        weighted over micro-batches exactly as in training.
+        weighted over micro-batches exactly as in training. ``options`` go to the transforms
+        that declare them in ``evaluate_options`` (e.g. ``weights="ema"`` with ``with_ema``).
         """
+        hooks = [t for t in self.transforms if callable(getattr(t, "evaluate_context", None))]
+        known = {o: t for t in hooks for o in getattr(t, "evaluate_options", ())}
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            offered = ", ".join(f"{o!r} ({known[o].name})" for o in sorted(known)) or "none"
+            raise TypeError(f"evaluate() got unknown option(s) {unknown}; this step offers "
+                            f"{offered}")
         check_batch(batch)
         n = 1 if self._mode == "calls" else self._micro
         micros = [batch] if n == 1 else split_batch(batch, n)
@@ -561,7 +572,11 @@ class Step:
         was_training = model.training
         model.eval()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), contextlib.ExitStack() as stack:
+                for t in hooks:
+                    mine = {k: v for k, v in options.items()
+                            if k in getattr(t, "evaluate_options", ())}
+                    stack.enter_context(t.evaluate_context(ctx, **mine))
                 for i, micro in enumerate(micros):
                     with self._forward(ctx):
                         out = self.fn(model, micro)

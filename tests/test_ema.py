@@ -251,3 +251,30 @@ def test_errors_and_description():
         assert torch.equal(model.head.weight, ema_values(state)["head.weight"])
     with pytest.raises(ValueError, match="applied twice"):
         with_ema(with_ema(classify))
+
+
+def test_evaluate_with_ema_weights_option():
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.5))
+
+    def fn(m, b):
+        return F.mse_loss(m(b["x"]), b["y"])
+
+    step = af.with_ema(decay=0.5)(fn)
+    batch = {"x": torch.randn(8, 4), "y": torch.randn(8, 2)}
+    for _ in range(3):
+        step(state, batch)
+    with af.ema_weights(state):
+        expected = step.evaluate(state, batch)["loss"]
+    got = step.evaluate(state, batch, weights="ema")["loss"]
+    own = step.evaluate(state, batch)["loss"]
+    assert torch.equal(got, expected) and not torch.equal(got, own)
+    with pytest.raises(TypeError, match="unknown option"):
+        step.evaluate(state, batch, weight="ema")
+    with pytest.raises(ValueError, match="'model' or 'ema'"):
+        step.evaluate(state, batch, weights="best")
+    with pytest.raises(TypeError, match="offers none"):
+        af.lift(fn).evaluate(state, batch, weights="ema")

@@ -83,3 +83,10 @@ def test_scheduler_for_another_optimizer_is_refused():
         af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1),
                       scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
     assert "TrainState(model=Net" in repr(_state(model))
+
+
+def test_plateau_scheduler_is_refused_with_the_alternative():
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="warmup_plateau"):
+        af.TrainState(model, opt, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
