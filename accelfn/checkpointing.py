@@ -413,21 +413,25 @@ def _rewrite_dcp_metadata(path: Path) -> None:
     os.replace(tmp, meta_path)
 
 
+def _read_dcp_metadata(path: Path) -> Any:
+    with open(path / ".metadata", "rb") as f:
+        data = f.read()
+    try:
+        return _load_dcp_metadata(data)
+    except Exception as error:
+        raise CheckpointError(
+            f"the sharded checkpoint's metadata in {path} is not plain data "
+            f"({type(error).__name__}: {error}); refusing to unpickle it"
+        ) from error
+
+
 def _dcp_reader(path: Path) -> Any:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            with open(Path(self.path) / ".metadata", "rb") as f:
-                data = f.read()
-            try:
-                metadata = _load_dcp_metadata(data)
-            except Exception as error:
-                raise CheckpointError(
-                    f"the sharded checkpoint's metadata in {path} is not plain data "
-                    f"({type(error).__name__}: {error}); refusing to unpickle it"
-                ) from error
+            metadata = _read_dcp_metadata(Path(self.path))
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -642,10 +646,14 @@ def _commit(root: Path, tmp: Path, step: int, meta: dict[str, Any], sharded: boo
     final = _final_name(root, step)
     os.replace(tmp, final)
     _fsync_dir(root)
-    marker_tmp = final / (MARKER + ".tmp")
-    _write_json(marker_tmp, {"format": FORMAT, "step": step, "files": sizes})
-    os.replace(marker_tmp, final / MARKER)
-    _fsync_dir(final)
+    try:
+        marker_tmp = final / (MARKER + ".tmp")
+        _write_json(marker_tmp, {"format": FORMAT, "step": step, "files": sizes})
+        os.replace(marker_tmp, final / MARKER)
+        _fsync_dir(final)
+    except BaseException:
+        _remove_checkpoint(final)  # never committed: nobody may take it for a checkpoint
+        raise
     return final
 
 
@@ -843,6 +851,8 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
                                   "loader=None, or save with loader= next time")
         if not callable(getattr(loader, "load_state_dict", None)):
             raise TypeError(f"loader={type(loader).__name__} has no load_state_dict()")
+    if meta["sharded"]:  # read before anything changes; DCP reads it again while loading
+        _read_dcp_metadata(path / SHARDED_DIR)
     payload = _read_torch(path / STATE_FILE)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT \
             or not isinstance(payload.get("state"), dict):

@@ -1,0 +1,206 @@
+"""Preemption: SIGTERM/SIGUSR1 turn into a checkpoint at the next step boundary and a clean exit.
+
+    with PreemptionGuard() as guard:
+        for batch in loader:
+            step(state, batch)
+            guard.exit_if_requested("runs/x", state, loader=loader, step=step)
+
+Clusters announce the end of a job with a signal: SLURM sends SIGTERM (and SIGUSR1 ahead of
+the time limit with ``--signal=USR1@90``), Kubernetes and torchrun's agent SIGTERM, each
+followed by SIGKILL after a grace period (torchrun: 30 s). The handler only sets a flag; the
+loop reads it between steps, where the state is consistent, saves with
+:func:`accelfn.checkpointing.save` and exits with :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``:
+"try again"), which a job script can tell apart from success (0) and from a crash (1, or
+128 + signal)::
+
+    python train.py; [ $? -eq 75 ] && scontrol requeue "$SLURM_JOB_ID"
+
+Under several processes the decision is taken by all of them together: every
+``check_every`` boundaries one all-reduce (MAX) of one integer combines the flags, and every
+process stops at the same step, so none is left waiting in a collective for one that left.
+That all-reduce and its host read are the guard's whole cost; between checks it costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from types import FrameType
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from .state import TrainState
+
+__all__ = ["EXIT_PREEMPTED", "PreemptionGuard"]
+
+EXIT_PREEMPTED = 75
+"""Exit status of a run that checkpointed and stopped because it was asked to (``EX_TEMPFAIL``)."""
+
+_DEFAULT_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+class PreemptionGuard:
+    """Equivalent to a signal handler that sets a flag, and ``if flag: save(); sys.exit(75)``
+    between steps, with the flag combined across processes.
+
+    Use it as a context manager (handlers are installed on entry, the previous ones put back
+    on exit), or call :meth:`install` / :meth:`uninstall`.
+
+    Args:
+        signals: the signals that request a stop (default SIGTERM and SIGUSR1).
+        check_every: under several processes, combine the flags every ``check_every`` calls
+            of :meth:`should_stop` (one all-reduce and one host read each time). In a single
+            process the flag is read at every call, for free. Keep ``check_every`` times the
+            step time well under the grace period between the signal and SIGKILL.
+        time_limit_s: also request a stop this many seconds after :meth:`install` (for
+            clusters that do not signal before the wall-time limit).
+        exit_code: the status :meth:`checkpoint_and_exit` exits with.
+    """
+
+    def __init__(
+        self,
+        signals: Iterable[int] = _DEFAULT_SIGNALS,
+        *,
+        check_every: int = 10,
+        time_limit_s: float | None = None,
+        exit_code: int = EXIT_PREEMPTED,
+    ) -> None:
+        self.signals = tuple(signals)
+        for sig in self.signals:
+            if not isinstance(sig, int) or sig in (getattr(signal, "SIGKILL", -1),
+                                                   getattr(signal, "SIGSTOP", -1)):
+                raise ValueError(f"PreemptionGuard cannot handle signal {sig!r}; give catchable "
+                                 "signals such as signal.SIGTERM or signal.SIGUSR1")
+        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
+            raise ValueError(f"check_every={check_every!r} must be an int >= 1")
+        if time_limit_s is not None and not time_limit_s > 0:
+            raise ValueError(f"time_limit_s={time_limit_s!r} must be > 0 seconds (or None)")
+        if not isinstance(exit_code, int) or not 0 < exit_code < 256:
+            raise ValueError(f"exit_code={exit_code!r} must be an int in 1..255")
+        self.check_every = check_every
+        self.time_limit_s = time_limit_s
+        self.exit_code = exit_code
+        self._requested = False
+        self._signal: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._started: float | None = None
+        self._calls = 0
+        self._agreed = False
+
+    # ----------------------------------------------------------------- handlers
+    def install(self) -> PreemptionGuard:
+        """Install the signal handlers (from the main thread, as Python requires)."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("signal handlers can only be installed from the main thread; "
+                               "create the PreemptionGuard in the training script's main thread")
+        if self._previous:
+            raise RuntimeError("this PreemptionGuard is already installed")
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        self._started = time.monotonic()
+        return self
+
+    def uninstall(self) -> None:
+        """Put back the handlers that were there before :meth:`install`."""
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def __enter__(self) -> PreemptionGuard:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        self._requested = True
+        self._signal = signum
+        previous = self._previous.get(signum)
+        if callable(previous):  # a handler someone installed before: still tell it
+            previous(signum, frame)
+
+    # ----------------------------------------------------------------- the flag
+    def request(self) -> None:
+        """Ask for a stop at the next check, as a signal would (e.g. from a callback)."""
+        self._requested = True
+
+    @property
+    def requested(self) -> bool:
+        """Whether this process was asked to stop (a signal, :meth:`request`, the time limit).
+
+        Local and free to read; use :meth:`should_stop` at step boundaries so that all
+        processes stop together.
+        """
+        if (not self._requested and self.time_limit_s is not None
+                and self._started is not None
+                and time.monotonic() - self._started >= self.time_limit_s):
+            self._requested = True
+        return self._requested
+
+    @property
+    def signal(self) -> int | None:
+        """The last signal received, or None."""
+        return self._signal
+
+    def should_stop(self) -> bool:
+        """Whether to checkpoint and stop now; call it at every step boundary, on every process.
+
+        Single process: :attr:`requested`. Several processes: every ``check_every``-th call
+        all-reduces the flags (MAX), so all processes return True at the same call; other
+        calls return False without communicating. Once True, it stays True.
+        """
+        if self._agreed:
+            return True
+        self._calls += 1
+        if _world() == 1:
+            self._agreed = self.requested
+            return self._agreed
+        if self._calls % self.check_every:
+            return False
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend() == "nccl" else torch.device("cpu"))
+        flag = torch.tensor([int(self.requested)], dtype=torch.int32, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self._agreed = bool(flag.item())
+        return self._agreed
+
+    # ----------------------------------------------------------------- acting on it
+    def checkpoint_and_exit(self, directory: str | os.PathLike[str], state: TrainState,
+                            **save_options: Any) -> NoReturn:
+        """Save with :func:`accelfn.checkpointing.save` (on every process) and exit.
+
+        Equivalent to ``save(directory, state, **save_options); sys.exit(exit_code)``; the
+        process group, if any, is destroyed first.
+        """
+        from .checkpointing import save
+
+        path = save(directory, state, **save_options)
+        main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        if main:
+            print(f"preempted at step {state.step}: saved {path}; exiting with status "
+                  f"{self.exit_code}", file=sys.stderr, flush=True)
+        sys.exit(self.exit_code)
+
+    def exit_if_requested(self, directory: str | os.PathLike[str], state: TrainState,
+                          **save_options: Any) -> None:
+        """At a step boundary: ``if self.should_stop(): self.checkpoint_and_exit(...)``."""
+        if self.should_stop():
+            self.checkpoint_and_exit(directory, state, **save_options)
+
+    def __repr__(self) -> str:
+        names = [signal.Signals(s).name for s in self.signals]
+        return (f"PreemptionGuard(signals={names}, check_every={self.check_every}, "
+                f"requested={self.requested})")

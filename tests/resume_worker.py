@@ -1,0 +1,311 @@
+"""Training runs that get killed, preempted and resumed, for tests/test_resume.py and
+tests/test_preemption.py (each mode runs in its own process, as a real restart would).
+
+    python resume_worker.py first   RUN OUT   reference run, then train, save, die (SIGKILL)
+                                              in the middle of a later save
+    python resume_worker.py preempt RUN OUT   reference run, then train until SIGTERM comes:
+                                              checkpoint at the next boundary, exit 75
+    python resume_worker.py resume  RUN OUT [--mutations]
+                                              resume from RUN's latest checkpoint to the end;
+                                              with --mutations also once per part left out
+    torchrun --nproc_per_node=2 --max-restarts=2 resume_worker.py dist RUN OUT
+                                              DDP and FSDP2: phase 0 trains, saves, and a
+                                              worker is SIGKILLed; phase 1 (torchrun's restart)
+                                              resumes both, then is preempted by SIGTERM on
+                                              one rank; phase 2 resumes that
+
+The training uses every kind of state on purpose: AdamW moments, an LR schedule, an fp16 loss
+scaler, a transform slot, Python/NumPy/torch RNG in the step function (dropout), and a
+shuffled, augmented loader stopped mid-epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import Net
+
+import accelfn as af
+from accelfn import checkpointing, data
+from accelfn.preemption import PreemptionGuard
+
+STEPS = 16       # single process: 12 batches per epoch, so the run crosses an epoch
+SAVE_AT = 5      # mid-epoch
+DIST_STEPS = 10  # per rank: 6 batches per epoch
+DIST_SAVE_AT = 4
+MUTATIONS = ("optimizer", "scheduler", "slot:with_amp", "slot:gradient_noise", "rng.python",
+             "rng.numpy", "rng.torch", "data")
+
+torch.set_num_threads(1)
+
+
+def dataset() -> TensorDict:
+    g = torch.Generator().manual_seed(42)
+    n = 96
+    return TensorDict({"x": torch.randn(n, 6, generator=g),
+                       "y": torch.randint(0, 4, (n,), generator=g)}, batch_size=[n])
+
+
+def jitter(batch: TensorDict, generator: torch.Generator | None = None) -> TensorDict:
+    """A host-side augmentation drawing from the loader's per-batch generator."""
+    batch["x"] = batch["x"] + 0.05 * torch.randn(batch["x"].shape, generator=generator)
+    return batch
+
+
+def noisy_classify(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+    """Cross-entropy with dropout (torch RNG) and a loss factor from Python and NumPy RNG."""
+    logits = F.dropout(model(batch["x"]), p=0.2, training=True)
+    factor = (1.0 + 0.1 * random.random()) * (1.0 + 0.1 * float(np.random.rand()))
+    return {"loss": F.cross_entropy(logits, batch["y"]) * factor}
+
+
+class GradNoise:
+    """A user transform with checkpointable state: noise seeded by an update counter."""
+
+    name = "gradient_noise"
+    grads_order = 40
+
+    def __repr__(self) -> str:
+        return "gradient_noise(0.01)"
+
+    def on_grads(self, ctx: af.StepContext) -> None:
+        slot = ctx.state.slot(self.name, lambda: {"count": torch.zeros((), dtype=torch.int64)})
+        g = torch.Generator().manual_seed(1000 + int(slot["count"]))
+        for grad in ctx.local_grads():
+            grad.add_(torch.randn(grad.shape, generator=g).to(grad.dtype) * 0.01)
+        slot["count"] += 1
+
+
+def warmup_then_decay(update: int) -> float:
+    """An LR factor computed from the scheduler's own counter (not from the current LR)."""
+    return min(1.0, (update + 1) / 4) * 0.9**update
+
+
+def seed_everything(seed: int) -> None:
+    """What a training script does first (a restarted process does it again)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build(strategy: str | None = None) -> tuple[af.TrainState, Any, af.Step]:
+    rank = int(os.environ.get("RANK", "0"))
+    seed_everything(1234 + rank)
+    torch.manual_seed(7)  # the same initial model on every rank
+    model = Net()
+    seed_everything(1234 + rank)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay)
+    state = af.TrainState(model, optimizer, scheduler=scheduler)
+    loader = data.loader(dataset(), batch_size=8, shuffle=True, seed=3, transform=jitter)
+    step = af.apply_transform(af.with_clipping(max_norm=1.0)(noisy_classify), GradNoise())
+    if strategy is None:
+        step = af.with_amp(dtype=torch.float16, init_scale=2.0**14, growth_interval=1)(step)
+    else:
+        step = af.distributed(strategy=strategy)(af.with_accumulation(2)(step))
+    return state, loader, step
+
+
+def batches(loader: Any) -> Iterator[Any]:
+    while True:  # one iterator across epochs: a new iter() starts the next epoch
+        yield from loader
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
+            for name, p in model.named_parameters()}
+
+
+def summary(state: af.TrainState, losses: list[torch.Tensor]) -> dict[str, Any]:
+    state.sync()
+    scaler = state.slots.get("with_amp")
+    return {"params": full_params(state.model), "step": state.step,
+            "lr": state.scheduler.get_last_lr()[0], "losses": [x.clone() for x in losses],
+            "scale": None if scaler is None else float(scaler.get_scale()),
+            "skipped": state.slots["nonfinite"].skipped}
+
+
+def train(state: af.TrainState, it: Iterator[Any], step: af.Step, until: int,
+          losses: list[torch.Tensor], record_from: int) -> None:
+    while state.step < until:
+        metrics = step(state, next(it))
+        if state.step > record_from:
+            losses.append(metrics["loss"].detach().clone())
+
+
+def reference(out: Path, record_from: int, strategy: str | None = None, tag: str = "") -> None:
+    state, loader, step = build(strategy)
+    losses: list[torch.Tensor] = []
+    train(state, batches(loader), step, DIST_STEPS if strategy else STEPS, losses, record_from)
+    torch.save(summary(state, losses), out / f"reference{tag}.pt")
+
+
+# ------------------------------------------------------------------------- single process
+def first(run: Path, out: Path) -> None:
+    reference(out, SAVE_AT)
+    state, loader, step = build()
+    it = batches(loader)
+    losses: list[torch.Tensor] = []
+    for at in (2, 4, SAVE_AT):  # keep=2: only the last two survive
+        train(state, it, step, at, losses, STEPS)
+        checkpointing.save(run, state, loader=loader, step=step, keep=2, extra={"at": at})
+    train(state, it, step, SAVE_AT + 2, losses, STEPS)  # work that will be lost
+
+    real_write_json = checkpointing._write_json
+
+    def die_before_the_marker(path: Path, obj: Any) -> None:
+        if path.name.startswith(checkpointing.MARKER):
+            print(f"killed while committing {path.parent.name}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_write_json(path, obj)
+
+    checkpointing._write_json = die_before_the_marker
+    checkpointing.save(run, state, loader=loader, step=step, keep=2)
+    raise AssertionError("the process should have been killed while saving")
+
+
+def preempt(run: Path, out: Path) -> None:
+    reference(out, 3)
+    state, loader, step = build()
+    it = batches(loader)
+    with PreemptionGuard() as guard:
+        while state.step < STEPS:
+            step(state, next(it))
+            if state.step == 3:
+                print("ready for SIGTERM", flush=True)
+                deadline = time.monotonic() + 60
+                while not guard.requested and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            guard.exit_if_requested(run, state, loader=loader, step=step)
+    print("finished without being preempted", flush=True)
+    sys.exit(3)
+
+
+def resume(run: Path, out: Path, mutations: bool) -> None:
+    state, loader, step = build()
+    info = checkpointing.load(run, state, loader=loader, step=step)
+    losses: list[torch.Tensor] = []
+    train(state, batches(loader), step, STEPS, losses, info.step)
+    result = summary(state, losses)
+    result["info"] = {"step": info.step, "path": str(info.path), "restored": list(info.restored),
+                      "extra": info.extra}
+    torch.save(result, out / "resumed.pt")
+    if not mutations:
+        return
+    for part in MUTATIONS:
+        state, loader, step = build()
+        with checkpointing._dropping(part):
+            info = checkpointing.load(run, state, loader=loader, step=step)
+        assert part not in info.restored, (part, info.restored)
+        losses = []
+        train(state, batches(loader), step, STEPS, losses, info.step)
+        torch.save(summary(state, losses), out / f"mutation-{part}.pt")
+
+
+# ------------------------------------------------------------------------- torchrun
+def init_per_restart(restart: int, delay_rank0_s: float = 0.0) -> None:
+    """``init_process_group`` with the store's keys separated per torchrun restart.
+
+    torchrun's agent keeps one store for the whole job, so without a prefix a restarted
+    worker can read the address its peer published before the restart and fail to connect
+    (gloo ``connectFullMesh``: connection refused); see the report on ``init_distributed``.
+    """
+    import torch.distributed as dist
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://"))
+    if rank == 0:
+        time.sleep(delay_rank0_s)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"restart-{restart}/", store),
+                            rank=rank, world_size=world)
+
+
+def dist_main(run: Path, out: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+    )
+
+    phase = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    init_per_restart(phase)
+    rank = dist.get_rank()
+    (out / f"phase{phase}-rank{rank}.started").touch()
+    if phase == 0:
+        for strategy in ("ddp", "fsdp"):
+            reference(out, DIST_SAVE_AT, strategy, tag=f"-{strategy}-rank{rank}")
+            state, loader, step = build(strategy)
+            it = batches(loader)
+            losses: list[torch.Tensor] = []
+            train(state, it, step, 2, losses, DIST_STEPS)
+            checkpointing.save(run / strategy, state, loader=loader, step=step, keep=1)
+            train(state, it, step, DIST_SAVE_AT, losses, DIST_STEPS)
+            checkpointing.save(run / strategy, state, loader=loader, step=step, keep=1)
+            optim = get_optimizer_state_dict(state.model, state.optimizer,
+                                             options=StateDictOptions(full_state_dict=True))
+            params = full_params(state.model)  # collective under FSDP: on every rank
+            if rank == 0:
+                torch.save({"params": params, "optimizer": optim}, out / f"at-save-{strategy}.pt")
+            train(state, it, step, DIST_SAVE_AT + 2, losses, DIST_STEPS)  # lost
+        dist.barrier()
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # a worker dies: torchrun restarts all
+        time.sleep(120)  # rank 0 is stopped by torchrun
+    elif phase == 1:
+        for strategy in ("ddp", "fsdp"):
+            state, loader, step = build(strategy)
+            info = checkpointing.load(run / strategy, state, loader=loader, step=step)
+            losses = []
+            train(state, batches(loader), step, DIST_STEPS, losses, info.step)
+            torch.save(summary(state, losses), out / f"resumed-{strategy}-rank{rank}.pt")
+        state, loader, step = build("ddp")
+        it = batches(loader)
+        with PreemptionGuard(check_every=2) as guard:
+            while state.step < DIST_STEPS:
+                step(state, next(it))
+                if state.step == 3 and rank == 1:
+                    os.kill(os.getpid(), signal.SIGTERM)  # only rank 1 is told
+                    while not guard.requested:
+                        time.sleep(0.01)
+                if guard.should_stop():
+                    (out / f"preempted-rank{rank}.json").write_text(json.dumps(
+                        {"step": state.step, "requested": guard.requested}))
+                    guard.checkpoint_and_exit(run / "preempt", state, loader=loader, step=step)
+        raise AssertionError("phase 1 should have been preempted")
+    else:
+        state, loader, step = build("ddp")
+        info = checkpointing.load(run / "preempt", state, loader=loader, step=step)
+        losses = []
+        train(state, batches(loader), step, DIST_STEPS, losses, info.step)
+        torch.save(summary(state, losses), out / f"resumed-preempt-rank{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mode, run_dir, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if mode == "first":
+        first(run_dir, out_dir)
+    elif mode == "preempt":
+        preempt(run_dir, out_dir)
+    elif mode == "resume":
+        resume(run_dir, out_dir, "--mutations" in sys.argv)
+    elif mode == "dist":
+        dist_main(run_dir, out_dir)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")

@@ -1,0 +1,429 @@
+"""checkpointing: atomic save, whole-or-nothing load, refusals, rotation, weights-only files.
+
+In one process and fast; kill-and-resume across processes is in test_resume.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import Net, classify
+from tensordict import TensorDict
+
+import accelfn as af
+from accelfn import checkpointing as ckpt
+from accelfn import data
+
+
+class Counter:
+    """A user transform whose slot changes the update (so a lost slot is visible)."""
+
+    name = "counter"
+    grads_order = 40
+
+    def __repr__(self) -> str:
+        return "counter"
+
+    def on_grads(self, ctx):
+        slot = ctx.state.slot(self.name, lambda: {"count": torch.zeros(())})
+        for g in ctx.grads():
+            g.add_(slot["count"] * 1e-3)
+        slot["count"] += 1
+
+
+def dataset(n: int = 48) -> TensorDict:
+    g = torch.Generator().manual_seed(0)
+    return TensorDict({"x": torch.randn(n, 6, generator=g),
+                       "y": torch.randint(0, 4, (n,), generator=g)}, batch_size=[n])
+
+
+def noisy(model, batch):
+    out = classify(model, batch)
+    out["loss"] = torch.nn.functional.dropout(out["loss"].unsqueeze(0), 0.3)[0] * (
+        1 + 0.1 * random.random()) * (1 + 0.1 * float(np.random.rand()))
+    return out
+
+
+def setup(seed: int = 0, *, opt: str = "adamw", scheduler: bool = True, batch_size: int = 4,
+          dim: int = 8):
+    torch.manual_seed(seed)
+    model = Net(dim=dim)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if opt == "adamw"
+                 else torch.optim.SGD(model.parameters(), lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if scheduler else None
+    state = af.TrainState(model, optimizer, scheduler=sched)
+    loader = data.loader(dataset(), batch_size=batch_size, seed=1)
+    step = af.with_amp(dtype=torch.float16, growth_interval=1)(
+        af.with_clipping(af.apply_transform(noisy, Counter())))
+    step.prepare(state)  # what load() does first (creates the loss scaler's slot)
+    return state, loader, step
+
+
+def run(state, it, step, n):
+    return [step(state, next(it))["loss"].clone() for _ in range(n)]
+
+
+def snapshot(state):
+    return {"params": [p.detach().clone() for p in state.model.parameters()],
+            "opt": repr(state.optimizer.state_dict()),
+            "sched": None if state.scheduler is None else state.scheduler.state_dict(),
+            "step": state.step, "slots": repr(state.state_dict()["slots"]),
+            "rng": ckpt.rng_state()}
+
+
+def assert_unchanged(before, state):
+    after = snapshot(state)
+    assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
+    assert before["opt"] == after["opt"]
+    assert before["sched"] == after["sched"]
+    assert before["step"] == after["step"]
+    assert before["slots"] == after["slots"]
+    assert repr(before["rng"]) == repr(after["rng"])
+
+
+def scramble_rngs():
+    random.seed(99)
+    np.random.seed(99)
+    torch.manual_seed(99)
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A run trained 3 steps and saved; what the next 3 steps give; and the Step."""
+    state, loader, step = setup()
+    it = iter(loader)
+    run(state, it, step, 3)
+    path = ckpt.save(tmp_path / "run", state, loader=loader, step=step, extra={"epoch": 0})
+    after = run(state, it, step, 3)
+    return tmp_path / "run", path, state, after
+
+
+# ------------------------------------------------------------------------- round trip
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "dcp"])
+def test_resume_restores_everything_and_continues_identically(tmp_path, sharded):
+    state, loader, step = setup()
+    it = iter(loader)
+    run(state, it, step, 3)
+    path = ckpt.save(tmp_path, state, loader=loader, step=step, sharded=sharded,
+                     extra={"epoch": 0, "best": 0.5})
+    assert path.name == "step-000000003" and (path / "COMMITTED").is_file()
+    assert (path / "sharded").is_dir() == sharded
+    expected = run(state, it, step, 3)
+
+    fresh, fresh_loader, fresh_step = setup(seed=1)
+    scramble_rngs()
+    info = ckpt.load(tmp_path, fresh, loader=fresh_loader, step=fresh_step)
+    assert info.path == path and info.step == 3 and info.world_size == 1
+    assert info.sharded == sharded and info.extra == {"epoch": 0, "best": 0.5}
+    assert info.stack == af.describe(step)
+    assert set(info.restored) >= {"model", "optimizer", "scheduler", "step", "slot:with_amp",
+                                  "slot:nonfinite", "slot:counter", "rng.python", "rng.numpy",
+                                  "rng.torch", "data"}
+    got = run(fresh, iter(fresh_loader), fresh_step, 3)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+    for a, b in zip(state.model.parameters(), fresh.model.parameters()):
+        assert torch.equal(a, b)
+    assert fresh.step == state.step == 6
+    assert fresh.slots["with_amp"].get_scale() == state.slots["with_amp"].get_scale()
+
+
+def test_every_file_is_weights_only_and_load_never_unpickles_freely(saved, monkeypatch):
+    run_dir, path, _, _ = saved
+    for file in path.glob("*.pt"):
+        torch.load(file, weights_only=True)
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["step"] == 3 and meta["model"]["head.weight"] == [[4, 8], "float32"]
+    calls = []
+    real = torch.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: pytest.fail("pickle.load while loading"))
+    state, loader, step = setup()
+    ckpt.load(run_dir, state, loader=loader, step=step)
+    assert calls and all(flag is True for flag in calls)
+
+
+def _forge(path: Path, rel: str, content: bytes) -> None:
+    """Replace a file and fix the marker's size, as a forged checkpoint would."""
+    (path / rel).write_bytes(content)
+    marker = json.loads((path / "COMMITTED").read_text())
+    marker["files"][rel] = len(content)
+    (path / "COMMITTED").write_text(json.dumps(marker))
+
+
+class _Exploit:
+    def __init__(self, target: str) -> None:
+        self.target = target
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.target}",))
+
+
+def test_checkpoint_carrying_code_is_refused_without_running_it(tmp_path):
+    state, loader, step = setup()
+    run(state, iter(loader), step, 2)
+    ok = ckpt.save(tmp_path / "a", state, step=step)
+    dcp = ckpt.save(tmp_path / "b", state, step=step, sharded=True)
+    pwned = tmp_path / "pwned"
+    buffer = io.BytesIO()
+    torch.save({"format": ckpt.FORMAT, "state": _Exploit(str(pwned))}, buffer)
+    _forge(ok, "state.pt", buffer.getvalue())
+    _forge(dcp, "sharded/.metadata", pickle.dumps(_Exploit(str(pwned)), protocol=2))
+    for path in (ok, dcp):
+        fresh, _, fresh_step = setup(seed=1)
+        before = snapshot(fresh)
+        with pytest.raises(ckpt.CheckpointError, match=r"cannot be read safely|not plain data"):
+            ckpt.load(path, fresh, step=fresh_step)
+        assert not pwned.exists()
+        assert_unchanged(before, fresh)
+
+
+# ------------------------------------------------------------------------- atomic writes
+def _fail_torch_save(monkeypatch):
+    real = torch.save
+
+    def half_then_fail(obj, f, *a, **k):
+        real({"half": torch.zeros(10)}, f)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", half_then_fail)
+
+
+def _fail_fsync(monkeypatch):
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError("I/O error")))
+
+
+def _fail_rename(monkeypatch):
+    real = os.replace
+
+    def replace(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError("rename failed")
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+
+
+def _fail_marker(monkeypatch):
+    real = ckpt._write_json
+
+    def write(path, obj):
+        if path.name.startswith(ckpt.MARKER):
+            raise OSError("no space left for the marker")
+        return real(path, obj)
+
+    monkeypatch.setattr(ckpt, "_write_json", write)
+
+
+def _fail_dcp(monkeypatch):
+    import torch.distributed.checkpoint as dcp
+
+    monkeypatch.setattr(dcp, "save", lambda *a, **k: (_ for _ in ()).throw(
+        OSError("shard write failed")))
+
+
+@pytest.mark.parametrize("inject", [_fail_torch_save, _fail_fsync, _fail_rename, _fail_marker,
+                                    _fail_dcp], ids=lambda f: f.__name__[6:])
+def test_crash_while_saving_leaves_the_previous_checkpoint(saved, monkeypatch, inject):
+    run_dir, first, state, _ = saved
+    with monkeypatch.context() as m:
+        inject(m)
+        with pytest.raises(OSError):
+            ckpt.save(run_dir, state, step=None, keep=1, sharded=inject is _fail_dcp)
+    assert ckpt.latest(run_dir) == first
+    assert sorted(p.name for p in run_dir.iterdir()) == [first.name]  # nothing half-written
+    fresh, loader, step = setup(seed=1)
+    assert ckpt.load(run_dir, fresh, loader=loader, step=step).step == 3
+
+
+def test_half_written_directories_are_never_picked_and_are_cleaned_up(saved):
+    run_dir, first, state, _ = saved
+    shutil.copytree(first, run_dir / "step-000000099")
+    (run_dir / "step-000000099" / "COMMITTED").unlink()  # renamed, killed before the marker
+    (run_dir / ".tmp-step-000000100-0000").mkdir()         # killed while writing files
+    (run_dir / "notes.txt").write_text("not a checkpoint")
+    assert ckpt.latest(run_dir) == first
+    assert ckpt.checkpoints(run_dir) == [first]
+    fresh, _, _ = setup(seed=1)
+    with pytest.raises(ckpt.CheckpointError, match="no COMMITTED marker"):
+        ckpt.load(run_dir / "step-000000099", fresh)
+    ckpt.save(run_dir, state)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt", first.name,
+                                                         "step-000000006"]
+
+
+def test_rotation_keeps_the_newest_and_deletes_only_after_a_commit(tmp_path, monkeypatch):
+    state, loader, step = setup()
+    it = iter(loader)
+    for _ in range(4):
+        run(state, it, step, 1)
+        ckpt.save(tmp_path, state, keep=2)
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-000000003", "step-000000004"]
+    run(state, it, step, 1)
+    _fail_marker(monkeypatch)
+    with pytest.raises(OSError):
+        ckpt.save(tmp_path, state, keep=1)
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-000000003", "step-000000004"]
+
+
+def test_saving_the_same_step_twice_keeps_both(tmp_path):
+    state, _, _ = setup()
+    first = ckpt.save(tmp_path, state)
+    second = ckpt.save(tmp_path, state)
+    assert (first.name, second.name) == ("step-000000000", "step-000000000.1")
+    assert ckpt.latest(tmp_path) == second
+
+
+@pytest.mark.parametrize("damage", ["truncate", "remove"])
+def test_damaged_files_are_refused(saved, damage):
+    _, path, _, _ = saved
+    target = path / "rank-00000.pt"
+    if damage == "truncate":
+        target.write_bytes(target.read_bytes()[:100])
+    else:
+        target.unlink()
+    fresh, loader, step = setup(seed=1)
+    before = snapshot(fresh)
+    with pytest.raises(ckpt.CheckpointError, match="damaged"):
+        ckpt.load(path, fresh, loader=loader, step=step)
+    assert_unchanged(before, fresh)
+
+
+def test_save_reads_no_rng_and_writes_nothing_when_refused(tmp_path):
+    state, loader, step = setup()
+    run(state, iter(loader), step, 1)
+    before = repr(ckpt.rng_state())
+    ckpt.save(tmp_path / "ok", state, loader=loader, step=step)
+    assert repr(ckpt.rng_state()) == before
+    with pytest.raises(TypeError, match=r"extra\['cfg'\] is a object"):
+        ckpt.save(tmp_path / "bad", state, extra={"cfg": object()})
+    calls = af.with_accumulation(2, mode="calls")(classify)
+    calls(state, next(iter(loader)))  # a window is open
+    with pytest.raises(RuntimeError, match="window is open"):
+        ckpt.save(tmp_path / "bad", state)
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+
+
+def test_bad_arguments():
+    state, _, _ = setup()
+    with pytest.raises(ValueError, match="keep"):
+        ckpt.save("unused", state, keep=0)
+    with pytest.raises(TypeError, match="state_dict"):
+        ckpt.save("unused", state, loader=[1, 2])
+    with pytest.raises(TypeError, match="TrainState"):
+        ckpt.save("unused", state.model)
+    with pytest.raises(TypeError, match="Step"):
+        ckpt.save("unused", state, step=classify)
+
+
+def test_nothing_to_load(tmp_path):
+    state, _, _ = setup()
+    assert ckpt.latest(tmp_path / "missing") is None
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        ckpt.load(tmp_path, state)
+
+
+# ------------------------------------------------------------------------- refusals
+_OWN = object()
+
+
+def _refused(path, match, build=setup, loader=_OWN, step=_OWN):
+    """Loading ``path`` into a state from ``build`` raises ``match`` and changes nothing."""
+    fresh, own_loader, own_step = build()
+    before = snapshot(fresh)
+    with pytest.raises(ckpt.CheckpointError, match=match):
+        ckpt.load(path, fresh, loader=own_loader if loader is _OWN else loader,
+                  step=own_step if step is _OWN else step)
+    assert_unchanged(before, fresh)
+
+
+def test_a_different_model_is_refused_naming_the_parameters(saved):
+    _, path, _, _ = saved
+    _refused(path, r"different model: 21 with another shape or dtype: blocks.0.fc1.bias saved "
+             r"\[16\] float32, here \[24\] float32",
+             build=lambda: setup(dim=12))
+
+    def deeper():
+        _, loader, step = setup()
+        torch.manual_seed(0)
+        model = Net(depth=4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+        return af.TrainState(model, opt, scheduler=sched), loader, step
+
+    _refused(path, r"6 in this model but not in the checkpoint: blocks\.3\.norm\.weight",
+             build=deeper)
+
+
+def test_a_different_transform_stack_is_refused_but_not_another_order(saved):
+    _, path, _, _ = saved
+    other = af.with_amp(dtype=torch.float16, growth_interval=1)(af.apply_transform(noisy,
+                                                                                   Counter()))
+    _refused(path, r"removed: with_clipping\(max_norm=1\)", step=other)
+    reordered = af.with_clipping(af.with_amp(dtype=torch.float16, growth_interval=1)(
+        af.apply_transform(noisy, Counter())))
+    fresh, loader, _ = setup()
+    assert ckpt.load(path, fresh, loader=loader, step=reordered).step == 3
+
+
+def test_other_mismatches_are_refused_with_the_fix(saved):
+    _, path, _, _ = saved
+    _refused(path, "optimizer is AdamW .* this one is SGD", build=lambda: setup(opt="sgd"))
+    _refused(path, "scheduler is StepLR, this state's is None",
+             build=lambda: setup(scheduler=False))
+    _refused(path, "batch_size: saved 4, here 6",
+             loader=data.loader(dataset(), batch_size=6, seed=1))
+
+
+def test_another_world_size_needs_allow_resharding(saved):
+    _, path, _, _ = saved
+    meta = json.loads((path / "meta.json").read_text())
+    meta["world_size"] = 2
+    _forge(path, "meta.json", json.dumps(meta).encode())
+    _refused(path, "written by 2 process.*allow_resharding=True")
+    fresh, loader, step = setup(seed=1)
+    with pytest.raises(ckpt.CheckpointError, match="loader=None"):
+        ckpt.load(path, fresh, loader=loader, step=step, allow_resharding=True)
+    info = ckpt.load(path, fresh, step=step, allow_resharding=True)
+    assert "data" not in info.restored and not any(p.startswith("rng") for p in info.restored)
+    assert fresh.step == 3
+
+
+def test_a_restore_that_fails_part_way_is_rolled_back(saved, monkeypatch):
+    _, path, _, _ = saved
+    fresh, loader, step = setup(seed=1)
+    run(fresh, iter(loader), step, 1)
+    loader = data.loader(dataset(), batch_size=4, seed=1)
+    before = snapshot(fresh)
+    monkeypatch.setattr(type(fresh.slots["with_amp"]), "load_state_dict",
+                        lambda self, sd: (_ for _ in ()).throw(RuntimeError("scaler broke")))
+    with pytest.raises(ckpt.CheckpointError, match=r"scaler broke.*nothing was restored"):
+        ckpt.load(path, fresh, loader=loader, step=step)
+    monkeypatch.undo()
+    assert_unchanged(before, fresh)
+    assert fresh.optimizer.state  # still its own AdamW moments
+    assert next(iter(loader)) is not None  # the loader starts at its own beginning
+
+
+def test_loader_refusal_after_checks_rolls_back_rng_and_state(saved, monkeypatch):
+    _, path, _, _ = saved
+    fresh, loader, step = setup(seed=1)
+    before = snapshot(fresh)
+    monkeypatch.setattr(type(loader), "load_state_dict",
+                        lambda self, sd: (_ for _ in ()).throw(ValueError("loader broke")))
+    with pytest.raises(ckpt.CheckpointError, match="loader broke"):
+        ckpt.load(path, fresh, loader=loader, step=step)
+    assert_unchanged(before, fresh)
