@@ -361,8 +361,10 @@ def test_a_different_model_is_refused_naming_the_parameters(saved):
         torch.manual_seed(0)
         model = Net(depth=4)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
-        return af.TrainState(model, opt, scheduler=sched), loader, step
+        state = af.TrainState(model, opt,
+                              scheduler=torch.optim.lr_scheduler.StepLR(opt, 2, 0.5))
+        step.prepare(state)
+        return state, loader, step
 
     _refused(path, r"6 in this model but not in the checkpoint: blocks\.3\.norm\.weight",
              build=deeper)
