@@ -13,6 +13,9 @@ tests/test_preemption.py (each mode runs in its own process, as a real restart w
                                               worker is SIGKILLed; phase 1 (torchrun's restart)
                                               resumes both, then is preempted by SIGTERM on
                                               one rank; phase 2 resumes that
+    torchrun --nproc_per_node=2 --max-restarts=1 resume_worker.py reconnect RUN OUT
+                                              af.init_distributed() after a restart in which
+                                              rank 0 comes up last
 
 The training uses every kind of state on purpose: AdamW moments, an LR schedule, an fp16 loss
 scaler, a transform slot, Python/NumPy/torch RNG in the step function (dropout), and a
@@ -49,8 +52,6 @@ DIST_STEPS = 10  # per rank: 6 batches per epoch
 DIST_SAVE_AT = 4
 MUTATIONS = ("optimizer", "scheduler", "slot:with_amp", "slot:gradient_noise", "rng.python",
              "rng.numpy", "rng.torch", "data")
-
-torch.set_num_threads(1)
 
 
 def dataset() -> TensorDict:
@@ -296,7 +297,27 @@ def dist_main(run: Path, out: Path) -> None:
         dist.destroy_process_group()
 
 
+def reconnect(out: Path) -> None:
+    """A worker is killed; after torchrun's restart rank 0 is slow to come up."""
+    import torch.distributed as dist
+
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 1 and os.environ.get("RANK") == "0":
+        time.sleep(2)  # rank 1 looks up rank 0's address first
+    af.init_distributed()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    if restart == 0:
+        dist.barrier()
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(120)
+    (out / f"reconnected-rank{dist.get_rank()}").write_text(str(total.item()))
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
+    torch.set_num_threads(1)
     mode, run_dir, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     out_dir.mkdir(parents=True, exist_ok=True)
     if mode == "first":
@@ -307,5 +328,7 @@ if __name__ == "__main__":
         resume(run_dir, out_dir, "--mutations" in sys.argv)
     elif mode == "dist":
         dist_main(run_dir, out_dir)
+    elif mode == "reconnect":
+        reconnect(out_dir)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
