@@ -155,6 +155,25 @@ def reference(out: Path, record_from: int, strategy: str | None = None, tag: str
     torch.save(summary(state, losses), out / f"reference{tag}.pt")
 
 
+# ------------------------------------------------------------------------- for the tests
+WORKER = Path(__file__).resolve()
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def load_result(path: Path) -> dict[str, Any]:
+    return torch.load(path, weights_only=True)
+
+
+def assert_same_run(expected: dict[str, Any], got: dict[str, Any]) -> None:
+    """Bitwise the same parameters and losses after the resume, same counters and LR."""
+    for name, value in expected["params"].items():
+        assert torch.equal(value, got["params"][name]), f"{name} differs after the resume"
+    assert len(expected["losses"]) == len(got["losses"]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(expected["losses"], got["losses"]))
+    for key in ("step", "lr", "scale", "skipped"):
+        assert expected[key] == got[key], key
+
+
 # ------------------------------------------------------------------------- single process
 def first(run: Path, out: Path) -> None:
     reference(out, SAVE_AT)

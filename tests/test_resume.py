@@ -7,7 +7,6 @@ The runs themselves are in resume_worker.py; each phase is a separate process.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess
@@ -18,11 +17,10 @@ from types import SimpleNamespace
 import pytest
 import resume_worker as worker
 import torch
+from resume_worker import ENV, WORKER, assert_same_run
+from resume_worker import load_result as load
 
 from accelfn import checkpointing as ckpt
-
-WORKER = Path(__file__).with_name("resume_worker.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run_worker(*args: object, timeout: int = 300) -> subprocess.CompletedProcess[str]:
@@ -40,22 +38,9 @@ def torchrun(mode: str, run: Path, out: Path, restarts: int) -> subprocess.Compl
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
 
 
-def load(path: Path) -> dict:
-    return torch.load(path, weights_only=True)
-
-
 def same_params(a: dict, b: dict) -> bool:
     return a["params"].keys() == b["params"].keys() and all(
         torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
-
-
-def assert_same_run(expected: dict, got: dict) -> None:
-    for name, value in expected["params"].items():
-        assert torch.equal(value, got["params"][name]), f"{name} differs after the resume"
-    assert len(expected["losses"]) == len(got["losses"]) > 0
-    assert all(torch.equal(a, b) for a, b in zip(expected["losses"], got["losses"]))
-    for key in ("step", "lr", "scale", "skipped"):
-        assert expected[key] == got[key], key
 
 
 # --------------------------------------------------------------------- one process

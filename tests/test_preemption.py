@@ -1,0 +1,142 @@
+"""PreemptionGuard: a signal becomes a checkpoint at the next step boundary and exit status 75.
+
+The multi-process agreement under torchrun is in test_resume.py (one rank is signalled,
+both stop at the same step).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import resume_worker as worker
+import torch
+from resume_worker import ENV, WORKER, assert_same_run
+from resume_worker import load_result as load
+
+from accelfn import checkpointing as ckpt
+from accelfn import preemption
+from accelfn.preemption import EXIT_PREEMPTED, PreemptionGuard
+
+
+def test_a_signal_sets_the_flag_and_handlers_are_put_back():
+    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    with PreemptionGuard() as guard:
+        assert not guard.requested and not guard.should_stop()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.01)  # the handler runs between bytecodes of the main thread
+        assert guard.requested and guard.signal == signal.SIGUSR1
+        assert guard.should_stop() and guard.should_stop()  # and stays so
+    assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_a_handler_installed_before_is_still_called():
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda s, f: seen.append(s))
+    try:
+        with PreemptionGuard(signals=[signal.SIGTERM]) as guard:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.01)
+        assert guard.requested and seen == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_request_and_time_limit_also_stop(monkeypatch):
+    guard = PreemptionGuard(time_limit_s=100.0).install()
+    try:
+        assert not guard.should_stop()
+        clock = time.monotonic()
+        monkeypatch.setattr(preemption.time, "monotonic", lambda: clock + 101.0)
+        assert guard.requested and guard.should_stop()
+    finally:
+        guard.uninstall()
+    other = PreemptionGuard()
+    other.request()
+    assert other.should_stop()
+
+
+def test_several_processes_agree_every_check_every_calls(monkeypatch):
+    """Simulated peers: the all-reduce (MAX) says another process was signalled."""
+    reduces = []
+
+    def all_reduce(tensor, op):
+        reduces.append(int(tensor.item()))
+        tensor.fill_(1)  # the other process requested a stop
+
+    monkeypatch.setattr(preemption, "_world", lambda: 2)
+    monkeypatch.setattr(preemption.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(preemption.dist, "all_reduce", all_reduce)
+    guard = PreemptionGuard(check_every=3)
+    decisions = [guard.should_stop() for _ in range(4)]
+    assert decisions == [False, False, True, True]  # the third boundary communicates
+    assert reduces == [0]  # once, carrying this process' (unset) flag
+
+
+def test_checkpoint_and_exit_saves_then_exits_75(tmp_path, capsys):
+    state, loader, step = worker.build()
+    it = worker.batches(loader)
+    guard = PreemptionGuard()
+    guard.request()
+    step(state, next(it))
+    with pytest.raises(SystemExit) as exited:
+        guard.exit_if_requested(tmp_path, state, loader=loader, step=step)
+    assert exited.value.code == EXIT_PREEMPTED == 75
+    assert ckpt.latest(tmp_path).name == "step-000000001"
+    assert "preempted at step 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"check_every": 0}, "check_every"),
+    ({"signals": [signal.SIGKILL]}, "cannot handle"),
+    ({"time_limit_s": -1.0}, "time_limit_s"),
+    ({"exit_code": 0}, "exit_code"),
+])
+def test_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PreemptionGuard(**kwargs)
+
+
+def test_handlers_need_the_main_thread():
+    import threading
+
+    errors = []
+
+    def install_elsewhere():
+        try:
+            PreemptionGuard().install()
+        except RuntimeError as error:
+            errors.append(str(error))
+
+    thread = threading.Thread(target=install_elsewhere)
+    thread.start()
+    thread.join()
+    assert len(errors) == 1 and "main thread" in errors[0]
+
+
+def test_sigterm_mid_run_checkpoints_exits_75_and_resumes_exactly(tmp_path):
+    run, out = tmp_path / "run", tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, str(WORKER), "preempt", str(run), str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip() == "ready for SIGTERM", line + proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)  # after step 3 of 16, mid-epoch
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    stderr = proc.stderr.read()
+    assert code == EXIT_PREEMPTED, stderr[-3000:]
+    assert "preempted at step 3" in stderr
+    assert [p.name for p in ckpt.checkpoints(run)] == ["step-000000003"]
+    resumed = subprocess.run([sys.executable, str(WORKER), "resume", str(run), str(out)],
+                             capture_output=True, text=True, timeout=300, env=ENV)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    result = load(out / "resumed.pt")
+    assert result["info"]["step"] == 3
+    assert_same_run(load(out / "reference.pt"), result)
+    assert torch.is_tensor(result["losses"][0])
