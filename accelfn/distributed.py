@@ -113,6 +113,11 @@ class _Distributed:
             )
         model = prepared.model
         if self.sync_batchnorm:
+            if device.type != "cuda":
+                raise ValueError(
+                    "distributed(sync_batchnorm=True) needs CUDA devices: SyncBatchNorm has no "
+                    "CPU implementation; leave it off when training on CPUs"
+                )
             converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
             if converted is not model:
                 raise ValueError("sync_batchnorm cannot convert a model that is itself a BatchNorm")

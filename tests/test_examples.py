@@ -124,10 +124,32 @@ def test_gpt_example_learns_and_resumes_exactly(tmp_path):
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.slow
+def test_image_example_from_an_image_folder_and_resume(tmp_path):
+    from torchvision.io import encode_jpeg, write_file
+
+    g = torch.Generator().manual_seed(0)
+    for label in ("cat", "dog"):
+        os.makedirs(tmp_path / "folder" / label)
+        for i in range(12):
+            image = torch.randint(0, 256, (3, 20, 24), dtype=torch.uint8, generator=g)
+            write_file(str(tmp_path / "folder" / label / f"{i}.jpg"), encode_jpeg(image))
+    example = load_example("classify_images")
+    small = ["--size", "16", "--batch-size", "8", "--accumulation", "2", "--quiet",
+             "--steps", "4", "--out", str(tmp_path / "run")]
+    report = example.main([*small, "--folder", str(tmp_path / "folder"), "--stop-at", "2"])
+    assert report["updates"] == 2
+    cache = str(tmp_path / "run" / "cache")
+    again = example.main([*small, "--preloaded", cache, "--resume",
+                          str(tmp_path / "run" / "last.pt")])
+    assert again["updates"] == 4 and 0.0 <= again["val_accuracy"] <= 1.0
+
+
 TORCHRUN_CASES = {
     "classify_digits": ["--steps", "6", "--quiet"],
     "custom_transform": ["--steps", "6"],
     "hand_written_loop": ["--epochs", "1"],
+    "classify_images": ["--steps", "2", "--size", "16", "--batch-size", "8", "--quiet"],
     "gpt": ["--steps", "3", "--fsdp", "--text-bytes", "30000", "--batch-size", "8",
             "--seq-len", "32", "--dim", "32", "--depth", "2", "--quiet"],
 }

@@ -1,0 +1,167 @@
+"""Image classification with a torchvision ResNet and every accelfn transform.
+
+    python examples/classify_images.py                                  # embedded digits
+    python examples/classify_images.py --folder path/to/images          # class-per-folder JPEGs
+    python examples/classify_images.py --preloaded runs/images/cache    # reuse a preloaded set
+    torchrun --nproc_per_node=2 examples/classify_images.py --steps 50
+    python examples/classify_images.py --steps 100 --resume runs/images/last.pt
+
+By default the data are the embedded handwritten digits, resized once to 3x32x32 uint8.
+``--folder`` preloads an image folder once into a memory-mapped TensorDict (uint8 stays uint8)
+and trains from it. Augmentation (random crop with padding, horizontal flip) and
+normalisation run on whole batches on the device. The model is a torchvision ResNet in
+channels_last; the step stacks checkpointing, clipping, accumulation, AMP, distribution, EMA
+and optionally compile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from tensordict import TensorDict
+
+import accelfn as af
+from accelfn import data
+from accelfn.datasets import digits
+
+
+def embedded_images(size: int = 32) -> TensorDict:
+    """The embedded digits as 3-channel uint8 images of ``size`` x ``size``."""
+    d = digits()
+    images = F.interpolate(d["image"].float(), size=(size, size), mode="bilinear",
+                           align_corners=False)
+    images = images.round().clamp(0, 255).to(torch.uint8).expand(-1, 3, -1, -1).contiguous()
+    return TensorDict({"image": images, "label": d["label"]}, batch_size=d.batch_size)
+
+
+def dataset(args: argparse.Namespace) -> tuple[TensorDict, int]:
+    if args.preloaded:
+        td = data.open_preloaded(args.preloaded)
+    elif args.folder:
+        td = data.preload_image_folder(args.folder, os.path.join(args.out, "cache"),
+                                       size=args.size)
+    else:
+        td = embedded_images(args.size)
+    return td, int(td["label"].max()) + 1
+
+
+def resnet_step(model: torch.nn.Module, batch) -> dict[str, torch.Tensor]:
+    logits = model(batch["image"])
+    loss = F.cross_entropy(logits, batch["label"], label_smoothing=0.1)
+    return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).float().mean()}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--folder", default=None, help="an image folder (one folder a class)")
+    parser.add_argument("--preloaded", default=None, help="a folder written by preload")
+    parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--model", default="resnet18")
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--accumulation", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=0.1)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--out", default="runs/images")
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+
+    device = af.init_distributed()
+    torch.manual_seed(0)
+    images, classes = dataset(args)
+    is_val = torch.arange(len(images)) % 5 == 0
+    train_set, val_set = images[~is_val], images[is_val]
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    augment = data.Compose(
+        data.RandomCrop(args.size, padding=args.size // 8),
+        data.RandomHorizontalFlip(),
+        data.Normalize(mean, std),
+        data.ChannelsLast(),
+    )
+    train = data.loader(train_set, batch_size=args.batch_size, device=device, transform=augment)
+    val = data.loader(val_set, batch_size=args.batch_size, shuffle=False, drop_last=False,
+                      device=device, transform=data.Compose(data.Normalize(mean, std),
+                                                            data.ChannelsLast()))
+
+    model = getattr(torchvision.models, args.model)(num_classes=classes)
+    model.conv1 = torch.nn.Conv2d(3, 64, 3, padding=1, bias=False)  # small images: no stem
+    model.maxpool = torch.nn.Identity()
+    model = af.channels_last(model.to(device))
+    lr = af.scale_lr(args.lr, args.batch_size, base_batch_size=256)
+    optimizer = torch.optim.SGD(af.param_groups(model, weight_decay=5e-4), lr=lr, momentum=0.9,
+                                nesterov=True, fused=True)
+    scheduler = af.warmup_cosine(optimizer, warmup_steps=max(1, args.steps // 20),
+                                 total_steps=args.steps)
+    state = af.TrainState(model, optimizer, scheduler=scheduler)
+
+    step = resnet_step
+    step = af.checkpointed(every=2)(step)
+    step = af.with_clipping(max_norm=2.0)(step)
+    step = af.with_accumulation(args.accumulation)(step)
+    step = af.with_amp(step)
+    step = af.distributed(sync_batchnorm=af.world_size() > 1 and device.type == "cuda")(step)
+    step = af.with_ema(decay=0.99)(step)
+    if args.compile:
+        step = af.compiled(step)
+
+    if args.resume:
+        saved = torch.load(args.resume, weights_only=True, map_location=device)
+        state.load_state_dict(saved["state"])
+        train.load_state_dict(saved["loader"])
+    main_process = af.is_main_process()
+    if main_process:
+        print(f"step: {af.describe(step)}")
+        print(f"data: {len(train_set)} train / {len(val_set)} val images of {args.size}px, "
+              f"{classes} classes; {af.world_size()} process(es) on {device}")
+
+    stop = min(args.steps, args.stop_at or args.steps)
+    monitor = af.Monitor(total=stop - state.step, progress=not args.quiet, desc=args.model,
+                         log_every=10, sync_check_step=None,
+                         samples_per_step=args.batch_size * af.world_size())
+    start = time.perf_counter()
+    with monitor:
+        while state.step < stop:
+            for batch in monitor.iterate(train):
+                monitor.step(step(state, batch))
+                if state.step >= stop:
+                    break
+    elapsed = time.perf_counter() - start
+    state.sync()
+
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
+    for batch in val:
+        n = float(len(batch))
+        own = step.evaluate(state, batch)["accuracy"].double() * n
+        ema = step.evaluate(state, batch, weights="ema")["accuracy"].double() * n
+        totals += torch.stack([own, ema, torch.tensor(n, dtype=torch.float64, device=device)])
+    if af.world_size() > 1:
+        torch.distributed.all_reduce(totals)
+    report = {
+        "updates": state.step,
+        "val_accuracy": round(float(totals[0] / totals[2]), 4),
+        "val_accuracy_ema": round(float(totals[1] / totals[2]), 4),
+        "train_seconds": round(elapsed, 2),
+        "samples_per_s": round(monitor.report().samples_per_s or 0.0, 1),
+        "processes": af.world_size(),
+    }
+    if main_process:
+        os.makedirs(args.out, exist_ok=True)
+        torch.save({"state": state.state_dict(), "loader": train.state_dict()},
+                   os.path.join(args.out, "last.pt"))
+        print(monitor.report())
+        print(json.dumps(report, indent=2))
+    if af.world_size() > 1:
+        torch.distributed.destroy_process_group()
+    return report
+
+
+if __name__ == "__main__":
+    main()
