@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import io
 import json
 import os
@@ -265,35 +266,64 @@ def _write_bytes(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
-def _write_torch(path: Path, obj: Any) -> None:
+def _digest(data: bytes) -> dict[str, Any]:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _digest_file(path: Path) -> dict[str, Any]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def _write_torch(path: Path, obj: Any) -> dict[str, Any]:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    _write_bytes(path, buffer.getvalue())
+    data = buffer.getvalue()
+    _write_bytes(path, data)
+    return _digest(data)
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    _write_bytes(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+def _write_json(path: Path, obj: Any) -> dict[str, Any]:
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    _write_bytes(path, data)
+    return _digest(data)
 
 
-def _read_torch(path: Path) -> Any:
+def _read_verified(root: Path, rel: str, files: Mapping[str, Any]) -> bytes:
+    """The bytes of ``root/rel``, checked against the digest the commit marker recorded."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        data = (root / rel).read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"{root} is damaged: {rel} cannot be read ({error}); load an "
+                              "earlier checkpoint") from error
+    if _digest(data) != files.get(rel):
+        raise CheckpointError(
+            f"{root} is damaged: {rel} does not match the checksum recorded when it was "
+            "saved (changed or corrupted since); load an earlier checkpoint"
+        )
+    return data
+
+
+def _read_torch(root: Path, rel: str, files: Mapping[str, Any]) -> Any:
+    data = _read_verified(root, rel, files)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as error:
         raise CheckpointError(
-            f"{path} cannot be read safely ({type(error).__name__}: {error}); the checkpoint "
-            "is corrupt or not an accelfn checkpoint"
+            f"{root / rel} cannot be read safely ({type(error).__name__}: {error}); the "
+            "checkpoint is corrupt or not an accelfn checkpoint"
         ) from error
 
 
-def _file_sizes(root: Path) -> dict[str, int]:
-    sizes = {}
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            full = Path(dirpath) / name
-            rel = full.relative_to(root).as_posix()
-            if rel not in (MARKER, MARKER + ".tmp"):
-                sizes[rel] = full.stat().st_size
-    return sizes
+def _shard_owner(rel: str, world: int) -> int:
+    """Which process checks a DCP file: its writer (files ``__<rank>_<n>.distcp``), else 0."""
+    match = re.match(r"^" + SHARDED_DIR + r"/__(\d+)_\d+\.distcp$", rel)
+    owner = int(match.group(1)) if match else 0
+    return owner if owner < world else 0
 
 
 def _parse(name: str) -> tuple[int, int] | None:
@@ -595,19 +625,28 @@ def save(
     tmp = Path(_from_rank0(str(tmp)))
 
     # 2. Write into the hidden temporary directory (every process its own files).
+    digests: dict[str, Any] = {}
     try:
         if rank == 0:
-            _write_torch(tmp / STATE_FILE, payload)
-        _write_torch(tmp / f"rank-{rank:05d}.pt", per_rank)
+            digests[STATE_FILE] = _write_torch(tmp / STATE_FILE, payload)
+        digests[f"rank-{rank:05d}.pt"] = _write_torch(tmp / f"rank-{rank:05d}.pt", per_rank)
     except BaseException as exc:
         error = exc
     if sharded and not _anyone(error is not None):
-        try:  # collective: every process writes its shards
+        try:  # collective: every process writes its shards, then checksums them
             _dcp_save(tmp / SHARDED_DIR, state, optimizer_in_dcp)
+            for file in sorted((tmp / SHARDED_DIR).iterdir()):
+                rel = f"{SHARDED_DIR}/{file.name}"
+                if file.name != ".metadata" and _shard_owner(rel, world) == rank:
+                    digests[rel] = _digest_file(file)
         except BaseException as exc:
             error = exc
     try:
         _agree(error, "writing the checkpoint")
+        if world > 1:
+            gathered: list[Any] = [None] * world
+            dist.all_gather_object(gathered, digests)
+            digests = {k: v for part in gathered for k, v in part.items()}
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -617,7 +656,7 @@ def save(
     final: Path | None = None
     if rank == 0:
         try:
-            final = _commit(root, tmp, state.step, meta, sharded)
+            final = _commit(root, tmp, state.step, meta, sharded, digests)
         except BaseException as exc:
             error = exc
             shutil.rmtree(tmp, ignore_errors=True)
@@ -637,18 +676,23 @@ def save(
     return final
 
 
-def _commit(root: Path, tmp: Path, step: int, meta: dict[str, Any], sharded: bool) -> Path:
+def _commit(root: Path, tmp: Path, step: int, meta: dict[str, Any], sharded: bool,
+            digests: dict[str, Any]) -> Path:
+    files = dict(digests)
     if sharded:
         _rewrite_dcp_metadata(tmp / SHARDED_DIR)
-    _write_json(tmp / META_FILE, meta)
-    sizes = _file_sizes(tmp)
+        for file in (tmp / SHARDED_DIR).iterdir():
+            rel = f"{SHARDED_DIR}/{file.name}"
+            if rel not in files:
+                files[rel] = _digest_file(file)
+    files[META_FILE] = _write_json(tmp / META_FILE, meta)
     _fsync_dir(tmp)
     final = _final_name(root, step)
     os.replace(tmp, final)
     _fsync_dir(root)
     try:
         marker_tmp = final / (MARKER + ".tmp")
-        _write_json(marker_tmp, {"format": FORMAT, "step": step, "files": sizes})
+        _write_json(marker_tmp, {"format": FORMAT, "step": step, "files": files})
         os.replace(marker_tmp, final / MARKER)
         _fsync_dir(final)
     except BaseException:
@@ -676,23 +720,40 @@ def _resolve(path: Path) -> Path:
 
 
 def _check_files(path: Path) -> dict[str, Any]:
+    """The commit marker, after checking that every file it lists is there, full size."""
     try:
         marker = json.loads((path / MARKER).read_text())
     except (OSError, ValueError) as error:
         raise CheckpointError(f"the commit marker of {path} is unreadable ({error})") from error
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT:
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT \
+            or not isinstance(marker.get("files"), dict):
         raise CheckpointError(f"{path} is not an {FORMAT} checkpoint")
-    for rel, size in marker["files"].items():
+    for rel, digest in marker["files"].items():
         file = path / rel
         if not file.is_file():
             raise CheckpointError(f"{path} is damaged: {rel} is missing; load an earlier "
                                   "checkpoint")
+        size = digest.get("size") if isinstance(digest, dict) else None
         if file.stat().st_size != size:
             raise CheckpointError(
                 f"{path} is damaged: {rel} has {file.stat().st_size} bytes, {size} were "
                 "written; load an earlier checkpoint"
             )
     return marker
+
+
+def _verify_shards(path: Path, files: Mapping[str, Any], rank: int, world: int,
+                   saved_world: int) -> None:
+    """Checksum the DCP files this process wrote (all of them on rank 0 after resharding)."""
+    for rel in sorted(files):
+        if not rel.startswith(SHARDED_DIR + "/") or rel == f"{SHARDED_DIR}/.metadata":
+            continue
+        owner = _shard_owner(rel, world) if world == saved_world else 0
+        if owner == rank and _digest_file(path / rel) != files[rel]:
+            raise CheckpointError(
+                f"{path} is damaged: {rel} does not match the checksum recorded when it was "
+                "saved (changed or corrupted since); load an earlier checkpoint"
+            )
 
 
 def _compare_models(saved: dict[str, list[Any]], here: dict[str, list[Any]]) -> None:
@@ -804,11 +865,13 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
                     allow_resharding: bool, rank: int, world: int,
                     dropped: frozenset[str]) -> _Checked:
     marker = _check_files(path)
+    files = marker["files"]
     try:
-        meta = json.loads((path / META_FILE).read_text())
-    except (OSError, ValueError) as error:
+        meta = json.loads(_read_verified(path, META_FILE, files))
+    except ValueError as error:
         raise CheckpointError(f"{path / META_FILE} is unreadable ({error})") from error
-    if meta.get("format") != FORMAT or meta.get("step") != marker.get("step"):
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT \
+            or meta.get("step") != marker.get("step"):
         raise CheckpointError(f"{path} has inconsistent metadata; load an earlier checkpoint")
     _compare_models(meta["model"], _model_signature(state.model))
     _compare_stacks(meta["stack"], _stack(step))
@@ -852,8 +915,10 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
         if not callable(getattr(loader, "load_state_dict", None)):
             raise TypeError(f"loader={type(loader).__name__} has no load_state_dict()")
     if meta["sharded"]:  # read before anything changes; DCP reads it again while loading
+        _read_verified(path, f"{SHARDED_DIR}/.metadata", files)
         _read_dcp_metadata(path / SHARDED_DIR)
-    payload = _read_torch(path / STATE_FILE)
+        _verify_shards(path, files, rank, world, int(meta["world_size"]))
+    payload = _read_torch(path, STATE_FILE, files)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT \
             or not isinstance(payload.get("state"), dict):
         raise CheckpointError(f"{path / STATE_FILE} is not an accelfn checkpoint state")
@@ -864,7 +929,7 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
     rank_state = None
     setters: list[tuple[str, Callable[[], None]]] = []
     if same_world:
-        rank_state = _read_torch(path / f"rank-{rank:05d}.pt")
+        rank_state = _read_torch(path, f"rank-{rank:05d}.pt", files)
         if not isinstance(rank_state, dict) or rank_state.get("format") != FORMAT \
                 or rank_state.get("rank") != rank:
             raise CheckpointError(f"{path}/rank-{rank:05d}.pt is not this process' state")

@@ -5,6 +5,7 @@ In one process and fast; kill-and-resume across processes is in test_resume.py.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -157,10 +158,10 @@ def test_every_file_is_weights_only_and_load_never_unpickles_freely(saved, monke
 
 
 def _forge(path: Path, rel: str, content: bytes) -> None:
-    """Replace a file and fix the marker's size, as a forged checkpoint would."""
+    """Replace a file and fix the marker's size and checksum, as a forged checkpoint would."""
     (path / rel).write_bytes(content)
     marker = json.loads((path / "COMMITTED").read_text())
-    marker["files"][rel] = len(content)
+    marker["files"][rel] = {"size": len(content), "sha256": hashlib.sha256(content).hexdigest()}
     (path / "COMMITTED").write_text(json.dumps(marker))
 
 
@@ -299,6 +300,25 @@ def test_damaged_files_are_refused(saved, damage):
     before = snapshot(fresh)
     with pytest.raises(ckpt.CheckpointError, match="damaged"):
         ckpt.load(path, fresh, loader=loader, step=step)
+    assert_unchanged(before, fresh)
+
+
+@pytest.mark.parametrize("rel", ["state.pt", "rank-00000.pt", "meta.json", "sharded/.metadata",
+                                 "sharded/__0_0.distcp"])
+def test_a_flipped_byte_anywhere_is_refused(tmp_path, rel):
+    state, loader, step = setup()
+    run(state, iter(loader), step, 2)
+    path = ckpt.save(tmp_path, state, loader=loader, step=step, sharded=True)
+    marker = json.loads((path / "COMMITTED").read_text())
+    assert sorted(marker["files"]) == ["meta.json", "rank-00000.pt", "sharded/.metadata",
+                                       "sharded/__0_0.distcp", "state.pt"]
+    data = bytearray((path / rel).read_bytes())
+    data[len(data) // 2] ^= 0x10  # bit rot: same size, different content
+    (path / rel).write_bytes(bytes(data))
+    fresh, fresh_loader, fresh_step = setup(seed=1)
+    before = snapshot(fresh)
+    with pytest.raises(ckpt.CheckpointError, match=f"damaged: {rel} does not match the checksum"):
+        ckpt.load(path, fresh, loader=fresh_loader, step=fresh_step)
     assert_unchanged(before, fresh)
 
 
