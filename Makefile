@@ -15,7 +15,11 @@ run: setup
 	$(BIN)/python examples/classify_digits.py
 
 test: setup
-	$(BIN)/ruff check accelfn tests benchmarks examples
+	$(BIN)/ruff check accelfn tests benchmarks examples docs
 	$(BIN)/python -m pytest -q
 
-.PHONY: setup run test
+docs: setup
+	$(BIN)/python docs/gen_api.py
+	$(BIN)/mkdocs build --strict
+
+.PHONY: setup run test docs

@@ -18,6 +18,7 @@ object with a unique ``name`` and some of the optional hooks of :class:`Transfor
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -685,4 +686,8 @@ def configurable(name: str, build: Callable[..., Any]) -> Callable[..., Any]:
 
     decorator.__name__ = decorator.__qualname__ = name
     decorator.__doc__ = build.__doc__
+    options = inspect.signature(build).parameters.values()
+    decorator.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("fn", inspect.Parameter.POSITIONAL_ONLY, default=None),
+         *(o.replace(kind=inspect.Parameter.KEYWORD_ONLY) for o in options)])
     return decorator
