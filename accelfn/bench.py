@@ -53,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -141,6 +142,7 @@ class BenchConfig:
     amp_dtype: str = "auto"
     compile: bool | None = None
     compile_mode: str | None = None
+    compile_backend: str = "inductor"
     workers: int | None = None
     overhead_steps: int | None = None
     ddp: bool = True
@@ -290,14 +292,23 @@ class PeakMemory:
             self.peak_mib = torch.cuda.max_memory_allocated(self.device) / 2**20
 
 
-class SavedActivations:
-    """Bytes of the tensors autograd saves for the backward pass while the block runs.
+class _Packed:
+    __slots__ = ("__weakref__", "tensor")
 
-    Counted with ``torch.autograd.graph.saved_tensors_hooks``, once per distinct storage,
-    leaving out the storages of ``exclude`` (the model's parameters and buffers, which stay
-    in memory anyway). This is the activation memory that AMP halves, that activation
-    checkpointing trades for recomputation and that micro-batching divides; it is exact on
-    any device.
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class SavedActivations:
+    """Peak bytes of the tensors autograd holds for the backward pass while the block runs.
+
+    Counted with ``torch.autograd.graph.saved_tensors_hooks``: a storage counts from the
+    moment a tensor of it is saved until autograd releases the last tensor saved from it
+    (after its backward), once however many tensors share it. The storages of ``exclude``
+    (the model's parameters and buffers, in memory anyway) are left out. ``bytes`` is the
+    peak of that live total: the activation memory that AMP halves, that activation
+    checkpointing trades for recomputation and that micro-batching divides. Exact on any
+    device; what checkpointing recomputes during the backward is not saved, so not counted.
     """
 
     def __init__(self, exclude: nn.Module | None = None) -> None:
@@ -305,36 +316,57 @@ class SavedActivations:
         if exclude is not None:
             for t in [*exclude.parameters(), *exclude.buffers()]:
                 self._skip.add(t.untyped_storage().data_ptr())
-        self._seen: dict[tuple[str, int], int] = {}
+        self._live: dict[tuple[str, int], list[int]] = {}  # key -> [references, bytes]
+        self._total = 0
         self._hooks: Any = None
         self.bytes = 0
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        with contextlib.suppress(RuntimeError, NotImplementedError):
+    def _release(self, key: tuple[str, int]) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            self._total -= entry[1]
+            del self._live[key]
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        try:
             storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in self._skip:
-                self._seen.setdefault((str(t.device), ptr), storage.nbytes())
-        return t
+        except (RuntimeError, NotImplementedError):
+            return t
+        ptr = storage.data_ptr()
+        if ptr in self._skip:
+            return t
+        key = (str(t.device), ptr)
+        entry = self._live.get(key)
+        if entry is None:
+            entry = self._live[key] = [0, storage.nbytes()]
+            self._total += entry[1]
+            self.bytes = max(self.bytes, self._total)
+        entry[0] += 1
+        packed = _Packed(t)
+        weakref.finalize(packed, self._release, key)
+        return packed
 
     @staticmethod
-    def _unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
+    def _unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Packed) else packed
 
     @property
     def mib(self) -> float:
-        """The bytes counted, in MiB."""
+        """The peak counted, in MiB."""
         return self.bytes / 2**20
 
     def __enter__(self) -> SavedActivations:
-        self._seen.clear()
+        self._live.clear()
+        self._total = self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._hooks.__exit__(*exc)
-        self.bytes = sum(self._seen.values())
 
 
 def state_mib(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> float:
@@ -520,7 +552,7 @@ def _build_step(stage: Stage, cfg: BenchConfig, device: torch.device,
     if stage.amp:
         step = af.with_amp(dtype=_amp_dtype(cfg, device))(step)
     if stage.compile if compile_ is None else compile_:
-        step = af.compiled(mode=cfg.compile_mode)(step) if cfg.compile_mode else af.compiled(step)
+        step = af.compiled(mode=cfg.compile_mode, backend=cfg.compile_backend)(step)
     if stage.ddp:
         step = af.distributed(step)
     if not nonfinite:
@@ -1083,6 +1115,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip the compile stages")
     p.add_argument("--compile-mode", default=None,
                    help="torch.compile mode (default, reduce-overhead, max-autotune, ...)")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend (default inductor; 'eager' only traces, to check "
+                        "the harness quickly)")
     p.add_argument("--workers", type=int, default=None,
                    help="DataLoader workers of the tuned stage (default min(8, cores))")
     p.add_argument("--overhead-steps", type=int, default=None,
@@ -1111,7 +1146,8 @@ def _config_from_args(args: argparse.Namespace) -> BenchConfig:
         model=args.model, device=args.device, steps=args.steps, warmup=args.warmup,
         batch_size=args.batch_size, image_size=args.image_size, samples=args.samples,
         data=args.data, amp_dtype=args.amp_dtype, compile=args.compile,
-        compile_mode=args.compile_mode, workers=args.workers,
+        compile_mode=args.compile_mode, compile_backend=args.compile_backend,
+        workers=args.workers,
         overhead_steps=args.overhead_steps, ddp=args.ddp, ddp_procs=args.ddp_procs,
         stages=stages, quick=args.quick, seed=args.seed)
 

@@ -1,0 +1,152 @@
+#!/usr/bin/env bash
+# benchmarks/gpu_suite.sh: the GPU-only tests and the GPU benchmarks, in one JSON file.
+#
+# Parts, in order, each with its own timeout inside one time budget (default 450 s, so the
+# whole suite stays under 8 minutes on one H200); a part that fails or times out is recorded
+# in the JSON with the tail of its log, and the suite goes on:
+#
+#   environment     accelfn doctor (versions, driver, GPU, settings)
+#   gpu_tests       the GPU-only tests (marked gpu, or skipped without CUDA): pytest -p gpu_only
+#   bench_resnet50  accelfn bench --model resnet50: images/s, MFU and ratio of every stage
+#                   (DataLoader baseline, accelfn data, AMP, compile, channels_last, DDP)
+#   gpt2            benchmarks/gpt2.py: GPT-2 small tokens/s, MFU, memory, stage ratios
+#   transforms      benchmarks/transforms.py: AMP, accumulation, checkpointing, compile
+#   data            benchmarks/data.py: accelfn.data against DataLoader, to the GPU
+#
+# Usage:
+#   benchmarks/gpu_suite.sh                    # on a GPU: benchmarks/results/gpu-<date>.json
+#   benchmarks/gpu_suite.sh --dry-run          # every part, tiny, on the CPU (checks the suite)
+#   benchmarks/gpu_suite.sh --out PATH --budget SECONDS --only bench_resnet50,gpt2
+#
+# Environment: PYTHON (default .venv/bin/python, else python3), SUITE_BUDGET_S.
+set -euo pipefail
+
+usage() {
+  sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+}
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+DRY_RUN=0
+OUT=""
+BUDGET="${SUITE_BUDGET_S:-}"
+ONLY=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --dry-run) DRY_RUN=1; shift ;;
+    --out) OUT="$2"; shift 2 ;;
+    --budget) BUDGET="$2"; shift 2 ;;
+    --only) ONLY="$2"; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "gpu_suite.sh: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
+  esac
+done
+
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x .venv/bin/python ]]; then PYTHON="$ROOT/.venv/bin/python"; else PYTHON=python3; fi
+fi
+STARTED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+STAMP="$(date -u +%Y%m%d-%H%M%S)"
+if [[ $DRY_RUN -eq 1 ]]; then
+  BUDGET="${BUDGET:-400}"
+  OUT="${OUT:-${TMPDIR:-/tmp}/accelfn-gpu-suite-dry-run-$STAMP.json}"
+else
+  BUDGET="${BUDGET:-450}"
+  OUT="${OUT:-benchmarks/results/gpu-$STAMP.json}"
+fi
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/accelfn-gpu-suite.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+START_S=$SECONDS
+: > "$WORK/parts.tsv"
+
+selected() { [[ -z "$ONLY" || ",$ONLY," == *",$1,"* ]]; }
+
+# run_part NAME TIMEOUT [--stdout-json] CMD...: run CMD under a timeout (shortened to what is
+# left of the budget); output to $WORK/NAME.log (with --stdout-json, stdout to NAME.json);
+# the exit status and seconds go to parts.tsv. A failure is recorded, never fatal.
+run_part() {
+  local name="$1" limit="$2"; shift 2
+  local to_json=0
+  if [[ "${1:-}" == "--stdout-json" ]]; then to_json=1; shift; fi
+  if ! selected "$name"; then return 0; fi
+  local left=$(( BUDGET - (SECONDS - START_S) ))
+  if (( left < 15 )); then
+    printf '%s\t0\t0\tskipped: the suite budget of %ss is spent\n' "$name" "$BUDGET" \
+      >> "$WORK/parts.tsv"
+    echo "[gpu-suite] $name: skipped (budget spent)"
+    return 0
+  fi
+  if (( limit > left )); then limit=$left; fi
+  echo "[gpu-suite] $name (timeout ${limit}s): $*"
+  local t0=$SECONDS rc=0
+  if [[ $to_json -eq 1 ]]; then
+    timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.json" 2> "$WORK/$name.log" || rc=$?
+  else
+    timeout --kill-after=10 "$limit" "$@" > "$WORK/$name.log" 2>&1 || rc=$?
+  fi
+  printf '%s\t%d\t%d\t\n' "$name" "$rc" "$(( SECONDS - t0 ))" >> "$WORK/parts.tsv"
+  echo "[gpu-suite] $name: exit $rc after $(( SECONDS - t0 ))s"
+  tail -n 4 "$WORK/$name.log" | sed 's/^/    /' || true
+}
+
+if [[ $DRY_RUN -eq 1 ]]; then
+  echo "[gpu-suite] dry run: every part, tiny, on the CPU (budget ${BUDGET}s)"
+  DEV=(--device cpu)
+  # The tiny CNN stands in for ResNet-50 (same harness); compile runs with the 'eager'
+  # backend, which traces without generating code: the suite's paths in seconds.
+  BENCH=(--quick --model cnn --batch-size 8 --steps 2 --warmup 1 --overhead-steps 3
+         --compile --compile-backend eager)
+  GPT=(--tiny --compile --compile-backend eager)
+  TRANSFORMS=(--quick --steps 2 --compile --compile-backend eager)
+  DATA=(--samples 1024 --batch-size 128 --repeats 1 --workers 1)
+  T_TESTS=90; T_BENCH=120; T_GPT=60; T_TRANSFORMS=150; T_DATA=60
+else
+  if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+    echo "[gpu-suite] no CUDA GPU here; use --dry-run to check the suite on a CPU" >&2
+  fi
+  DEV=()
+  BENCH=(--model resnet50 --steps 20 --warmup 3 --overhead-steps 20)
+  GPT=()
+  TRANSFORMS=()
+  DATA=(--samples 20000 --repeats 2)
+  T_TESTS=90; T_BENCH=210; T_GPT=130; T_TRANSFORMS=130; T_DATA=60
+fi
+
+run_part environment 60 "$PYTHON" -c \
+  'import sys; from accelfn.doctor import doctor; open(sys.argv[1], "w").write(doctor().to_json())' \
+  "$WORK/environment.json"
+
+# Only files that mention CUDA or a GPU can hold GPU-only tests: collect just those (faster);
+# the gpu_only plugin then keeps the GPU-only tests among them.
+mapfile -t GPU_FILES < <(grep -lEi 'cuda|gpu' tests/test_*.py | grep -v 'test_bench.py' || true)
+if [[ ${#GPU_FILES[@]} -gt 0 ]]; then
+  run_part gpu_tests "$T_TESTS" env PYTHONPATH="$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PYTHON" -m pytest -p gpu_only "${GPU_FILES[@]}" -q -rs -p no:cacheprovider \
+    --junitxml "$WORK/gpu_tests.xml"
+elif selected gpu_tests; then
+  printf 'gpu_tests\t0\t0\tskipped: no test file mentions CUDA or a GPU\n' >> "$WORK/parts.tsv"
+fi
+
+run_part bench_resnet50 "$T_BENCH" "$PYTHON" -m accelfn.bench "${BENCH[@]}" "${DEV[@]}" \
+  --json "$WORK/bench_resnet50.json"
+
+run_part gpt2 "$T_GPT" "$PYTHON" benchmarks/gpt2.py "${GPT[@]}" "${DEV[@]}" \
+  --json "$WORK/gpt2.json"
+
+run_part transforms "$T_TRANSFORMS" "$PYTHON" benchmarks/transforms.py "${TRANSFORMS[@]}" \
+  "${DEV[@]}" --json "$WORK/transforms.json"
+
+run_part data "$T_DATA" --stdout-json "$PYTHON" benchmarks/data.py "${DATA[@]}" "${DEV[@]}"
+
+REPORT=(--work "$WORK" --out "$OUT" --budget "$BUDGET" --started "$STARTED"
+        --seconds "$(( SECONDS - START_S ))")
+if [[ $DRY_RUN -eq 1 ]]; then REPORT+=(--dry-run); fi
+"$PYTHON" benchmarks/suite_report.py "${REPORT[@]}"
+
+# Exit 1 when a part failed or timed out (the JSON says which and why), 0 otherwise.
+if awk -F'\t' '$4 !~ /^skipped/ && $2 != 0 && !($1 == "gpu_tests" && $2 == 5) {bad=1}
+               END {exit bad ? 0 : 1}' "$WORK/parts.tsv"; then
+  exit 1
+fi
+exit 0

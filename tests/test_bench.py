@@ -1,0 +1,154 @@
+"""accelfn bench and the GPU suite's dry run: they run, and their JSON holds every figure.
+
+Benchmarks measure; nothing here asserts a timing or a speedup.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from accelfn import bench
+from accelfn.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "bench.json"
+    plot = tmp / "bench.png"
+    code = main(["bench", "--quick", "--steps", "3", "--overhead-steps", "6",
+                 "--json", str(out), "--plot", str(plot)])
+    assert code == 0
+    return json.loads(out.read_text()), plot, bench.format_table(json.loads(out.read_text()))
+
+
+def test_quick_has_every_stage_with_numbers(quick: tuple[dict, Path, str]) -> None:
+    result, _, _ = quick
+    names = [s["name"] for s in result["stages"]]
+    assert names == [s.name for s in bench.STAGES]
+    by_name = {s["name"]: s for s in result["stages"]}
+    for name in ("baseline", "dataloader_tuned", "accelfn_data", "amp", "channels_last"):
+        s = by_name[name]
+        assert s["status"] == "ok", s
+        for key in ("samples_per_s", "step_ms", "first_step_s", "speedup_vs_baseline",
+                    "activation_mib", "state_mib", "model_tflops_per_s"):
+            assert _number(s[key]) and s[key] > 0, (name, key, s[key])
+        assert s["speedup_vs_previous"] is None if name == "baseline" else _number(
+            s["speedup_vs_previous"])
+    assert by_name["baseline"]["speedup_vs_baseline"] == 1.0
+    assert by_name["baseline"]["stack"] == "hand-written loop"
+    assert "with_amp" in by_name["amp"]["stack"]
+    # compile is left out by --quick, saying how to include it; later stages run without it
+    assert by_name["compiled"]["status"] == "skipped"
+    assert "--compile" in by_name["compiled"]["reason"]
+    assert by_name["channels_last"]["techniques"]["compile"] is False
+    # one CPU: DDP is skipped with the reason
+    if not torch.cuda.is_available():
+        assert by_name["ddp"]["status"] == "skipped"
+        assert "GPU" in by_name["ddp"]["reason"]
+    # the seeds' ratios sit next to the measured ones
+    assert by_name["amp"]["seed_v100"]["speedup_vs_previous"] == pytest.approx(542 / 387, 1e-3)
+
+
+def test_quick_measures_overhead_and_the_machine(quick: tuple[dict, Path, str]) -> None:
+    result, _, _ = quick
+    o = result["overhead"]
+    for key in ("hand_written_step_ms", "accelfn_step_ms", "accelfn_guard_off_step_ms",
+                "ratio", "ratio_guard_off", "added_us_per_step"):
+        assert _number(o[key]), key
+    assert o["parameters_equal_guard_off"] is True  # same maths as the hand-written loop
+    assert result["machine"]["torch"] == torch.__version__
+    assert result["machine"]["date"]
+    assert result["command"].startswith("accelfn bench --quick")
+    assert _number(result["summary"]["single_device_speedup"])
+
+
+def test_quick_prints_a_table_and_plots(quick: tuple[dict, Path, str]) -> None:
+    _, plot, table = quick
+    for s in bench.STAGES:
+        assert s.name in table
+    assert "overhead" in table
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not plot.exists()
+    else:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_saved_activations_counts_what_autograd_keeps() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    with bench.SavedActivations(model) as fp32:
+        model(x).sum().backward()
+    with bench.SavedActivations(model) as bf16, torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).sum().backward()
+    # fp32 keeps the input and the hidden activation (relu output), not the weights
+    assert fp32.bytes >= (32 * 64 + 32 * 256) * 4
+    assert 0 < bf16.bytes < fp32.bytes
+
+
+def test_bad_arguments_say_how_to_fix() -> None:
+    with pytest.raises(ValueError, match="--stages"):
+        bench.BenchConfig(stages=("nope",), device="cpu").resolved()
+    with pytest.raises(ValueError, match="--samples"):
+        bench.BenchConfig(quick=True, samples=4, device="cpu").resolved()
+    assert main(["bench", "--quick", "--device", "cpu", "--warmup", "0"]) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_suite_dry_run(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--dry-run", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["dry_run"] is True
+    assert result["date"] and result["device"]
+    parts = result["parts"]
+    for name in ("environment", "gpu_tests", "bench_resnet50", "gpt2", "transforms", "data"):
+        assert parts[name]["status"] == "ok", (name, parts[name])
+    # every stage ran (compile with the 'eager' backend), DDP skipped with its reason
+    stages = {s["name"]: s for s in parts["bench_resnet50"]["result"]["stages"]}
+    assert all(s["status"] == "ok" for n, s in stages.items() if n != "ddp"), stages
+    assert {s["name"]: s["status"] for s in parts["gpt2"]["result"]["stages"]} == dict.fromkeys(
+        ("baseline", "accelfn_fp32", "amp", "compiled", "checkpointed"), "ok")
+    transforms = parts["transforms"]["result"]
+    for section in ("amp", "accumulation", "checkpoint"):
+        assert transforms[section]["sides"], section
+    assert _number(transforms["compile"]["compile_s_cold"])
+    summary = result["summary"]
+    assert summary["resnet50"]["images_per_s_by_stage"]
+    assert summary["gpt2_small"]["tokens_per_s_by_stage"]
+
+
+def test_saved_activations_peak_is_one_micro_batch_under_accumulation() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+    x = torch.randn(32, 64)
+    with bench.SavedActivations(model) as whole:
+        model(x).sum().backward()
+    with bench.SavedActivations(model) as micro:
+        for part in x.chunk(4):
+            model(part.clone()).sum().backward()
+    assert micro.bytes * 4 == pytest.approx(whole.bytes, rel=0.05)
