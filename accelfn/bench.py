@@ -723,14 +723,14 @@ def _ddp_worker(cfg: BenchConfig, out: str) -> int:
     last = STAGES[-1]
     stage = Stage(last.name, last.title, "accelfn", amp=True, compile=bool(cfg.compile),
                   channels_last=True, ddp=True)
-    # Every rank holds the whole dataset; the loader reads this rank's shard.
-    data = make_images(cfg.data, cfg.samples * world, cfg.image_size, cfg.classes, cfg.seed)
+    # Each rank preloads its own images (seeded by rank): as many per rank as one device had.
+    data = make_images(cfg.data, cfg.samples, cfg.image_size, cfg.classes, cfg.seed + rank)
     init = build_model(cfg.model, cfg.image_size, cfg.classes, cfg.seed).state_dict()
     model = _prepare_model(cfg, init, device, stage.channels_last)
     optimizer = make_optimizer(model)
     state = af.TrainState(model, optimizer)
     step = _build_step(stage, cfg, device)
-    loader = _accelfn_loader(data, cfg, device, stage.channels_last, rank=rank, world=world)
+    loader = _accelfn_loader(data, cfg, device, stage.channels_last, rank=0, world=1)
     batches = _endless(loader)
     with PeakMemory(device) as mem:
         t0 = time.perf_counter()
@@ -852,8 +852,12 @@ def _skip_reason(stage: Stage, cfg: BenchConfig, device: torch.device) -> str | 
     return None
 
 
-def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Run every stage of the case study and the overhead check; return the JSON result."""
+def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None,
+              on_progress: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run every stage of the case study and the overhead check; return the JSON result.
+
+    ``on_progress(result)`` receives the result so far after each stage (``"complete":
+    false``), so that a run cut short still leaves its figures."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     cfg = cfg.resolved()
     device = resolve_device(cfg.device)
@@ -867,6 +871,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dic
     flops = _model_flops(cfg, init, device)
     dtype = _amp_dtype(cfg, device)
     peak = _peak(device, dtype)
+    info = {"cfg": cfg, "env": env, "flops": flops, "peak": peak, "dtype": dtype,
+            "t_all": t_all, "device": device}
 
     _warm_up(cfg, init, device)
     stages: list[dict[str, Any]] = []
@@ -877,11 +883,11 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dic
                                                 if k not in ("name", "title")}}
         if stage.name in SEED_CASE_STUDY:
             entry["seed_v100"] = {k: _round(v) for k, v in SEED_CASE_STUDY[stage.name].items()}
+        stages.append(entry)
         reason = _skip_reason(stage, cfg, device)
         if reason is not None:
             entry.update(status="skipped", reason=reason)
             log(f"  {stage.name}: skipped ({reason})")
-            stages.append(entry)
             continue
         try:
             if stage.ddp:
@@ -891,7 +897,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dic
         except Exception as exc:  # a failing stage is reported; the others still run
             entry.update(status="error", reason=f"{type(exc).__name__}: {exc}"[:2000])
             log(f"  {stage.name}: error ({entry['reason'][:300]})")
-            stages.append(entry)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             continue
         entry["status"] = "ok"
         entry.update(result)
@@ -899,9 +906,27 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dic
         entry["model_tflops_per_s"] = flops_s / 1e12
         procs = result.get("world_size", 1)
         entry["mfu"] = None if peak is None else flops_s / (peak * procs)
-        stages.append(entry)
+        if on_progress is not None:
+            on_progress(_assemble(info, stages, None, complete=False))
 
-    ok = [s for s in stages if s["status"] == "ok"]
+    overhead: dict[str, Any] | None = None
+    accel = [s for s in stages if s.get("status") == "ok" and not s["techniques"]["ddp"]
+             and s["techniques"]["data"] == "accelfn"]
+    if accel and cfg.overhead_steps:
+        last = next(st for st in STAGES if st.name == accel[-1]["name"])
+        last = dataclasses.replace(last, compile=False)
+        try:
+            overhead = _overhead(last, cfg, data, init, device, log)
+        except Exception as exc:
+            overhead = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:2000]}
+    return _assemble(info, stages, overhead, complete=True)
+
+
+def _assemble(info: dict[str, Any], stages: list[dict[str, Any]],
+              overhead: dict[str, Any] | None, complete: bool) -> dict[str, Any]:
+    """The JSON result from the stages measured so far."""
+    cfg: BenchConfig = info["cfg"]
+    ok = [s for s in stages if s.get("status") == "ok"]
     base = next((s for s in ok if s["name"] == "baseline"), ok[0] if ok else None)
     prev = None
     for s in ok:
@@ -910,19 +935,8 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dic
         s["speedup_vs_baseline"] = None if base is None else (
             s["samples_per_s"] / base["samples_per_s"])
         prev = s
-
     single = [s for s in ok if not s["techniques"]["ddp"]]
-    overhead: dict[str, Any] | None = None
-    accel = [s for s in single if not s["techniques"]["data"].startswith("dataloader")]
-    if accel and cfg.overhead_steps:
-        last = next(st for st in STAGES if st.name == accel[-1]["name"])
-        try:
-            overhead = _overhead(last, cfg, data, init, device, log)
-        except Exception as exc:
-            overhead = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:2000]}
-
-    seed_single = SEED_CASE_STUDY["compiled"]["samples_per_s"] / SEED_CASE_STUDY[
-        "baseline"]["samples_per_s"]
+    seed = SEED_CASE_STUDY
     summary = {
         "baseline_samples_per_s": base["samples_per_s"] if base else None,
         "best_single_device": max(single, key=lambda s: s["samples_per_s"])["name"]
@@ -931,31 +945,33 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None) -> dic
                                   / base["samples_per_s"]) if single and base else None,
         "total_speedup": (ok[-1]["samples_per_s"] / base["samples_per_s"]) if ok and base
         else None,
-        "seed_v100_single_gpu_speedup": seed_single,
-        "seed_total_speedup_4_gpus": SEED_CASE_STUDY["ddp"]["samples_per_s"]
-        / SEED_CASE_STUDY["baseline"]["samples_per_s"],
+        "seed_v100_single_gpu_speedup": seed["compiled"]["samples_per_s"]
+        / seed["baseline"]["samples_per_s"],
+        "seed_total_speedup_4_gpus": seed["ddp"]["samples_per_s"]
+        / seed["baseline"]["samples_per_s"],
     }
-    env["load_average_end"] = [round(x, 2) for x in os.getloadavg()] if hasattr(
-        os, "getloadavg") else None
-    config = {k: v for k, v in asdict(cfg).items() if k != "notes"}
+    env = dict(info["env"])
+    with contextlib.suppress(OSError, AttributeError):
+        env["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     quick = ["--quick"] if cfg.quick else []
     command = shlex.join(["accelfn", "bench", *quick,
                           *_cli_args(cfg, exclude={"notes", "classes", "ddp_procs"})])
-    result = {
+    peak, dtype = info["peak"], info["dtype"]
+    return {
         "benchmark": "accelfn bench",
+        "complete": complete,
         "command": command,
         "machine": env,
-        "config": config,
-        "model_flops_per_sample": flops,
+        "config": {k: v for k, v in asdict(cfg).items() if k != "notes"},
+        "model_flops_per_sample": info["flops"],
         "mfu_peak": None if peak is None else {"dtype": str(dtype).replace("torch.", ""),
                                                "flop_per_s": peak},
         "stages": [_rounded(s) for s in stages],
         "summary": _rounded(summary),
         "overhead": None if overhead is None else _rounded(overhead),
-        "notes": [*cfg.notes, *_notes(cfg, device)],
-        "seconds": round(time.perf_counter() - t_all, 1),
+        "notes": [*cfg.notes, *_notes(cfg, info["device"])],
+        "seconds": round(time.perf_counter() - info["t_all"], 1),
     }
-    return result
 
 
 def _notes(cfg: BenchConfig, device: torch.device) -> list[str]:
@@ -1008,9 +1024,12 @@ def format_table(result: dict[str, Any]) -> str:
             rows.append((s["name"], "-", "-", "-", "-", seed_txt, "-", "-", "-",
                          f"{s['status']}: {s['reason']}"))
             continue
-        note = f"first step {s['first_step_s']:.1f} s" if s["first_step_s"] > 1 else ""
-        if s.get("world_size"):
-            note = f"{s['world_size']} processes; " + note
+        notes = [f"{s['world_size']} processes"] if s.get("world_size") else []
+        if s["first_step_s"] > 1:
+            notes.append(f"first step {s['first_step_s']:.1f} s")
+        if s["techniques"]["compile"] is False and s["name"] == "channels_last":
+            notes.append("without compile")
+        note = "; ".join(notes)
         rows.append((
             s["name"], _fmt(s["samples_per_s"], ",.1f"), _fmt(s["step_ms"], ".1f"),
             _fmt(s["speedup_vs_previous"], ".2f", "x"), _fmt(s["speedup_vs_baseline"], ".2f", "x"),
@@ -1175,8 +1194,13 @@ def _run(args: argparse.Namespace) -> int:
     cfg = _config_from_args(args)
     if args.ddp_worker:
         return _ddp_worker(cfg.resolved(), args.ddp_worker)
+    def write(result: dict[str, Any]) -> None:
+        if args.json and args.json != "-":
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
     try:
-        result = run_bench(cfg)
+        result = run_bench(cfg, on_progress=write)
     except ValueError as exc:
         print(f"accelfn bench: {exc}", file=sys.stderr)
         return 2
@@ -1184,8 +1208,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.json == "-":
         print(json.dumps(result, indent=2))
     elif args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        write(result)
         print(f"JSON: {args.json}")
     if args.plot:
         saved = plot_bench(result, args.plot)
