@@ -27,7 +27,7 @@ from collections import Counter
 import pytest
 import torch
 from conftest import Net, classify
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from reference import reference_update
 from tensordict import TensorDict
@@ -106,6 +106,16 @@ def batches(draw):
     return mutation, size, batch
 
 
+def _config(policy: str) -> dict:
+    return {"n": 2, "max_norm": 1.0, "policy": policy, "max_consecutive": 3, "amp": None}
+
+
+def _nan_case() -> tuple:
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(0))
+    x[1, 2] = float("nan")
+    return "nonfinite", 5, {"x": x, "y": torch.tensor([0, 1, 2, 3, 0])}
+
+
 def build(config):
     step = af.lift(classify)
     if config["max_norm"] is not None:
@@ -147,6 +157,9 @@ def test_fuzz_steps_with_malformed_batches_and_configurations(capsys):
     @settings(max_examples=300, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(config=configs(), case=batches())
+    @example(config=_config("default"), case=_nan_case())   # skipped
+    @example(config=_config("raise"), case=_nan_case())     # NonFiniteError
+    @example(config=_config("off"), case=_nan_case())       # applied, as the reference does
     def check(config, case):
         mutation, size, batch = case
         try:
@@ -207,7 +220,7 @@ def test_fuzz_steps_with_malformed_batches_and_configurations(capsys):
     total = sum(outcomes.values())
     with capsys.disabled():
         print(f"\nfuzzed steps: {total} cases: {dict(sorted(outcomes.items()))}")
-    assert total == 300
+    assert total == 303  # 300 generated and 3 explicit examples
     assert set(outcomes) == {"config", "refused", "fn_error", "skipped", "update"}, outcomes
 
 
