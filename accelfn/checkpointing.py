@@ -45,6 +45,7 @@ import re
 import secrets
 import shutil
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,8 @@ SHARDED_DIR = "sharded"
 _NAME = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
 _TMP_PREFIX = ".tmp-"
 _LOADER_FORMAT = "accelfn.data.loader/1"
+_META_KEYS = {"format", "step", "world_size", "sharded", "optimizer_sharded", "created",
+              "model", "optimizer", "scheduler", "stack", "loader"}
 
 # Test-only hook: parts named here are left out when a checkpoint is restored, to show that
 # resuming without them is not exact. Set it with ``_dropping(...)``; never in real code.
@@ -155,15 +158,15 @@ def _check_plain(obj: Any, where: str) -> None:
                 "sharded=True (the default when parameters are DTensors)"
             )
         return
-    if isinstance(obj, _PLAIN):
+    if type(obj) in _PLAIN or isinstance(obj, (torch.dtype, torch.device)):
         return
-    if isinstance(obj, Mapping):
+    if type(obj) in (dict, OrderedDict):  # not subclasses: defaultdict does not load
         for key, value in obj.items():
-            if not isinstance(key, (str, int)):
+            if type(key) not in (str, int):
                 raise TypeError(f"{where} has a key {key!r}; use str or int keys")
             _check_plain(value, f"{where}[{key!r}]")
         return
-    if isinstance(obj, (list, tuple)):
+    if type(obj) in (list, tuple):  # not named tuples
         for i, value in enumerate(obj):
             _check_plain(value, f"{where}[{i}]")
         return
@@ -181,11 +184,13 @@ def _clone(obj: Any) -> Any:
             return obj.detach().to("cpu", copy=True)
         return obj.detach().clone()
     if isinstance(obj, dict):
-        return type(obj)((k, _clone(v)) for k, v in obj.items()) if type(obj) is not dict \
-            else {k: _clone(v) for k, v in obj.items()}
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = _clone(value)
+        return out
     if isinstance(obj, list):
         return [_clone(v) for v in obj]
-    if isinstance(obj, tuple):
+    if isinstance(obj, tuple) and type(obj) is tuple:
         return tuple(_clone(v) for v in obj)
     return copy.deepcopy(obj)
 
@@ -871,7 +876,7 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
     except ValueError as error:
         raise CheckpointError(f"{path / META_FILE} is unreadable ({error})") from error
     if not isinstance(meta, dict) or meta.get("format") != FORMAT \
-            or meta.get("step") != marker.get("step"):
+            or meta.get("step") != marker.get("step") or not _META_KEYS <= set(meta):
         raise CheckpointError(f"{path} has inconsistent metadata; load an earlier checkpoint")
     _compare_models(meta["model"], _model_signature(state.model))
     _compare_stacks(meta["stack"], _stack(step))
@@ -923,6 +928,8 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
             or not isinstance(payload.get("state"), dict):
         raise CheckpointError(f"{path / STATE_FILE} is not an accelfn checkpoint state")
     saved_state = payload["state"]
+    if not {"model", "optimizer", "scheduler", "step", "slots"} <= set(saved_state):
+        raise CheckpointError(f"{path / STATE_FILE} lacks parts of the training state")
     if not meta["optimizer_sharded"] and "optimizer" not in dropped:
         _check_optimizer(saved_state.get("optimizer"), state.optimizer)
     _check_slots(saved_state.get("slots"), state)

@@ -5,6 +5,7 @@ In one process and fast; kill-and-resume across processes is in test_resume.py.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import io
 import json
@@ -330,6 +331,8 @@ def test_save_reads_no_rng_and_writes_nothing_when_refused(tmp_path):
     assert repr(ckpt.rng_state()) == before
     with pytest.raises(TypeError, match=r"extra\['cfg'\] is a object"):
         ckpt.save(tmp_path / "bad", state, extra={"cfg": object()})
+    with pytest.raises(TypeError, match=r"extra\['counts'\] is a defaultdict"):
+        ckpt.save(tmp_path / "bad", state, extra={"counts": collections.defaultdict(int)})
     calls = af.with_accumulation(2, mode="calls")(classify)
     calls(state, next(iter(loader)))  # a window is open
     with pytest.raises(RuntimeError, match="window is open"):
