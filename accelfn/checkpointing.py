@@ -626,7 +626,12 @@ def save(
             tmp.mkdir()
     except BaseException as exc:  # every process must hear of it
         error = exc
-    _agree(error, "preparing the checkpoint")
+    try:
+        _agree(error, "preparing the checkpoint")
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     tmp = Path(_from_rank0(str(tmp)))
 
     # 2. Write into the hidden temporary directory (every process its own files).
