@@ -94,6 +94,7 @@ class Prepared:
     optimizer_step: Callable[[], Any]
     device: torch.device
     process_group: Any = None  # set by ``distributed`` when more than one process trains
+    skips_on_device: bool = False  # the optimizer honours a device found_inf flag
 
 
 @dataclass
@@ -192,6 +193,9 @@ class _Accumulator:
         self.weight: Tensor | float | None = None
 
     def add(self, coef: Tensor | float | None, values: dict[str, Tensor]) -> None:
+        if coef is None and not self.sums:  # one micro-batch: nothing to weight
+            self.sums = {key: value.detach() for key, value in values.items()}
+            return
         for key, value in values.items():
             value = value.detach()
             term = value if coef is None else value * coef
@@ -383,6 +387,7 @@ class Step:
                                 device=state.device)
             for _, t in _hooks(self.transforms, "prepare", "prepare_order"):
                 t.prepare(prepared, state)
+            prepared.skips_on_device = _skips_on_device(state.optimizer)
             self._prepared[state] = prepared
         return prepared
 
@@ -497,7 +502,7 @@ class Step:
             metrics["lr"] = (lr.detach().clone() if isinstance(lr, Tensor)
                              else torch.full((), float(lr), device=ctx.device))
             on_device = (flags is not None and self._policy != "raise"
-                         and _skips_on_device(optimizer))
+                         and ctx.prepared.skips_on_device)
             skip = False
             if flags is not None and not on_device:
                 skip = guard.decide(flags, ctx.grads_nonfinite is not None, state.step,
@@ -505,11 +510,12 @@ class Step:
         except BaseException:
             optimizer.zero_grad(set_to_none=True)
             raise
-        if flags is None:
-            skip_flag = torch.zeros((), dtype=torch.bool, device=ctx.device)
-        else:
+        skip_flag: Tensor | None = None
+        if flags is not None:
             skip_flag = flags.any()
             metrics["skipped"] = skip_flag.float()
+        elif self._on_update:
+            skip_flag = torch.zeros((), dtype=torch.bool, device=ctx.device)
         if on_device:
             # A fused optimizer skips on the device: no host read now. The flags are read at
             # the next update (long computed by then), which also steps the scheduler.
@@ -527,7 +533,7 @@ class Step:
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
         for t in self._on_update:
-            t.on_update(ctx, skip_flag)
+            t.on_update(ctx, skip_flag)  # type: ignore[arg-type]
         metrics.update(ctx.metrics)
         return TensorDict(metrics, batch_size=[])
 
