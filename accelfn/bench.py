@@ -145,6 +145,7 @@ class BenchConfig:
     compile_backend: str = "inductor"
     workers: int | None = None
     overhead_steps: int | None = None
+    repeats: int = 1
     ddp: bool = True
     ddp_procs: int | None = None
     stages: tuple[str, ...] | None = None
@@ -183,6 +184,8 @@ class BenchConfig:
         for name in ("steps", "batch_size", "image_size"):
             if getattr(c, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        if c.repeats < 1:
+            raise ValueError("--repeats must be >= 1")
         if c.warmup < 1:
             raise ValueError("--warmup must be >= 1 (the first step is timed on its own)")
         if c.compile is None:
@@ -644,9 +647,14 @@ def _run_stage(stage: Stage, cfg: BenchConfig, data: TensorDict,
         for _ in range(cfg.warmup - 1):
             one()
         sync(device)
-        t0 = time.perf_counter()
+        per_step: list[float] = []
+        t0 = last = time.perf_counter()
         for _ in range(cfg.steps):
             one()
+            if device.type == "cpu":  # exact per step on the CPU (no queue to drain)
+                now = time.perf_counter()
+                per_step.append(now - last)
+                last = now
         sync(device)
         elapsed = time.perf_counter() - t0
     activation: float | None = None
@@ -665,6 +673,7 @@ def _run_stage(stage: Stage, cfg: BenchConfig, data: TensorDict,
     return {
         "samples_per_s": rate,
         "step_ms": elapsed / cfg.steps * 1e3,
+        "step_ms_median": statistics.median(per_step) * 1e3 if per_step else None,
         "first_step_s": first,
         "peak_memory_mib": mem.peak_mib,
         "activation_mib": activation,
@@ -876,38 +885,48 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None,
 
     _warm_up(cfg, init, device)
     stages: list[dict[str, Any]] = []
-    for listed in STAGES:
-        stage = dataclasses.replace(listed, compile=listed.compile and bool(cfg.compile))
-        entry: dict[str, Any] = {"name": stage.name, "title": stage.title,
-                                 "techniques": {k: v for k, v in asdict(stage).items()
-                                                if k not in ("name", "title")}}
-        if stage.name in SEED_CASE_STUDY:
-            entry["seed_v100"] = {k: _round(v) for k, v in SEED_CASE_STUDY[stage.name].items()}
-        stages.append(entry)
-        reason = _skip_reason(stage, cfg, device)
-        if reason is not None:
-            entry.update(status="skipped", reason=reason)
-            log(f"  {stage.name}: skipped ({reason})")
-            continue
-        try:
-            if stage.ddp:
-                result = _run_ddp(stage, cfg, device, log)
-            else:
-                result = _run_stage(stage, cfg, data, init, device, log)
-        except Exception as exc:  # a failing stage is reported; the others still run
-            entry.update(status="error", reason=f"{type(exc).__name__}: {exc}"[:2000])
-            log(f"  {stage.name}: error ({entry['reason'][:300]})")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            continue
-        entry["status"] = "ok"
-        entry.update(result)
-        flops_s = flops * result["samples_per_s"]
-        entry["model_tflops_per_s"] = flops_s / 1e12
-        procs = result.get("world_size", 1)
-        entry["mfu"] = None if peak is None else flops_s / (peak * procs)
-        if on_progress is not None:
-            on_progress(_assemble(info, stages, None, complete=False))
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for rep in range(cfg.repeats):
+        if cfg.repeats > 1:
+            log(f" repeat {rep + 1} of {cfg.repeats}")
+        for listed in STAGES:
+            stage = dataclasses.replace(listed, compile=listed.compile and bool(cfg.compile))
+            if rep == 0:
+                entry: dict[str, Any] = {
+                    "name": stage.name, "title": stage.title,
+                    "techniques": {k: v for k, v in asdict(stage).items()
+                                   if k not in ("name", "title")}}
+                if stage.name in SEED_CASE_STUDY:
+                    entry["seed_v100"] = {k: _round(v)
+                                          for k, v in SEED_CASE_STUDY[stage.name].items()}
+                stages.append(entry)
+                reason = _skip_reason(stage, cfg, device)
+                if reason is not None:
+                    entry.update(status="skipped", reason=reason)
+                    log(f"  {stage.name}: skipped ({reason})")
+                    continue
+            entry = next(e for e in stages if e["name"] == stage.name)
+            if entry.get("status") in ("skipped", "error"):
+                continue
+            try:
+                if stage.ddp:
+                    result = _run_ddp(stage, cfg, device, log)
+                else:
+                    result = _run_stage(stage, cfg, data, init, device, log)
+            except Exception as exc:  # a failing stage is reported; the others still run
+                entry.update(status="error", reason=f"{type(exc).__name__}: {exc}"[:2000])
+                log(f"  {stage.name}: error ({entry['reason'][:300]})")
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                continue
+            runs.setdefault(stage.name, []).append(result)
+            entry.update(_combine(runs[stage.name]), status="ok")
+            flops_s = flops * entry["samples_per_s"]
+            entry["model_tflops_per_s"] = flops_s / 1e12
+            procs = entry.get("world_size", 1)
+            entry["mfu"] = None if peak is None else flops_s / (peak * procs)
+            if on_progress is not None:
+                on_progress(_assemble(info, stages, None, complete=False))
 
     overhead: dict[str, Any] | None = None
     accel = [s for s in stages if s.get("status") == "ok" and not s["techniques"]["ddp"]
@@ -920,6 +939,26 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None,
         except Exception as exc:
             overhead = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:2000]}
     return _assemble(info, stages, overhead, complete=True)
+
+
+def _combine(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One stage's figures over its repeats: the median rate (and each one), the first
+    repeat's first step (the cold compile), the largest memory."""
+    if len(results) == 1:
+        return dict(results[0])
+    rates = [r["samples_per_s"] for r in results]
+    mid = sorted(results, key=lambda r: r["samples_per_s"])[(len(results) - 1) // 2]
+    out = dict(mid)
+    out["samples_per_s"] = statistics.median(rates)
+    out["step_ms"] = statistics.median(r["step_ms"] for r in results)
+    out["samples_per_s_all"] = rates
+    out["first_step_s"] = results[0]["first_step_s"]
+    medians = [r["step_ms_median"] for r in results if r.get("step_ms_median") is not None]
+    out["step_ms_median"] = statistics.median(medians) if medians else None
+    for key in ("peak_memory_mib", "activation_mib"):
+        values = [r[key] for r in results if r.get(key) is not None]
+        out[key] = max(values) if values else None
+    return out
 
 
 def _assemble(info: dict[str, Any], stages: list[dict[str, Any]],
@@ -976,7 +1015,9 @@ def _assemble(info: dict[str, Any], stages: list[dict[str, Any]],
 
 def _notes(cfg: BenchConfig, device: torch.device) -> list[str]:
     notes = [
-        "samples/s = steps x batch / wall time of the timed steps, data loading included",
+        "samples/s = steps x batch / wall time of the timed steps, data loading included "
+        "(with --repeats: the median over the repeats); step_ms_median (CPU only): the median "
+        "single step, steadier on a busy machine",
         "stages are cumulative: each adds one technique to the previous stage",
         "peak_memory_mib: torch.cuda.max_memory_allocated over the stage; activation_mib: "
         "bytes autograd saved for backward in one step (parameters excluded); state_mib: "
@@ -1141,6 +1182,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="DataLoader workers of the tuned stage (default min(8, cores))")
     p.add_argument("--overhead-steps", type=int, default=None,
                    help="interleaved steps of the overhead check (0 skips it)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run the whole sequence of stages this many times and report each "
+                        "stage's median (steadier figures on a busy machine)")
     p.add_argument("--no-ddp", dest="ddp", action="store_false", default=True,
                    help="skip the DDP stage")
     p.add_argument("--ddp-procs", type=int, default=None, metavar="N",
@@ -1167,7 +1211,8 @@ def _config_from_args(args: argparse.Namespace) -> BenchConfig:
         data=args.data, amp_dtype=args.amp_dtype, compile=args.compile,
         compile_mode=args.compile_mode, compile_backend=args.compile_backend,
         workers=args.workers,
-        overhead_steps=args.overhead_steps, ddp=args.ddp, ddp_procs=args.ddp_procs,
+        overhead_steps=args.overhead_steps, repeats=args.repeats, ddp=args.ddp,
+        ddp_procs=args.ddp_procs,
         stages=stages, quick=args.quick, seed=args.seed)
 
 
