@@ -13,7 +13,14 @@ from .checkpoint import checkpointed, find_blocks
 from .clipping import with_clipping
 from .compile import compiled
 from .diagnostics import Diagnostics, SyncProbe
-from .distributed import distributed, init_distributed, is_main_process, scale_lr, world_size
+from .distributed import (
+    distributed,
+    init_distributed,
+    is_main_process,
+    reduce_metrics,
+    scale_lr,
+    world_size,
+)
 from .doctor import doctor
 from .early_stopping import EarlyStopping
 from .ema import ema_state_dict, ema_weights, with_ema
@@ -74,6 +81,7 @@ __all__ = [
     "one_cycle",
     "param_groups",
     "profiled",
+    "reduce_metrics",
     "scale_lr",
     "training_flops",
     "unfreeze",

@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor, nn
 
 from .checkpoint import find_blocks
 from .state import TrainState
 from .step import Prepared, StepContext, configurable
 
-__all__ = ["distributed", "init_distributed", "is_main_process", "scale_lr", "world_size"]
+__all__ = [
+    "distributed",
+    "init_distributed",
+    "is_main_process",
+    "reduce_metrics",
+    "scale_lr",
+    "world_size",
+]
 
 _STRATEGIES = ("ddp", "fsdp")
 _COMPRESSION = (None, "fp16", "bf16", "powersgd")
@@ -55,6 +64,30 @@ def init_distributed(backend: str | None = None) -> torch.device:
         raise RuntimeError("backend 'nccl' needs CUDA GPUs and an NCCL build; use 'gloo' on CPUs")
     dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
     return device
+
+
+def reduce_metrics(metrics: Mapping[str, Tensor] | TensorDictBase, *,
+                   op: str = "mean") -> TensorDict:
+    """Equivalent to ``dist.all_reduce`` of every metric (divided by the world size for
+    ``"mean"``), done as one collective on one stacked tensor.
+
+    Call it when you read metrics (every N steps), not every step. In a single process it
+    returns the metrics unchanged (as float32 values).
+    """
+    if op not in ("mean", "sum", "max", "min"):
+        raise ValueError(f"reduce_metrics(op={op!r}) must be 'mean', 'sum', 'max' or 'min'")
+    keys = [k for k in metrics.keys() if isinstance(metrics[k], Tensor)]
+    if not keys:
+        return TensorDict({}, batch_size=[])
+    values = torch.stack([metrics[k].detach().float().reshape(()) for k in keys])
+    world = world_size()
+    if world > 1:
+        reduce_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
+                     "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(values, op=reduce_op)
+        if op == "mean":
+            values = values / world
+    return TensorDict({k: values[i] for i, k in enumerate(keys)}, batch_size=[])
 
 
 def scale_lr(base_lr: float, batch_size: int, base_batch_size: int = 256) -> float:

@@ -62,7 +62,9 @@ def main(out_dir: str) -> None:
     af.init_distributed()
     rank = dist.get_rank()
     results = {}
-    for name, build in CASES.items():
+    only = os.environ.get("ACCELFN_CASES")
+    selected = {k: v for k, v in CASES.items() if not only or k in only.split(",")}
+    for name, build in selected.items():
         torch.manual_seed(0)
         model = Net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -82,7 +84,8 @@ def main(out_dir: str) -> None:
         for pname, p in model.named_parameters():
             full[pname] = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
         results[name] = {"params": {k: v.clone() for k, v in full.items()},
-                         "counts": counts, "loss": metrics["loss"].clone()}
+                         "counts": counts, "loss": metrics["loss"].clone(),
+                         "reduced": af.reduce_metrics(metrics).to_dict()}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

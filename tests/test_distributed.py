@@ -38,6 +38,23 @@ def results(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
+@pytest.fixture(scope="module")
+def two_node_results(tmp_path_factory):
+    """Two torchrun invocations, one per "node", meeting over 127.0.0.1 (--nnodes=2)."""
+    out = tmp_path_factory.mktemp("nodes")
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "ACCELFN_CASES": "ddp_acc3,fsdp_acc2_clip"}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={rank}",
+         "--nproc_per_node=1", "--master_addr=127.0.0.1", f"--master_port={port}",
+         os.path.join(HERE, "dist_worker.py"), str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        for rank in range(2)]
+    logs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
 def single_process(case: str) -> dict:
     """The same training on the concatenated global batch, one process, hand-written."""
     torch.manual_seed(0)
@@ -104,3 +121,28 @@ def test_world_size_without_launcher_is_an_error(monkeypatch):
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     with pytest.raises(RuntimeError, match="torchrun"):
         af.init_distributed()
+
+
+@pytest.mark.parametrize("case", ["ddp_acc3", "fsdp_acc2_clip"])
+def test_two_nodes_on_one_machine_equal_single_process(two_node_results, case):
+    expected = single_process(case)
+    for rank in range(2):
+        got = two_node_results[rank][case]["params"]
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value.detach(), atol=1e-5, rtol=1e-5,
+                                       msg=f"{case} node {rank} {name}")
+
+
+def test_metrics_are_reduced_across_ranks_when_read(results):
+    local = [results[r]["ddp"]["loss"] for r in range(2)]
+    for rank in range(2):
+        reduced = results[rank]["ddp"]["reduced"]
+        torch.testing.assert_close(reduced["loss"], (local[0] + local[1]) / 2)
+    assert not torch.equal(local[0], local[1])  # the ranks saw different data
+
+
+def test_reduce_metrics_in_one_process():
+    td = af.reduce_metrics({"loss": torch.tensor(2.0), "acc": torch.tensor(0.5)})
+    assert float(td["loss"]) == 2.0 and float(td["acc"]) == 0.5
+    with pytest.raises(ValueError, match="op"):
+        af.reduce_metrics({"loss": torch.tensor(1.0)}, op="avg")
