@@ -197,7 +197,8 @@ def _clone(obj: Any) -> Any:
 
 # ------------------------------------------------------------------------------ RNG states
 def rng_state() -> dict[str, Any]:
-    """This process' RNG states as tensors and plain data: Python, NumPy, torch CPU and CUDA."""
+    """Equivalent to ``random.getstate()``, ``np.random.get_state()``, ``torch.get_rng_state()``
+    and ``torch.cuda.get_rng_state_all()``, as tensors and plain data (this process' RNGs)."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     cuda = None
@@ -341,7 +342,7 @@ def _is_committed(path: Path) -> bool:
 
 
 def checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
-    """The committed checkpoints in ``directory``, oldest first (by step)."""
+    """Equivalent to the ``step-*`` directories with a commit marker, oldest first (by step)."""
     root = Path(directory)
     if not root.is_dir():
         return []
@@ -549,11 +550,12 @@ def save(
     extra: Any = None,
     sharded: bool | None = None,
 ) -> Path:
-    """Write a checkpoint of ``state`` under ``directory`` and return its path.
+    """Equivalent to ``torch.save`` of the whole run (state, RNG states, loader position), atomic.
 
-    Equivalent to ``torch.save({"state": state.state_dict(), "loader": loader.state_dict(),
-    "rng": <every RNG's state>}, path)`` made atomic: the checkpoint appears as
-    ``directory/step-<state.step>`` only once it is complete (see the module docstring).
+    That is ``torch.save({"state": state.state_dict(), "loader": loader.state_dict(),
+    "rng": <every RNG's state>}, path)``, where the checkpoint appears as
+    ``directory/step-<state.step>`` only once it is complete (see the module docstring); the
+    path is returned.
     Saving reads no random number generator, so it does not change the run.
 
     Args:
@@ -959,15 +961,14 @@ def load(
     step: Step | None = None,
     allow_resharding: bool = False,
 ) -> CheckpointInfo:
-    """Restore a checkpoint written by :func:`save` into ``state`` (and ``loader``), whole.
+    """Equivalent to ``state.load_state_dict``, ``loader.load_state_dict`` and setting every RNG.
 
-    Equivalent to ``state.load_state_dict(...)``, ``loader.load_state_dict(...)`` and setting
-    every RNG state, with everything checked before anything changes: the files against the
-    commit marker, the model's parameter names, shapes and dtypes, the optimizer and its
+    It restores a checkpoint written by :func:`save` whole or not at all. Everything is
+    checked before anything changes: the files against the commit marker (sizes and
+    SHA-256), the model's parameter names, shapes and dtypes, the optimizer and its
     parameters, the scheduler, the transform stack (when ``step`` is given) and the loader's
     configuration. Should restoring still fail part-way, what was restored is rolled back
-    (``load`` keeps a host copy of the state meanwhile) and the error is raised: a
-    checkpoint is restored whole or not at all.
+    (``load`` keeps a host copy of the state meanwhile) and the error is raised.
 
     Args:
         path: a checkpoint directory, or a run's folder (then its newest committed one).
