@@ -16,7 +16,7 @@ A checkpoint is a directory ``<dir>/step-000000500`` holding::
     sharded/        torch.distributed.checkpoint (DCP) shards of model and optimizer (FSDP2)
     rank-00000.pt   per process: RNG states (Python, NumPy, torch CPU, CUDA), loader position
     meta.json       format, step, world size, parameter names/shapes/dtypes, transform stack
-    COMMITTED       written last: the size of every file; without it the directory is ignored
+    COMMITTED       written last: size and SHA-256 of every file; without it, ignored
 
 Writes are atomic: everything goes to a hidden temporary directory, is fsynced, the directory
 is renamed, and the ``COMMITTED`` marker is written last; :func:`latest` and :func:`load`
