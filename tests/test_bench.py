@@ -152,3 +152,20 @@ def test_saved_activations_peak_is_one_micro_batch_under_accumulation() -> None:
         for part in x.chunk(4):
             model(part.clone()).sum().backward()
     assert micro.bytes * 4 == pytest.approx(whole.bytes, rel=0.05)
+
+
+def test_results_page_renders_the_bench_json(quick: tuple[dict, Path, str],
+                                             tmp_path: Path) -> None:
+    result, _, _ = quick
+    path = tmp_path / "cpu-bench.json"
+    path.write_text(json.dumps(result))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import render_results
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    page = render_results.render([path])
+    assert page.startswith("# Benchmark results")
+    for s in bench.STAGES:
+        assert f"`{s.name}`" in page
+    assert result["command"] in page

@@ -1,0 +1,226 @@
+"""Render benchmark JSON files as the Markdown results page (``docs/results.md``).
+
+Every figure on the page comes from the JSON files given, each written by ``accelfn bench``,
+``benchmarks/transforms.py``, ``benchmarks/gpt2.py`` or ``benchmarks/gpu_suite.sh``; the page
+says which file, machine, date and command each table comes from.
+
+    python benchmarks/render_results.py benchmarks/results/*.json > docs/results.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _f(x: Any, spec: str = ",.1f", suffix: str = "") -> str:
+    if x is None or isinstance(x, (str, bool)):
+        return "-" if x is None else str(x)
+    return f"{x:{spec}}{suffix}"
+
+
+def _x(x: Any) -> str:
+    return "-" if x is None else f"x{x:.2f}"
+
+
+def _machine(m: dict[str, Any]) -> str:
+    load = m.get("load_average")
+    end = m.get("load_average_end")
+    parts = [f"{m.get('device_name')} (`{m.get('device')}`)"]
+    if m.get("device", "cpu") != "cpu":
+        parts.append(f"CUDA {m.get('cuda')}, {m.get('device_count')} GPU(s)")
+    parts += [f"{m.get('cpu_cores')} CPU cores", f"torch {m.get('torch')}",
+              f"Python {m.get('python')}"]
+    if load:
+        parts.append(f"load average {load[0]} at the start"
+                     + (f", {end[0]} at the end" if end else ""))
+    return ", ".join(parts)
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def bench(r: dict[str, Any], name: str) -> str:
+    c = r["config"]
+    out = [f"### `accelfn bench`: {c['model']}, {c['image_size']} px, batch {c['batch_size']}",
+           "",
+           f"File `{name}`, {r['machine']['date']}. Machine: {_machine(r['machine'])}.",
+           "",
+           f"Command: `{r['command']}` ({c['steps']} timed steps after {c['warmup']} warm-up "
+           f"steps per stage, {c.get('repeats', 1)} repeat(s); {r['seconds']} s in all).",
+           ""]
+    rows = []
+    for s in r["stages"]:
+        seed = s.get("seed_v100", {})
+        seed_txt = (_x(seed.get("speedup_vs_previous")) if "speedup_vs_previous" in seed
+                    else (f"{seed['samples_per_s']:.0f}/s" if seed else ""))
+        if s["status"] != "ok":
+            rows.append([f"`{s['name']}`", "-", "-", "-", "-", seed_txt, "-", "-",
+                         f"{s['status']}: {s['reason']}"])
+            continue
+        note = []
+        if s.get("samples_per_s_all"):
+            note.append("repeats: " + ", ".join(f"{v:,.0f}" for v in s["samples_per_s_all"]))
+        if s.get("first_step_s", 0) > 1:
+            note.append(f"first step {s['first_step_s']:.1f} s")
+        if s["name"] == "channels_last" and not s["techniques"]["compile"]:
+            note.append("without compile")
+        mem = (_f(s.get("peak_memory_mib"), ",.0f") if s.get("peak_memory_mib") is not None
+               else "-")
+        rows.append([f"`{s['name']}`", _f(s["samples_per_s"]), _f(s["step_ms"]),
+                     _x(s.get("speedup_vs_previous")), _x(s.get("speedup_vs_baseline")),
+                     seed_txt, mem, _f(s.get("activation_mib"), ",.1f"), "; ".join(note)])
+    out.append(_table(["stage", "samples/s", "step ms", "vs previous", "vs baseline",
+                       "seeds (V100)", "peak MiB", "activations MiB", "note"], rows))
+    sm, o = r["summary"], r.get("overhead") or {}
+    out.append("")
+    if sm.get("single_device_speedup"):
+        out.append(f"Best single-device stage: `{sm['best_single_device']}`, "
+                   f"{_x(sm['single_device_speedup'])} over the baseline (the seeds, one V100: "
+                   f"{_x(sm['seed_v100_single_gpu_speedup'])}).")
+    if "ratio" in o:
+        out.append("")
+        out.append(f"Overhead (`{o['stack']}`, fixed batches, {o['steps']} interleaved steps, "
+                   f"medians): hand-written {o['hand_written_step_ms']:.2f} ms, accelfn "
+                   f"{o['accelfn_step_ms']:.2f} ms per step (ratio {o['ratio']:.3f}); with "
+                   f"`with_nonfinite(policy=\"off\")` ratio {o['ratio_guard_off']:.3f}; "
+                   f"parameters equal to the hand-written loop's: "
+                   f"{o['parameters_equal_guard_off']}.")
+    return "\n".join(out)
+
+
+def transforms(r: dict[str, Any], name: str) -> str:
+    m = r["model"]
+    out = [f"### `benchmarks/transforms.py`: GPT {m['layers']} layers, {m['dim']} wide, "
+           f"{m['seq']} tokens, batch {m['batch']}",
+           "",
+           f"File `{name}`, {r['machine']['date']}. Machine: {_machine(r['machine'])}. "
+           f"Timing: {r['timing']}.",
+           ""]
+    for section in ("amp", "accumulation", "checkpoint"):
+        sec = r.get(section)
+        if not sec:
+            continue
+        if "sides" not in sec:
+            out += [f"**{section}**: {sec.get('status')}: {sec.get('reason')}", ""]
+            continue
+        rows = []
+        for side, v in sec["sides"].items():
+            rows.append([f"`{side}`", _f(v["step_ms"], ".2f"), _x(v["speedup"]),
+                         _f(v["activation_mib"], ".2f"),
+                         _f(v.get("activation_ratio"), ".2f"),
+                         _f(v.get("peak_step_mib"), ",.0f")])
+        out += [f"**{section}** (baseline `{sec['baseline']}`, {sec['steps']} steps; "
+                f"{sec.get('note', '')})", "",
+                _table(["side", "step ms (median)", "speedup", "activations MiB",
+                        "activations ratio", "peak MiB (CUDA)"], rows), ""]
+        if section == "accumulation":
+            out += [f"n=4 against n=1 (accelfn): time per update x{sec['n4_over_n1_time']:.2f}, "
+                    f"activation memory x{sec['n4_over_n1_activation']:.2f}.", ""]
+        if section == "checkpoint":
+            out += [f"`checkpointed` against no checkpointing (accelfn): "
+                    f"{sec['activation_saved_mib']:.2f} MiB of activations saved, "
+                    f"{sec['time_added_ms']:+.2f} ms per step "
+                    f"({sec['time_added_ratio'] * 100:+.0f}%).", ""]
+    comp = r.get("compile")
+    if comp and "cold" in comp:
+        out += [f"**compile** ({comp.get('backend', 'inductor')} backend, "
+                f"{comp['cold']['layers']}-layer model, {comp['cold']['dtype']}): steady-state "
+                f"speedup over eager {_x(comp['speedup'])}; compile time "
+                f"{comp['compile_s_cold']:.1f} s with a cold cache, "
+                f"{comp['compile_s_warm']:.1f} s with the warm cache "
+                f"(x{comp['warm_over_cold']:.2f}). {comp['note']}.", ""]
+    elif comp:
+        out += [f"**compile**: {comp.get('status')}: {comp.get('reason')}", ""]
+    return "\n".join(out)
+
+
+def gpt2(r: dict[str, Any], name: str) -> str:
+    m = r["model"]
+    out = [f"### `benchmarks/gpt2.py`: {m['parameters'] / 1e6:.2f}M parameters, "
+           f"{m['layers']} layers, {m['seq']} tokens, batch {r['batch_size']}",
+           "",
+           f"File `{name}`, {r['machine']['date']}. Machine: {_machine(r['machine'])}. "
+           f"{r['steps']} timed steps after {r['warmup']} warm-up steps per stage.",
+           ""]
+    rows = []
+    for s in r["stages"]:
+        if s["status"] != "ok":
+            rows.append([f"`{s['name']}`", "-", "-", "-", "-", "-", "-",
+                         f"{s['status']}: {s['reason']}"])
+            continue
+        rows.append([f"`{s['name']}`", _f(s["tokens_per_s"], ",.0f"), _f(s["step_ms"]),
+                     f"{_x(s.get('speedup_vs_previous'))} vs `{s.get('compared_with')}`"
+                     if s.get("compared_with") else "-",
+                     _f(s.get("activation_mib"), ",.2f"),
+                     _f(s.get("peak_memory_mib"), ",.0f"),
+                     _f(None if s.get("mfu") is None else s["mfu"] * 100, ".1f", "%"),
+                     f"first step {s['first_step_s']:.1f} s" if s["first_step_s"] > 1 else ""])
+    out.append(_table(["stage", "tokens/s", "step ms", "speedup", "activations MiB",
+                       "peak MiB", "MFU", "note"], rows))
+    return "\n".join(out)
+
+
+def suite(r: dict[str, Any], name: str) -> str:
+    out = [f"### GPU suite: {r.get('device')}", "",
+           f"File `{name}`, {r.get('date')}, {r.get('seconds')} s, commit "
+           f"`{(r.get('git_commit') or '')[:10]}`.", ""]
+    rows = [[f"`{k}`", v["status"], _f(v.get("seconds"), ".0f")] for k, v in r["parts"].items()]
+    out.append(_table(["part", "status", "seconds"], rows))
+    out.append("")
+    renderers = {"bench_resnet50": bench, "gpt2": gpt2, "transforms": transforms}
+    for key, render_part in renderers.items():
+        part = r["parts"].get(key, {})
+        if part.get("result"):
+            out += [render_part(part["result"], name).replace("### ", "#### "), ""]
+    return "\n".join(out)
+
+
+HEADER = """# Benchmark results
+
+Figures measured by the scripts in `benchmarks/` and by `accelfn bench`, each with the
+machine, date and command it came from. This page is generated from the JSON files in
+`benchmarks/results/` by `python benchmarks/render_results.py benchmarks/results/*.json`;
+nothing on it is typed by hand. How to read them: [performance guide](performance.md).
+
+"""
+
+
+def render(paths: list[Path]) -> str:
+    sections: list[str] = []
+    gpu_runs = []
+    for path in sorted(paths):
+        r = json.loads(path.read_text())
+        name = f"benchmarks/results/{path.name}"
+        kind = r.get("benchmark") or r.get("suite")
+        if kind == "accelfn bench":
+            sections.append(bench(r, name))
+        elif kind == "transforms":
+            sections.append(transforms(r, name))
+        elif kind == "gpt2":
+            sections.append(gpt2(r, name))
+        elif kind == "benchmarks/gpu_suite.sh" and not r.get("dry_run"):
+            gpu_runs.append(suite(r, name))
+    gpu = gpu_runs or ["No GPU run is recorded yet: `benchmarks/gpu_suite.sh` writes "
+                       "`benchmarks/results/gpu-<date>.json` on a GPU machine (under 8 "
+                       "minutes on one H200), and this page then shows it."]
+    return (HEADER + "## GPU\n\n" + "\n\n".join(gpu) + "\n\n## CPU\n\n"
+            + "\n\n".join(sections) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("files", nargs="+", type=Path)
+    args = p.parse_args(argv)
+    sys.stdout.write(render([f for f in args.files if f.suffix == ".json"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
