@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -129,12 +130,33 @@ class TrainState:
                 "the checkpoint and this state disagree on having a scheduler; build the state "
                 "the way the checkpointed run did"
             )
-        result = self.model.load_state_dict(state_dict["model"], strict=True)
-        del result
+        backup = self._snapshot()
+        try:
+            self._apply(state_dict)
+        except BaseException:
+            self._apply(backup)  # whole or nothing: never a partial restore
+            raise
+
+    def _snapshot(self) -> dict[str, Any]:
+        """A deep copy of the current state, to roll back a failed load."""
+        self.sync()
+        return copy.deepcopy({
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "step": self.step,
+            "slots": {name: _save(obj) for name, obj in self._slots.items()},
+            "pending": dict(self._pending),
+        })
+
+    def _apply(self, state_dict: dict[str, Any]) -> None:
+        self.model.load_state_dict(state_dict["model"], strict=True)
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])
         self.step = int(state_dict["step"])
+        if "pending" in state_dict:  # a rollback
+            self._pending = dict(state_dict["pending"])
         for name, saved in state_dict["slots"].items():
             if name in self._slots:
                 _load_into(self._slots[name], saved, name)

@@ -90,3 +90,26 @@ def test_plateau_scheduler_is_refused_with_the_alternative():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match="warmup_plateau"):
         af.TrainState(model, opt, scheduler=torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
+
+
+def test_a_load_that_fails_midway_changes_nothing():
+    torch.manual_seed(0)
+    good = _state(Net())
+    af.with_amp(dtype=torch.float16)(classify)(good, make_batch())
+    saved = good.state_dict()
+    torch.manual_seed(1)
+    target = _state(Net())
+    af.with_amp(dtype=torch.float16)(classify)(target, make_batch(seed=5))
+    before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    opt_before = repr(target.optimizer.state_dict())
+    broken = dict(saved)
+    optimizer_state = dict(saved["optimizer"])
+    optimizer_state["param_groups"] = [*saved["optimizer"]["param_groups"]] * 2
+    broken["optimizer"] = optimizer_state  # refused by the optimizer, after the model loaded
+    with pytest.raises(ValueError, match="parameter groups"):
+        target.load_state_dict(broken)
+    for k, v in target.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert repr(target.optimizer.state_dict()) == opt_before
+    target.load_state_dict(saved)  # a good checkpoint still loads afterwards
+    assert target.step == good.step
