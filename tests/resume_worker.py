@@ -321,8 +321,15 @@ def reconnect(out: Path) -> None:
     import torch.distributed as dist
 
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart == 1 and os.environ.get("RANK") == "0":
-        time.sleep(2)  # rank 1 looks up rank 0's address first
+    if restart == 1:  # rank 1 looks up rank 0's address before rank 0 publishes its new one
+        ready = out / "rank1-connecting"
+        if os.environ.get("RANK") == "1":
+            ready.touch()
+        else:
+            deadline = time.monotonic() + 60
+            while not ready.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(5.0)  # rank 1 has read the stale address and is failing to connect
     af.init_distributed()
     total = torch.ones(1)
     dist.all_reduce(total)

@@ -153,4 +153,4 @@ def test_torchrun_restart_reconnects_with_init_distributed(tmp_path):
     proc = torchrun("reconnect", tmp_path / "run", tmp_path / "out", restarts=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
-        "reconnected-rank0", "reconnected-rank1"]
+        "rank1-connecting", "reconnected-rank0", "reconnected-rank1"]
