@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -57,7 +58,7 @@ class _Amp:
     def _dtype(self, device: torch.device) -> torch.dtype:
         if self.dtype is not None:
             return self.dtype
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        if device.type == "cuda" and not _cuda_bf16():
             return torch.float16
         return torch.bfloat16
 
@@ -83,7 +84,7 @@ class _Amp:
         return torch.autocast(ctx.device.type, dtype=self._dtype(ctx.device))
 
     def _scaler(self, ctx: StepContext) -> torch.amp.GradScaler | None:
-        return ctx.state.slots.get(self.name)
+        return ctx.state.get_slot(self.name)
 
     def scale_loss(self, loss: Tensor, ctx: StepContext) -> Tensor:
         scaler = self._scaler(ctx)
@@ -104,6 +105,11 @@ class _Amp:
         scaler = self._scaler(ctx)
         if scaler is not None:
             scaler.update()
+
+
+@functools.cache
+def _cuda_bf16() -> bool:
+    return torch.cuda.is_bf16_supported()
 
 
 def _run_in_fp32(module: nn.Module, forward: Callable[..., Any], *args: Any,

@@ -86,6 +86,10 @@ class TrainState:
             self._slots[name] = obj
         return self._slots[name]
 
+    def get_slot(self, name: str) -> Any | None:
+        """The state object kept under ``name``, or None if no transform created it yet."""
+        return self._slots.get(name)
+
     @property
     def slots(self) -> dict[str, Any]:
         """The transform state objects created so far, by name."""

@@ -86,7 +86,7 @@ class Transform(Protocol):
     name: str
 
 
-@dataclass
+@dataclass(slots=True)
 class Prepared:
     """What one :class:`TrainState` looks like to a step after preparation."""
 
@@ -97,7 +97,7 @@ class Prepared:
     skips_on_device: bool = False  # the optimizer honours a device found_inf flag
 
 
-@dataclass
+@dataclass(slots=True)
 class StepContext:
     """Per-call information handed to transform hooks."""
 
