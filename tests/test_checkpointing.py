@@ -471,12 +471,8 @@ def test_other_parameter_groups_are_refused_before_the_model_changes(saved):
              build=_two_groups)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core bug in TrainState.load_state_dict (accelfn/state.py): it loads the model before the "
-    "optimizer, so an optimizer that refuses the state leaves the new model weights in place "
-    "(a partial restore). checkpointing.load checks first and rolls back; the fix in state.py: "
-    "validate optimizer, scheduler and slots before loading the model, or restore a snapshot"))
 def test_train_state_load_state_dict_is_whole_or_nothing(saved):
+    """The optimizer refuses after the model was loaded: the model must be rolled back."""
     _, _, state, _ = saved
     fresh, _, _ = _two_groups()
     before = [p.detach().clone() for p in fresh.model.parameters()]

@@ -143,12 +143,13 @@ def test_a_sharded_checkpoint_loads_into_one_process(dist_run):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.xfail(strict=False, reason=(
     "core bug in accelfn.distributed.init_distributed: torchrun's agent keeps one store "
     "across restarts and init_process_group uses the same keys every time, so a restarted "
     "worker can read its peer's pre-restart address (gloo connectFullMesh: connection "
     "refused). Fix: prefix the store with TORCHELASTIC_RESTART_COUNT (resume_worker."
-    "init_per_restart shows how)"))
+    "init_per_restart shows how). Not strict: the race is forced with a 5 s delay, which a "
+    "heavily loaded machine can still outlast"))
 def test_torchrun_restart_reconnects_with_init_distributed(tmp_path):
     proc = torchrun("reconnect", tmp_path / "run", tmp_path / "out", restarts=1)
     assert proc.returncode == 0, proc.stderr[-3000:]
