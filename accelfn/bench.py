@@ -798,7 +798,8 @@ def _overhead(stage: Stage, cfg: BenchConfig, data: TensorDict, init: dict[str, 
 
     def hand() -> None:
         model, opt = models[0], opts[0]
-        with torch.autocast(device.type, dtype=dtype, enabled=stage.amp):
+        with (torch.autocast(device.type, dtype=dtype) if stage.amp
+              else contextlib.nullcontext()):
             loss = F.cross_entropy(model(x), y)
         if scaler is not None:
             scaler.scale(loss).backward()

@@ -136,8 +136,8 @@ def _hand_side(model: nn.Module, batches: list[TensorDict], *, dtype: torch.dtyp
         batch = batches[next(counter) % len(batches)]
         n = batch.batch_size[0]
         for part in batch.split(-(-n // micro)):
-            with torch.autocast(device.type, dtype=dtype or torch.float32,
-                                enabled=dtype is not None):
+            with (torch.autocast(device.type, dtype=dtype) if dtype is not None
+                  else contextlib.nullcontext()):
                 logits = forward(part["input"])
                 loss = F.cross_entropy(logits.flatten(0, 1).float(), part["target"].flatten())
             loss = loss * (part.batch_size[0] / n)
