@@ -511,15 +511,19 @@ class Step:
             optimizer.zero_grad(set_to_none=True)
             raise
         skip_flag: Tensor | None = None
-        if flags is not None:
+        if on_device:
             skip_flag = flags.any()
-            metrics["skipped"] = skip_flag.float()
+            metrics["skipped"] = skip_float = skip_flag.float()
+        elif flags is not None:  # decided on the host: no need to reduce the flags again
+            metrics["skipped"] = torch.full((), float(skip), device=ctx.device)
+            if self._on_update:
+                skip_flag = metrics["skipped"].bool()
         elif self._on_update:
             skip_flag = torch.zeros((), dtype=torch.bool, device=ctx.device)
         if on_device:
             # A fused optimizer skips on the device: no host read now. The flags are read at
             # the next update (long computed by then), which also steps the scheduler.
-            optimizer.found_inf = skip_flag.float()
+            optimizer.found_inf = skip_float
             try:
                 ctx.prepared.optimizer_step()
             finally:
@@ -541,13 +545,14 @@ class Step:
         """Device flags [loss non-finite, gradients non-finite], or None when not checked."""
         if self._policy == "off" and ctx.grads_nonfinite is None:
             return None
+        # x * 0 is NaN exactly when x is NaN or +-Inf: two kernels where isfinite takes four
         if ctx.grads_nonfinite is not None:  # loss scaling already checked the gradients
-            flags = torch.stack([~torch.isfinite(ctx.loss), ctx.grads_nonfinite])
+            flags = torch.stack([ctx.loss.float().mul(0).ne(0), ctx.grads_nonfinite])
         elif ctx.grad_norm is not None:  # a NaN/Inf gradient makes the total norm NaN/Inf
-            flags = ~torch.isfinite(torch.stack([ctx.loss, ctx.grad_norm.to(ctx.loss.dtype)]))
+            flags = torch.stack([ctx.loss.float(), ctx.grad_norm.float()]).mul_(0).ne_(0)
         else:
             grads_bad = _grads_nonfinite(ctx.local_grads(), ctx.device)
-            flags = torch.stack([~torch.isfinite(ctx.loss), grads_bad])
+            flags = torch.stack([ctx.loss.float().mul(0).ne(0), grads_bad])
         if ctx.distributed is not None:  # every process takes the same decision
             flags = flags.to(torch.int32)
             torch.distributed.all_reduce(flags, torch.distributed.ReduceOp.MAX,
