@@ -97,8 +97,10 @@ def bench(r: dict[str, Any], name: str) -> str:
 
 def transforms(r: dict[str, Any], name: str) -> str:
     m = r["model"]
-    out = [f"### `benchmarks/transforms.py`: GPT {m['layers']} layers, {m['dim']} wide, "
-           f"{m['seq']} tokens, batch {m['batch']}",
+    present = [k for k in ("amp", "accumulation", "checkpoint", "compile") if k in r]
+    model = ("" if present == ["compile"] else
+             f": GPT {m['layers']} layers, {m['dim']} wide, {m['seq']} tokens, batch {m['batch']}")
+    out = [f"### `benchmarks/transforms.py` ({', '.join(present)}){model}",
            "",
            f"File `{name}`, {r['machine']['date']}. Machine: {_machine(r['machine'])}. "
            f"Timing: {r['timing']}.",
