@@ -62,7 +62,18 @@ def init_distributed(backend: str | None = None) -> torch.device:
     backend = backend or ("nccl" if cuda else "gloo")
     if backend == "nccl" and not (cuda and dist.is_nccl_available()):
         raise RuntimeError("backend 'nccl' needs CUDA GPUs and an NCCL build; use 'gloo' on CPUs")
-    dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    device_id = device if backend == "nccl" else None
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:
+        dist.init_process_group(backend=backend, device_id=device_id)
+        return device
+    # torchrun keeps one store for the whole job: without a per-restart prefix a restarted
+    # worker can read the address its peer published before the restart and fail to connect.
+    from torch.distributed.rendezvous import rendezvous
+
+    store, rank, world = next(rendezvous("env://"))
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"restart-{restart}/", store),
+                            rank=rank, world_size=world, device_id=device_id)
     return device
 
 

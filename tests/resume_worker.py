@@ -237,23 +237,6 @@ def resume(run: Path, out: Path, mutations: bool) -> None:
 
 
 # ------------------------------------------------------------------------- torchrun
-def init_per_restart(restart: int, delay_rank0_s: float = 0.0) -> None:
-    """``init_process_group`` with the store's keys separated per torchrun restart.
-
-    torchrun's agent keeps one store for the whole job, so without a prefix a restarted
-    worker can read the address its peer published before the restart and fail to connect
-    (gloo ``connectFullMesh``: connection refused); see the report on ``init_distributed``.
-    """
-    import torch.distributed as dist
-    from torch.distributed.rendezvous import rendezvous
-
-    store, rank, world = next(rendezvous("env://"))
-    if rank == 0:
-        time.sleep(delay_rank0_s)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"restart-{restart}/", store),
-                            rank=rank, world_size=world)
-
-
 def dist_main(run: Path, out: Path) -> None:
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import (
@@ -262,7 +245,7 @@ def dist_main(run: Path, out: Path) -> None:
     )
 
     phase = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    init_per_restart(phase)
+    af.init_distributed()
     rank = dist.get_rank()
     (out / f"phase{phase}-rank{rank}.started").touch()
     if phase == 0:

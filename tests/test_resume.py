@@ -156,13 +156,6 @@ def test_a_sharded_checkpoint_loads_into_one_process(dist_run):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason=(
-    "core bug in accelfn.distributed.init_distributed: torchrun's agent keeps one store "
-    "across restarts and init_process_group uses the same keys every time, so a restarted "
-    "worker can read its peer's pre-restart address (gloo connectFullMesh: connection "
-    "refused). Fix: prefix the store with TORCHELASTIC_RESTART_COUNT (resume_worker."
-    "init_per_restart shows how). Seen: connection refused, a hang, or (by timing) a pass, "
-    "hence not strict"))
 def test_torchrun_restart_reconnects_with_init_distributed(tmp_path):
     proc = torchrun("reconnect", tmp_path / "run", tmp_path / "out", restarts=1, timeout=120)
     assert proc.returncode is not None, "the restarted workers hung while connecting"
