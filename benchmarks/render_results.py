@@ -191,6 +191,11 @@ machine, date and command it came from. This page is generated from the JSON fil
 `benchmarks/results/` by `python benchmarks/render_results.py benchmarks/results/*.json`;
 nothing on it is typed by hand. How to read them: [performance guide](performance.md).
 
+Timings on a CPU, and above all on a small shared machine, vary with what else runs there:
+each table gives the load average at its start and end, and `--repeats` (bench) or
+interleaved sides (transforms) keep the comparisons within one run fair. The seeds' speedups
+come from GPUs; on CPUs expect different ratios (see the performance guide).
+
 """
 
 
