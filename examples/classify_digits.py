@@ -2,7 +2,7 @@
 
     python examples/classify_digits.py                          # one CPU or GPU
     torchrun --nproc_per_node=2 examples/classify_digits.py     # several processes
-    python examples/classify_digits.py --steps 20 --resume runs/digits/last.pt
+    python examples/classify_digits.py --resume runs/digits     # continue from its checkpoint
 
 The step function is pure; speed comes from the transforms stacked on it. Batches come from
 an accelfn.data pipeline that augments them on the device (random crop with padding,
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import torch
@@ -22,9 +21,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import accelfn as af
-from accelfn import data
+from accelfn import checkpointing, data
 from accelfn.datasets import digits
 from accelfn.monitor import Monitor
+from accelfn.preemption import PreemptionGuard
 
 
 class Block(nn.Module):
@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--fp16", action="store_true", help="fp16 with loss scaling, not bf16")
     parser.add_argument("--out", default="runs/digits", help="checkpoint and report folder")
-    parser.add_argument("--resume", default=None, help="a checkpoint written by this script")
+    parser.add_argument("--resume", default=None,
+                        help="a checkpoint folder (or a run folder: its newest checkpoint)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -113,9 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         step = af.compiled(step)
 
     if args.resume:
-        saved = torch.load(args.resume, weights_only=True, map_location=device)
-        state.load_state_dict(saved["state"])
-        train.load_state_dict(saved["loader"])
+        checkpointing.load(args.resume, state, loader=train, step=step)
     if main_process:
         print(f"step: {af.describe(step)}")
         print(f"data: {len(train_set)} train / {len(test_set)} held-out digits on {device}, "
@@ -126,11 +125,12 @@ def main(argv: list[str] | None = None) -> dict:
                       samples_per_step=args.batch_size * af.world_size(), log_every=10,
                       sync_check_step=None)
     start = time.perf_counter()
-    with monitor:
+    with monitor, PreemptionGuard() as guard:  # SIGTERM: checkpoint at the next step, exit 75
         while state.step < stop:
             for batch in monitor.iterate(train):
                 metrics = step(state, batch)
                 monitor.step(metrics)
+                guard.exit_if_requested(args.out, state, loader=train, step=step)
                 if state.step >= stop:
                     break
     elapsed = time.perf_counter() - start
@@ -156,10 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
         "processes": af.world_size(),
         "device": str(device),
     }
+    checkpointing.save(args.out, state, loader=train, step=step, keep=2)  # every process
     if main_process:
-        os.makedirs(args.out, exist_ok=True)
-        torch.save({"state": state.state_dict(), "loader": train.state_dict()},
-                   os.path.join(args.out, "last.pt"))
         print(monitor.report())
         print(json.dumps(report, indent=2))
     if af.world_size() > 1:

@@ -4,7 +4,7 @@
     python examples/classify_images.py --folder path/to/images          # class-per-folder JPEGs
     python examples/classify_images.py --preloaded runs/images/cache    # reuse a preloaded set
     torchrun --nproc_per_node=2 examples/classify_images.py --steps 50
-    python examples/classify_images.py --steps 100 --resume runs/images/last.pt
+    python examples/classify_images.py --resume runs/images
 
 By default the data are the embedded handwritten digits, resized once to 3x32x32 uint8.
 ``--folder`` preloads an image folder once into a memory-mapped TensorDict (uint8 stays uint8)
@@ -27,8 +27,9 @@ import torchvision
 from tensordict import TensorDict
 
 import accelfn as af
-from accelfn import data
+from accelfn import checkpointing, data
 from accelfn.datasets import digits
+from accelfn.preemption import PreemptionGuard
 
 
 def embedded_images(size: int = 32) -> TensorDict:
@@ -113,9 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
         step = af.compiled(step)
 
     if args.resume:
-        saved = torch.load(args.resume, weights_only=True, map_location=device)
-        state.load_state_dict(saved["state"])
-        train.load_state_dict(saved["loader"])
+        checkpointing.load(args.resume, state, loader=train, step=step)
     main_process = af.is_main_process()
     if main_process:
         print(f"step: {af.describe(step)}")
@@ -127,10 +126,11 @@ def main(argv: list[str] | None = None) -> dict:
                          log_every=10, sync_check_step=None,
                          samples_per_step=args.batch_size * af.world_size())
     start = time.perf_counter()
-    with monitor:
+    with monitor, PreemptionGuard() as guard:
         while state.step < stop:
             for batch in monitor.iterate(train):
                 monitor.step(step(state, batch))
+                guard.exit_if_requested(args.out, state, loader=train, step=step)
                 if state.step >= stop:
                     break
     elapsed = time.perf_counter() - start
@@ -152,10 +152,8 @@ def main(argv: list[str] | None = None) -> dict:
         "samples_per_s": round(monitor.report().samples_per_s or 0.0, 1),
         "processes": af.world_size(),
     }
+    checkpointing.save(args.out, state, loader=train, step=step, keep=2)
     if main_process:
-        os.makedirs(args.out, exist_ok=True)
-        torch.save({"state": state.state_dict(), "loader": train.state_dict()},
-                   os.path.join(args.out, "last.pt"))
         print(monitor.report())
         print(json.dumps(report, indent=2))
     if af.world_size() > 1:

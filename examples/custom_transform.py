@@ -2,7 +2,7 @@
 
     python examples/custom_transform.py
     torchrun --nproc_per_node=2 examples/custom_transform.py
-    python examples/custom_transform.py --steps 40 --resume runs/noise/last.pt
+    python examples/custom_transform.py --steps 300 --resume runs/noise
 
 ``with_gradient_noise`` follows the same public protocol as accelfn's own transforms: a small
 object with a ``name`` and an ``on_grads`` hook placed by ``grads_order``, state kept in a
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import accelfn as af
-from accelfn import data
+from accelfn import checkpointing, data
 from accelfn.datasets import digits
 
 
@@ -89,9 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     step = af.distributed(af.with_clipping(max_norm=1.0)(with_gradient_noise(std=args.std)(
         mlp_step)))
     if args.resume:
-        saved = torch.load(args.resume, weights_only=True, map_location=device)
-        state.load_state_dict(saved["state"])
-        train.load_state_dict(saved["loader"])
+        checkpointing.load(args.resume, state, loader=train, step=step)
     if af.is_main_process():
         print(af.describe(step))
     metrics = None
@@ -103,10 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     summary = {"updates": state.step,
                "loss": None if metrics is None else float(metrics["loss"]),
                "accuracy": None if metrics is None else float(metrics["accuracy"])}
+    checkpointing.save(args.out, state, loader=train, step=step, keep=2)
     if af.is_main_process():
-        os.makedirs(args.out, exist_ok=True)
-        torch.save({"state": state.state_dict(), "loader": train.state_dict()},
-                   os.path.join(args.out, "last.pt"))
         print(json.dumps(summary))
     if af.world_size() > 1:
         torch.distributed.destroy_process_group()

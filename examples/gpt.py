@@ -3,7 +3,7 @@
     python examples/gpt.py                                        # one CPU or GPU
     python examples/gpt.py --compile --steps 300                  # torch.compile the model
     torchrun --nproc_per_node=2 examples/gpt.py --fsdp            # FSDP2 across processes
-    python examples/gpt.py --steps 200 --resume runs/gpt/last.pt  # continue a run
+    python examples/gpt.py --resume runs/gpt                      # continue a run
 
 The text is the documentation of Python's standard library (every module's docstring, which
 ships with every Python), cut into documents and packed into sequences with padding at
@@ -31,8 +31,9 @@ from tensordict import TensorDict
 from torch import nn
 
 import accelfn as af
-from accelfn import data
+from accelfn import checkpointing, data
 from accelfn.monitor import Monitor, training_flops
+from accelfn.preemption import PreemptionGuard
 
 # ------------------------------------------------------------------------------ data
 
@@ -207,10 +208,8 @@ def main(argv: list[str] | None = None) -> dict:
         step = af.compiled(step)
 
     if args.resume:
-        saved = torch.load(args.resume, weights_only=True, map_location=device)
-        step.prepare(state)  # FSDP2 shards before the optimizer state is loaded
-        state.load_state_dict(saved["state"])
-        train.load_state_dict(saved["loader"])
+        step.prepare(state)  # FSDP2 shards the model before its state is loaded
+        checkpointing.load(args.resume, state, loader=train, step=step)
     main_process = af.is_main_process()
     tokens_per_step = args.batch_size * args.seq_len * af.world_size()
     flops = training_flops(model, corpus[:args.batch_size]["tokens"][:, :-1].to(device))
@@ -226,10 +225,11 @@ def main(argv: list[str] | None = None) -> dict:
                       flops_per_step=flops * af.world_size(), log_every=10,
                       sync_check_step=None)
     start = time.perf_counter()
-    with monitor:
+    with monitor, PreemptionGuard() as guard:
         while state.step < stop:
             for batch in monitor.iterate(train):
                 monitor.step(step(state, batch))
+                guard.exit_if_requested(args.out, state, loader=train, step=step)
                 if state.step >= stop:
                     break
     elapsed = time.perf_counter() - start
@@ -246,12 +246,8 @@ def main(argv: list[str] | None = None) -> dict:
         "processes": af.world_size(),
         "strategy": "fsdp" if args.fsdp else "ddp",
     }
-    state_dict = state.state_dict() if not args.fsdp else None
+    checkpointing.save(args.out, state, loader=train, step=step, keep=2)  # DCP under FSDP2
     if main_process:
-        if state_dict is not None:
-            os.makedirs(args.out, exist_ok=True)
-            torch.save({"state": state_dict, "loader": train.state_dict()},
-                       os.path.join(args.out, "last.pt"))
         if not args.fsdp:
             sample = generate(model.eval(), b"The ", 60, args.seq_len)
             report["sample"] = sample

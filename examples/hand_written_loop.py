@@ -2,7 +2,7 @@
 
     python examples/hand_written_loop.py
     torchrun --nproc_per_node=2 examples/hand_written_loop.py
-    python examples/hand_written_loop.py --epochs 2 --resume runs/loop/last.pt
+    python examples/hand_written_loop.py --epochs 6 --resume runs/loop
 
 Nothing here is owned by accelfn but the step: the loop, the epoch structure, when to
 evaluate, what to log (read from the device every ``--log-every`` updates only), and when to
@@ -22,7 +22,7 @@ from tensordict import TensorDict
 from torch import nn
 
 import accelfn as af
-from accelfn import data
+from accelfn import checkpointing, data
 from accelfn.datasets import digits
 
 
@@ -69,9 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     start_epoch = 0
     if args.resume:
-        saved = torch.load(args.resume, weights_only=True, map_location=device)
-        state.load_state_dict(saved["state"])
-        start_epoch = int(saved["epoch"]) + 1
+        info = checkpointing.load(args.resume, state, step=step)
+        start_epoch = int(info.extra["epoch"]) + 1
 
     if af.is_main_process():
         print(f"step: {af.describe(step)}")
@@ -94,10 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
         if main_process:
             print(f"epoch {epoch}: held-out accuracy {accuracy:.3f} "
                   f"({time.perf_counter() - t0:.1f} s)")
-            os.makedirs(args.out, exist_ok=True)
-            torch.save({"state": state.state_dict(), "epoch": epoch},
-                       os.path.join(args.out, "last.pt"))
+        checkpointing.save(args.out, state, step=step, keep=1, extra={"epoch": epoch})
     if main_process and log_rows:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "log.csv"), "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(log_rows[0]))
             writer.writeheader()

@@ -13,6 +13,7 @@ import torch
 from conftest import Net, as_dict, classify, make_batch
 
 import accelfn as af
+from accelfn import checkpointing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -23,6 +24,12 @@ def load_example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def final_model(out: str) -> dict:
+    """The model weights of the newest checkpoint in a run folder."""
+    path = checkpointing.latest(out)
+    return torch.load(path / "state.pt", weights_only=True)["state"]["model"]
 
 
 def test_custom_transform_equals_noise_written_by_hand():
@@ -86,10 +93,9 @@ def test_digits_example_learns_and_resumes_exactly(tmp_path):
     split = str(tmp_path / "split")
     example.main(["--steps", "40", "--stop-at", "15", "--out", split, "--quiet"])
     resumed = example.main(["--steps", "40", "--out", split, "--quiet",
-                            "--resume", os.path.join(split, "last.pt")])
+                            "--resume", split])
     assert resumed["updates"] == 40
-    a = torch.load(os.path.join(straight, "last.pt"), weights_only=True)["state"]["model"]
-    b = torch.load(os.path.join(split, "last.pt"), weights_only=True)["state"]["model"]
+    a, b = final_model(straight), final_model(split)
     for key in a:
         assert torch.equal(a[key], b[key]), key
 
@@ -102,7 +108,7 @@ def test_hand_written_loop_example(tmp_path):
     assert report["held_out_accuracy"] > 0.8
     assert os.path.exists(os.path.join(out, "log.csv"))
     again = example.main(["--epochs", "3", "--out", out, "--resume",
-                          os.path.join(out, "last.pt")])
+                          out])
     assert again["updates"] == report["updates"] * 3 // 2
 
 
@@ -117,9 +123,8 @@ def test_gpt_example_learns_and_resumes_exactly(tmp_path):
     split = str(tmp_path / "split")
     example.main([*small, "--steps", "12", "--stop-at", "5", "--out", split])
     example.main([*small, "--steps", "12", "--out", split, "--resume",
-                  os.path.join(split, "last.pt")])
-    a = torch.load(os.path.join(straight, "last.pt"), weights_only=True)["state"]["model"]
-    b = torch.load(os.path.join(split, "last.pt"), weights_only=True)["state"]["model"]
+                  split])
+    a, b = final_model(straight), final_model(split)
     for key in a:
         assert torch.equal(a[key], b[key]), key
 
@@ -141,7 +146,7 @@ def test_image_example_from_an_image_folder_and_resume(tmp_path):
     assert report["updates"] == 2
     cache = str(tmp_path / "run" / "cache")
     again = example.main([*small, "--preloaded", cache, "--resume",
-                          str(tmp_path / "run" / "last.pt")])
+                          str(tmp_path / "run")])
     assert again["updates"] == 4 and 0.0 <= again["val_accuracy"] <= 1.0
 
 
