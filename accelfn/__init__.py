@@ -6,10 +6,11 @@
         metrics = step(state, batch)
 """
 
-from . import data, datasets
+from . import checkpointing, data, datasets, preemption
 from .accumulation import with_accumulation
 from .amp import with_amp
 from .checkpoint import checkpointed, find_blocks
+from .checkpointing import CheckpointError, CheckpointInfo
 from .clipping import with_clipping
 from .compile import compiled
 from .diagnostics import Diagnostics, SyncProbe
@@ -28,6 +29,7 @@ from .memory_format import channels_last, is_channels_last
 from .monitor import Monitor, training_flops
 from .nonfinite import with_nonfinite
 from .params import NO_DECAY_TYPES, freeze, no_decay_names, param_groups, unfreeze
+from .preemption import EXIT_PREEMPTED, PreemptionGuard
 from .profiling import Profiler, profiled
 from .schedules import WarmupPlateau, one_cycle, warmup_cosine, warmup_linear, warmup_plateau
 from .state import TrainState
@@ -46,11 +48,15 @@ from .step import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXIT_PREEMPTED",
     "NO_DECAY_TYPES",
+    "CheckpointError",
+    "CheckpointInfo",
     "Diagnostics",
     "EarlyStopping",
     "Monitor",
     "NonFiniteError",
+    "PreemptionGuard",
     "Prepared",
     "Profiler",
     "Step",
@@ -62,6 +68,7 @@ __all__ = [
     "apply_transform",
     "channels_last",
     "checkpointed",
+    "checkpointing",
     "compiled",
     "configurable",
     "data",
@@ -80,6 +87,7 @@ __all__ = [
     "no_decay_names",
     "one_cycle",
     "param_groups",
+    "preemption",
     "profiled",
     "reduce_metrics",
     "scale_lr",

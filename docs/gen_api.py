@@ -47,12 +47,16 @@ def render() -> str:
         for name in names:
             out.append(_entry("accelfn", name, getattr(accelfn, name)))
             done.add(name)
-    rest = [n for n in accelfn.__all__ if n not in done and n not in {"data", "datasets"}]
+    modules = {"data", "datasets", "checkpointing", "preemption"}
+    rest = [n for n in accelfn.__all__ if n not in done and n not in modules]
     out += ["## Recipe, measurement and helpers", ""]
     out += [_entry("accelfn", n, getattr(accelfn, n)) for n in sorted(rest, key=str.lower)]
     out += ["## accelfn.data", ""]
     out += [_entry("accelfn.data", n, getattr(accelfn.data, n))
             for n in sorted(accelfn.data.__all__, key=str.lower)]
+    out += ["## accelfn.checkpointing", ""]
+    out += [_entry("accelfn.checkpointing", n, getattr(accelfn.checkpointing, n))
+            for n in ("save", "load", "latest", "checkpoints", "rng_state", "set_rng_state")]
     out += ["## accelfn.datasets", "", _entry("accelfn.datasets", "digits",
                                               accelfn.datasets.digits)]
     return "\n".join(out).rstrip() + "\n"
