@@ -602,6 +602,40 @@ def _peak(device: torch.device, dtype: torch.dtype) -> float | None:
     return peak_flops(torch.cuda.get_device_name(device), dtype)
 
 
+@dataclass
+class StepTiming:
+    """What :func:`time_steps` measured."""
+
+    first_s: float  # the first call alone (compilation, autotuning, lazy initialisation)
+    elapsed_s: float  # the ``steps`` timed calls together
+    per_step_s: list[float]  # each timed call (on the CPU only: no queue to drain)
+    peak_mib: float | None  # peak CUDA memory over all calls (None on the CPU)
+
+
+def time_steps(one: Callable[[], Any], *, warmup: int, steps: int,
+               device: torch.device) -> StepTiming:
+    """Call ``one`` ``warmup`` times (the first timed alone), then time ``steps`` calls."""
+    with PeakMemory(device) as mem:
+        t0 = time.perf_counter()
+        one()
+        sync(device)
+        first = time.perf_counter() - t0
+        for _ in range(warmup - 1):
+            one()
+        sync(device)
+        per_step: list[float] = []
+        t0 = last = time.perf_counter()
+        for _ in range(steps):
+            one()
+            if device.type == "cpu":
+                now = time.perf_counter()
+                per_step.append(now - last)
+                last = now
+        sync(device)
+        elapsed = time.perf_counter() - t0
+    return StepTiming(first, elapsed, per_step, mem.peak_mib)
+
+
 def _run_stage(stage: Stage, cfg: BenchConfig, data: TensorDict,
                init: dict[str, torch.Tensor], device: torch.device,
                log: Callable[[str], None]) -> dict[str, Any]:
@@ -639,24 +673,8 @@ def _run_stage(stage: Stage, cfg: BenchConfig, data: TensorDict,
 
         stack = af.describe(step)
 
-    with PeakMemory(device) as mem:
-        t0 = time.perf_counter()
-        one()
-        sync(device)
-        first = time.perf_counter() - t0
-        for _ in range(cfg.warmup - 1):
-            one()
-        sync(device)
-        per_step: list[float] = []
-        t0 = last = time.perf_counter()
-        for _ in range(cfg.steps):
-            one()
-            if device.type == "cpu":  # exact per step on the CPU (no queue to drain)
-                now = time.perf_counter()
-                per_step.append(now - last)
-                last = now
-        sync(device)
-        elapsed = time.perf_counter() - t0
+    timing = time_steps(one, warmup=cfg.warmup, steps=cfg.steps, device=device)
+    first, elapsed, per_step = timing.first_s, timing.elapsed_s, timing.per_step_s
     activation: float | None = None
     try:  # one more (untimed) step, counting what autograd saves for the backward
         with SavedActivations(model) as acts:
@@ -675,7 +693,7 @@ def _run_stage(stage: Stage, cfg: BenchConfig, data: TensorDict,
         "step_ms": elapsed / cfg.steps * 1e3,
         "step_ms_median": statistics.median(per_step) * 1e3 if per_step else None,
         "first_step_s": first,
-        "peak_memory_mib": mem.peak_mib,
+        "peak_memory_mib": timing.peak_mib,
         "activation_mib": activation,
         "state_mib": state_mib(model, optimizer),
         "stack": stack,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import accelfn as af
-from accelfn.bench import PeakMemory, SavedActivations, environment, resolve_device, sync
+from accelfn.bench import SavedActivations, environment, resolve_device, sync, time_steps
 
 
 @dataclass
@@ -193,19 +192,8 @@ def run_stage(name: str, c: GPTConfig, batches: list[TensorDict], device: torch.
 
         stack = af.describe(step)
 
-    with PeakMemory(device) as mem:
-        t0 = time.perf_counter()
-        one()
-        sync(device)
-        first = time.perf_counter() - t0
-        for _ in range(args.warmup - 1):
-            one()
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            one()
-        sync(device)
-        elapsed = time.perf_counter() - t0
+    timing = time_steps(one, warmup=args.warmup, steps=args.steps, device=device)
+    first, elapsed = timing.first_s, timing.elapsed_s
     with SavedActivations(model) as acts:
         one()
     sync(device)
@@ -215,7 +203,7 @@ def run_stage(name: str, c: GPTConfig, batches: list[TensorDict], device: torch.
     rate = tokens / elapsed
     log(f"  {name}: {rate:,.0f} tokens/s ({elapsed / args.steps * 1e3:.1f} ms/step)")
     return {"tokens_per_s": rate, "step_ms": elapsed / args.steps * 1e3, "first_step_s": first,
-            "peak_memory_mib": mem.peak_mib, "activation_mib": acts.mib, "stack": stack}
+            "peak_memory_mib": timing.peak_mib, "activation_mib": acts.mib, "stack": stack}
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
