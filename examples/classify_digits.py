@@ -160,6 +160,8 @@ def main(argv: list[str] | None = None) -> dict:
     if main_process:
         print(monitor.report())
         print(json.dumps(report, indent=2))
+    train.close()  # stop background threads before the process group goes
+    test.close()
     if af.world_size() > 1:
         torch.distributed.destroy_process_group()
     return report

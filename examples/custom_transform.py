@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpointing.save(args.out, state, loader=train, step=step, keep=2)
     if af.is_main_process():
         print(json.dumps(summary))
+    train.close()  # stop background threads before the process group goes
     if af.world_size() > 1:
         torch.distributed.destroy_process_group()
     return summary

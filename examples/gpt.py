@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
             report["sample"] = sample
         print(monitor.report())
         print(json.dumps(report, indent=2))
+    train.close()  # stop background threads before the process group goes
     if af.world_size() > 1:
         torch.distributed.destroy_process_group()
     return report

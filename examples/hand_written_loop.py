@@ -100,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
             writer = csv.DictWriter(f, fieldnames=list(log_rows[0]))
             writer.writeheader()
             writer.writerows(log_rows)
+    train.close()  # stop background threads before the process group goes
+    test.close()
     if af.world_size() > 1:
         torch.distributed.destroy_process_group()
     return {"updates": state.step, "held_out_accuracy": accuracy}

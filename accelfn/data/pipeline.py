@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
@@ -291,6 +292,23 @@ class _Iterator(Iterator[TensorDictBase]):
         return batch
 
 
+def _stop_threads(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) -> None:
+    """Stop every background thread of the graph below ``root`` and call ``close_fns``."""
+    seen: set[int] = set()
+    todo: list[Any] = [root]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        worker = getattr(node, "_it", None)  # Prefetcher / PinMemory thread (torchdata)
+        if worker is not None and callable(getattr(worker, "_shutdown", None)):
+            worker._shutdown()
+        todo.extend(v for v in vars(node).values() if isinstance(v, BaseNode))
+    for fn in close_fns:
+        fn()
+
+
 class BatchLoader(Iterable[TensorDictBase]):
     """A re-iterable loader over a ``torchdata.nodes`` graph of TensorDict batches.
 
@@ -341,6 +359,9 @@ class BatchLoader(Iterable[TensorDictBase]):
         self.total_time_s = 0.0
         self.batches = 0
         self._last_return: float | None = None
+        # Background threads (prefetching, pinning) must stop before the interpreter tears
+        # down torch, or a thread still inside an op aborts the process at exit.
+        weakref.finalize(self, _stop_threads, root, self._close_fns)
 
     # -- iteration ---------------------------------------------------------------------------
 
@@ -446,9 +467,9 @@ class BatchLoader(Iterable[TensorDictBase]):
     # -- lifetime ----------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop persistent worker processes. The loader can still be iterated (they restart)."""
-        for fn in self._close_fns:
-            fn()
+        """Stop background threads and persistent worker processes. The loader can still be
+        iterated (they restart with the next epoch). Also done at interpreter exit."""
+        _stop_threads(self.root, self._close_fns)
 
     def __enter__(self) -> BatchLoader:
         return self
