@@ -1,7 +1,8 @@
 """Render benchmark JSON files as the Markdown results page (``docs/results.md``).
 
 Every figure on the page comes from the JSON files given, each written by ``accelfn bench``,
-``benchmarks/transforms.py``, ``benchmarks/gpt2.py`` or ``benchmarks/gpu_suite.sh``; the page
+``benchmarks/transforms.py``, ``benchmarks/gpt2.py``, ``benchmarks/overhead.py`` or
+``benchmarks/gpu_suite.sh``; the page
 says which file, machine, date and command each table comes from.
 
     python benchmarks/render_results.py benchmarks/results/*.json > docs/results.md
@@ -199,6 +200,23 @@ come from GPUs; on CPUs expect different ratios (see the performance guide).
 """
 
 
+def overhead(r: dict[str, Any], name: str) -> str:
+    rows = ["| configuration | hand-written ms/step | accelfn ms/step | ratio | added us/step |",
+            "|---|---:|---:|---:|---:|"]
+    for label, key in (("MLP 64-512-512-10, batch 256", "default"),
+                       ("MLP 64-16-16-10, batch 8", "tiny")):
+        o = r[key]
+        rows.append(f"| {label} | {o['hand_written_step_ms']:.4f} | {o['accelfn_step_ms']:.4f} "
+                    f"| {o['ratio']:.4f} | {o['added_us_per_step']:.1f} |")
+    stack = r["default"]["stack"]
+    return (f"### Step overhead ({r['date']}, {r['machine']}, load average "
+            f"{r['load_average']:.2f})\n\n`{r['command']}` -> `{name}`. Stack: `{stack}` "
+            f"against the same loop written by hand (same TensorDict batch and metrics), "
+            f"{r['default']['timing']}. Parameters bitwise equal: "
+            f"{r['default']['parameters_bitwise_equal'] and r['tiny']['parameters_bitwise_equal']}"
+            f". Targets: ratio <= 1.01, added <= 20 us.\n\n" + "\n".join(rows))
+
+
 def render(paths: list[Path]) -> str:
     sections: list[str] = []
     gpu_runs = []
@@ -212,6 +230,8 @@ def render(paths: list[Path]) -> str:
             sections.append(transforms(r, name))
         elif kind == "gpt2":
             sections.append(gpt2(r, name))
+        elif kind == "overhead":
+            sections.append(overhead(r, name))
         elif kind == "benchmarks/gpu_suite.sh" and not r.get("dry_run"):
             gpu_runs.append(suite(r, name))
     gpu = gpu_runs or ["No GPU run is recorded yet: `benchmarks/gpu_suite.sh` writes "
