@@ -45,6 +45,11 @@ CASES = {
         af.distributed(strategy="fsdp")(classify))),
     "fsdp_once": lambda: af.with_accumulation(2)(af.distributed(strategy="fsdp",
                                                                 fsdp_sync="once")(classify)),
+    # checkpoint wrap, DDP/FSDP2, then torch.compile, whatever the stacking order
+    "ddp_compiled_ckpt": lambda: af.with_accumulation(2)(af.compiled(af.checkpointed(
+        af.distributed(classify)))),
+    "fsdp_compiled_ckpt": lambda: af.compiled(af.distributed(strategy="fsdp")(
+        af.with_accumulation(2)(af.checkpointed(classify)))),
 }
 
 

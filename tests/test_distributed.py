@@ -75,7 +75,8 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_update_equals_single_process_on_all_ranks_batches(results, case):
     expected = single_process(case)
-    tol = {"ddp_clip_amp": 2e-2, "ddp_bf16_hook": 1e-2}.get(case, 1e-5)
+    tol = {"ddp_clip_amp": 2e-2, "ddp_bf16_hook": 1e-2, "ddp_compiled_ckpt": 1e-4,
+           "fsdp_compiled_ckpt": 1e-4}.get(case, 1e-5)
     for rank in range(2):
         got = results[rank][case]["params"]
         for name, value in expected.items():
