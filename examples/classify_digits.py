@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
     stop = min(total, args.stop_at or total)
     monitor = Monitor(total=stop - state.step, progress=not args.quiet, desc="digits",
                       samples_per_step=args.batch_size * af.world_size(), log_every=10,
-                      sync_check_step=None)
+                      sync_check_step=3)  # one step runs under the host-sync probe
     start = time.perf_counter()
     with monitor, PreemptionGuard() as guard:  # SIGTERM: checkpoint at the next step, exit 75
         while state.step < stop:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import classify, make_batch
+from conftest import Net, classify, make_batch
 
 import accelfn as af
 
@@ -198,3 +198,21 @@ def test_fused_divergence_raises_one_update_later_with_state_intact(net):
     with pytest.raises(af.NonFiniteError, match="2 updates in a row"):
         step(state, make_batch())  # settles the previous one and raises
     _assert_same(state_before, _snapshot(state))
+
+
+def test_sync_probe_finds_no_host_sync_in_a_fused_step_and_the_guard_read_otherwise(net):
+    from accelfn.diagnostics import SyncProbe
+
+    fused = _fused_setup(net)
+    step = af.with_amp(af.with_accumulation(2)(af.with_clipping(classify)))
+    for i in range(2):
+        step(fused, make_batch(seed=i))
+    with SyncProbe(mode="emulate") as probe:
+        step(fused, make_batch(seed=3))
+    assert probe.syncs == []
+    plain = _setup(Net())  # non-fused AdamW: the guard reads its flags before the update
+    step(plain, make_batch())
+    with SyncProbe(mode="emulate") as probe:
+        step(plain, make_batch(seed=1))
+    assert [(s.op, s.location.split(":")[0]) for s in probe.syncs] == [
+        ("Tensor.tolist", "accelfn/step.py")]
