@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from .step import configurable
 
 __all__ = ["with_nonfinite"]
@@ -14,6 +16,16 @@ class _NonFinite:
 
     def __init__(self, policy: str, max_consecutive: int) -> None:
         self.nonfinite = (policy, max_consecutive)  # read by the step engine's guard
+
+    def validate(self, transforms: tuple) -> None:
+        fp16 = any(getattr(t, "name", None) == "with_amp" and getattr(t, "dtype", None)
+                   == torch.float16 for t in transforms)
+        if fp16 and self.nonfinite[0] == "off":
+            raise ValueError(
+                "with_nonfinite(policy='off') cannot be combined with "
+                "with_amp(dtype=torch.float16): fp16 loss scaling must skip overflowing updates; "
+                "use policy='skip' (overflows do not count towards max_consecutive) or bf16"
+            )
 
     def __repr__(self) -> str:
         policy, limit = self.nonfinite
@@ -30,7 +42,8 @@ def _build_nonfinite(*, policy: str = "skip", max_consecutive: int = 10) -> _Non
     untouched; metric ``skipped`` is 1) and after ``max_consecutive`` such updates in a row the
     step raises :class:`accelfn.NonFiniteError`. ``policy="raise"`` raises at the first one
     (state untouched); ``policy="off"`` removes the check and its one host read per update.
-    fp16 loss-scale overflows are always skipped and do not count towards the limit.
+    fp16 loss-scale overflows are always skipped and do not count towards the limit, so
+    ``policy="off"`` together with ``with_amp(dtype=torch.float16)`` is refused.
     """
     if policy not in _POLICIES:
         raise ValueError(f"with_nonfinite(policy={policy!r}) is unknown; use one of {_POLICIES}")

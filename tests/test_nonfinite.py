@@ -216,3 +216,11 @@ def test_sync_probe_finds_no_host_sync_in_a_fused_step_and_the_guard_read_otherw
         step(plain, make_batch(seed=1))
     assert [(s.op, s.location.split(":")[0]) for s in probe.syncs] == [
         ("Tensor.tolist", "accelfn/step.py")]
+
+
+def test_policy_off_with_fp16_loss_scaling_is_refused_in_any_order():
+    with pytest.raises(ValueError, match="fp16 loss scaling must skip"):
+        af.with_nonfinite(policy="off")(af.with_amp(dtype=torch.float16)(classify))
+    with pytest.raises(ValueError, match="fp16 loss scaling must skip"):
+        af.with_amp(dtype=torch.float16)(af.with_nonfinite(policy="off")(classify))
+    af.with_nonfinite(policy="off")(af.with_amp(classify))  # bf16 needs no loss scaling
