@@ -152,3 +152,37 @@ def test_calls_mode_refuses_to_checkpoint_an_open_window(net):
         state.state_dict()
     step(state, make_batch())
     assert state.state_dict()["slots"]["accumulation"] == {"calls": 0}
+
+
+def test_calls_mode_failures_refused_input_keeps_window_failed_call_discards_it(net):
+    probe = GradProbe()
+    fail = {"on": False}
+
+    def fn(model, batch):
+        if fail["on"]:
+            raise RuntimeError("boom")
+        return classify(model, batch)
+
+    step = af.apply_transform(af.with_accumulation(2, mode="calls")(fn), probe)
+    ref_model = copy.deepcopy(net)
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.0))
+    first, second = make_batch(n=4, seed=1), make_batch(n=6, seed=2)
+    step(state, first)
+    with pytest.raises(TypeError):
+        step(state, [1, 2, 3])  # refused before anything runs: the window stays open
+    step(state, second)  # closes the window: first + second
+    whole = torch.cat([first.to_tensordict(), second.to_tensordict()])
+    for got, want in zip(probe.grads, full_batch_grads(ref_model, as_dict(whole), classify)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    step(state, first)
+    fail["on"] = True
+    with pytest.raises(RuntimeError, match="boom"):
+        step(state, second)  # fails in the forward: the open window is discarded
+    fail["on"] = False
+    assert all(p.grad is None for p in net.parameters())
+    step(state, second)
+    step(state, first)  # a fresh window: second + first
+    whole = torch.cat([second.to_tensordict(), first.to_tensordict()])
+    for got, want in zip(probe.grads, full_batch_grads(ref_model, as_dict(whole), classify)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert state.step == 2
