@@ -737,9 +737,9 @@ class Diagnostics:
                 "unused parameters: remove them, or DDP needs find_unused_parameters=True"))
         inputs: dict[str, dict[str, float]] = {}
         for key, (dtype, stats) in self._inputs.items():
-            mat = torch.stack([s.cpu() for s in stats])
-            agg = [mat[:, 0].min().item(), mat[:, 1].max().item(), mat[:, 2].mean().item(),
-                   mat[:, 3].mean().item(), mat[:, 4].min().item(), mat[:, 5].min().item()]
+            mat = torch.stack(stats)  # on the device: one host read per key, below
+            agg = torch.stack([mat[:, 0].min(), mat[:, 1].max(), mat[:, 2].mean(),
+                               mat[:, 3].mean(), mat[:, 4].min(), mat[:, 5].min()]).tolist()
             inputs[key] = dict(zip(("min", "max", "mean", "std"), agg[:4]))
             findings += _input_findings(key, dtype, agg)
         counts: dict[int, int] = {}
