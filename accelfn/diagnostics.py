@@ -744,7 +744,7 @@ class Diagnostics:
             findings += _input_findings(key, dtype, agg)
         counts: dict[int, int] = {}
         if self._labels:
-            labels = torch.cat([t.cpu() for t in self._labels]).long()
+            labels = torch.cat(self._labels).long().cpu()  # one transfer
             if labels.numel() and labels.min() >= 0:
                 bins = torch.bincount(labels, minlength=self.num_classes or 0).tolist()
                 counts = dict(enumerate(bins))
