@@ -4,36 +4,17 @@
     state = af.TrainState(model, optimizer, scheduler=scheduler)
     for batch in loader:
         metrics = step(state, batch)
+
+This module only re-exports the public API, grouped by layer.
 """
 
-from . import checkpointing, data, datasets, preemption
-from .accumulation import with_accumulation
-from .amp import with_amp
-from .checkpoint import checkpointed, find_blocks
-from .checkpointing import CheckpointError, CheckpointInfo
-from .clipping import with_clipping
-from .compile import compiled
-from .diagnostics import Diagnostics, SyncProbe
-from .distributed import (
-    distributed,
-    init_distributed,
-    is_main_process,
-    reduce_metrics,
-    scale_lr,
-    world_size,
-)
-from .doctor import doctor
-from .early_stopping import EarlyStopping
-from .ema import ema_state_dict, ema_weights, with_ema
-from .memory_format import channels_last, is_channels_last
-from .monitor import Monitor, training_flops
-from .nonfinite import with_nonfinite
-from .params import NO_DECAY_TYPES, freeze, no_decay_names, param_groups, unfreeze
-from .preemption import EXIT_PREEMPTED, PreemptionGuard
-from .profiling import Profiler, profiled
-from .schedules import WarmupPlateau, one_cycle, warmup_cosine, warmup_linear, warmup_plateau
-from .state import TrainState
-from .step import (
+from . import checkpointing, data
+
+# checkpointing
+from .checkpointing import EXIT_PREEMPTED, CheckpointError, CheckpointInfo, PreemptionGuard
+
+# core: the step protocol, the engine, TrainState, processes
+from .core.engine import (
     NonFiniteError,
     Prepared,
     Step,
@@ -44,6 +25,46 @@ from .step import (
     describe,
     lift,
 )
+from .core.modules import find_blocks
+from .core.processes import (
+    init_distributed,
+    is_main_process,
+    reduce_metrics,
+    scale_lr,
+    world_size,
+)
+from .core.state import TrainState
+
+# data
+from .data import datasets
+
+# observe
+from .observe.diagnostics import Diagnostics, SyncProbe
+from .observe.environment import doctor
+from .observe.monitor import Monitor, training_flops
+from .observe.profiling import Profiler, profiled
+
+# recipes
+from .recipes.early_stopping import EarlyStopping
+from .recipes.memory_format import channels_last, is_channels_last
+from .recipes.param_groups import NO_DECAY_TYPES, freeze, no_decay_names, param_groups, unfreeze
+from .recipes.schedules import (
+    WarmupPlateau,
+    one_cycle,
+    warmup_cosine,
+    warmup_linear,
+    warmup_plateau,
+)
+
+# transforms
+from .transforms.accumulation import with_accumulation
+from .transforms.activation_checkpointing import checkpointed
+from .transforms.amp import with_amp
+from .transforms.clipping import with_clipping
+from .transforms.compile import compiled
+from .transforms.data_parallel import distributed
+from .transforms.ema import ema_state_dict, ema_weights, with_ema
+from .transforms.nonfinite import with_nonfinite
 
 __version__ = "0.1.0"
 
@@ -87,7 +108,6 @@ __all__ = [
     "no_decay_names",
     "one_cycle",
     "param_groups",
-    "preemption",
     "profiled",
     "reduce_metrics",
     "scale_lr",

@@ -1,5 +1,5 @@
 """``python -m accelfn`` runs the ``accelfn`` command line."""
 
-from .cli import main
+from .cli.main import main
 
 raise SystemExit(main())

@@ -39,7 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import accelfn as af
-from accelfn.bench import SavedActivations, environment, resolve_device, sync, time_steps
+from accelfn.cli.bench import SavedActivations, environment, resolve_device, sync, time_steps
 
 
 @dataclass
@@ -220,7 +220,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     del probe
     peak = None
     if device.type == "cuda":
-        from accelfn.monitor import peak_flops
+        from accelfn.observe.monitor import peak_flops
 
         peak = peak_flops(torch.cuda.get_device_name(device), torch.bfloat16)
     batches = token_batches(c, args.batch_size, 4, device, args.seed)

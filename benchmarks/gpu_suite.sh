@@ -114,7 +114,7 @@ else
 fi
 
 run_part environment 60 "$PYTHON" -c \
-  'import sys; from accelfn.doctor import doctor; open(sys.argv[1], "w").write(doctor().to_json())' \
+  'import sys; from accelfn.observe.environment import doctor; open(sys.argv[1], "w").write(doctor().to_json())' \
   "$WORK/environment.json"
 
 # Only files that mention CUDA or a GPU can hold GPU-only tests: collect just those (faster);
@@ -128,7 +128,7 @@ elif selected gpu_tests; then
   printf 'gpu_tests\t0\t0\tskipped: no test file mentions CUDA or a GPU\n' >> "$WORK/parts.tsv"
 fi
 
-run_part bench_resnet50 "$T_BENCH" "$PYTHON" -m accelfn.bench "${BENCH[@]}" "${DEV[@]}" \
+run_part bench_resnet50 "$T_BENCH" "$PYTHON" -m accelfn.cli.bench "${BENCH[@]}" "${DEV[@]}" \
   --json "$WORK/bench_resnet50.json"
 
 run_part gpt2 "$T_GPT" "$PYTHON" benchmarks/gpt2.py "${GPT[@]}" "${DEV[@]}" \

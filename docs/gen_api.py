@@ -57,8 +57,8 @@ def render() -> str:
     out += ["## accelfn.checkpointing", ""]
     out += [_entry("accelfn.checkpointing", n, getattr(accelfn.checkpointing, n))
             for n in ("save", "load", "latest", "checkpoints", "rng_state", "set_rng_state")]
-    out += ["## accelfn.datasets", "", _entry("accelfn.datasets", "digits",
-                                              accelfn.datasets.digits)]
+    out += ["## accelfn.data.datasets", "", _entry("accelfn.data.datasets", "digits",
+                                              accelfn.data.datasets.digits)]
     return "\n".join(out).rstrip() + "\n"
 
 

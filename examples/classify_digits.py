@@ -22,9 +22,9 @@ from torch import nn
 
 import accelfn as af
 from accelfn import checkpointing, data
-from accelfn.datasets import digits
-from accelfn.monitor import Monitor
-from accelfn.preemption import PreemptionGuard
+from accelfn.checkpointing.preemption import PreemptionGuard
+from accelfn.data.datasets import digits
+from accelfn.observe.monitor import Monitor
 
 
 class Block(nn.Module):

@@ -28,8 +28,8 @@ from tensordict import TensorDict
 
 import accelfn as af
 from accelfn import checkpointing, data
-from accelfn.datasets import digits
-from accelfn.preemption import PreemptionGuard
+from accelfn.checkpointing.preemption import PreemptionGuard
+from accelfn.data.datasets import digits
 
 
 def embedded_images(size: int = 32) -> TensorDict:

@@ -20,7 +20,7 @@ from torch import nn
 
 import accelfn as af
 from accelfn import checkpointing, data
-from accelfn.datasets import digits
+from accelfn.data.datasets import digits
 
 
 class _NoiseState:

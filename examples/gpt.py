@@ -32,8 +32,8 @@ from torch import nn
 
 import accelfn as af
 from accelfn import checkpointing, data
-from accelfn.monitor import Monitor, training_flops
-from accelfn.preemption import PreemptionGuard
+from accelfn.checkpointing.preemption import PreemptionGuard
+from accelfn.observe.monitor import Monitor, training_flops
 
 # ------------------------------------------------------------------------------ data
 

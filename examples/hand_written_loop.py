@@ -23,7 +23,7 @@ from torch import nn
 
 import accelfn as af
 from accelfn import checkpointing, data
-from accelfn.datasets import digits
+from accelfn.data.datasets import digits
 
 
 def loss_fn(model: nn.Module, batch) -> dict[str, torch.Tensor]:

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from accelfn import bench
-from accelfn.cli import main
+from accelfn.cli import bench
+from accelfn.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

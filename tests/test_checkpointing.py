@@ -24,6 +24,7 @@ from tensordict import TensorDict
 import accelfn as af
 from accelfn import checkpointing as ckpt
 from accelfn import data
+from accelfn.checkpointing import store as ckpt_store
 
 
 class Counter:
@@ -181,7 +182,7 @@ def test_checkpoint_carrying_code_is_refused_without_running_it(tmp_path):
     dcp = ckpt.save(tmp_path / "b", state, step=step, sharded=True)
     pwned = tmp_path / "pwned"
     buffer = io.BytesIO()
-    torch.save({"format": ckpt.FORMAT, "state": _Exploit(str(pwned))}, buffer)
+    torch.save({"format": ckpt_store.FORMAT, "state": _Exploit(str(pwned))}, buffer)
     _forge(ok, "state.pt", buffer.getvalue())
     _forge(dcp, "sharded/.metadata", pickle.dumps(_Exploit(str(pwned)), protocol=2))
     for path in (ok, dcp):
@@ -220,14 +221,14 @@ def _fail_rename(monkeypatch):
 
 
 def _fail_marker(monkeypatch):
-    real = ckpt._write_json
+    real = ckpt_store._write_json
 
     def write(path, obj):
-        if path.name.startswith(ckpt.MARKER):
+        if path.name.startswith(ckpt_store.MARKER):
             raise OSError("no space left for the marker")
         return real(path, obj)
 
-    monkeypatch.setattr(ckpt, "_write_json", write)
+    monkeypatch.setattr(ckpt_store, "_write_json", write)
 
 
 def _fail_dcp(monkeypatch):

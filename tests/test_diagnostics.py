@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from accelfn.diagnostics import (
+from accelfn.observe.diagnostics import (
     Diagnostics,
     Finding,
     SyncProbe,
@@ -220,10 +220,10 @@ def test_unused_parameter_and_loss_scale_division() -> None:
 
 
 def test_transform_form_reads_gradients_inside_an_accelfn_step() -> None:
-    step_mod = pytest.importorskip("accelfn.step")
+    step_mod = pytest.importorskip("accelfn.core.engine")
     from tensordict import TensorDict
 
-    from accelfn.state import TrainState
+    from accelfn.core.state import TrainState
 
     model = _mlp(GradScale(1e6))
     diag = Diagnostics(model, every=1)

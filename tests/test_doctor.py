@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from accelfn import cli
-from accelfn.doctor import GPUInfo, doctor
+from accelfn.cli import main as cli
+from accelfn.observe.environment import GPUInfo, doctor
 
-# the module, even once ``accelfn.doctor`` is re-exported as the function
-doctor_mod = importlib.import_module("accelfn.doctor")
+# the module that defines doctor()
+doctor_mod = importlib.import_module("accelfn.observe.environment")
 
 
 def fake_pynvml(*, cuda: int = 12040, driver: str = "550.54.15",

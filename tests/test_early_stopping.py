@@ -10,8 +10,8 @@ from conftest import Net, classify, make_batch
 from torch import nn
 
 import accelfn as af
-from accelfn.early_stopping import EarlyStopping
-from accelfn.ema import ema_weights, with_ema
+from accelfn.recipes.early_stopping import EarlyStopping
+from accelfn.transforms.ema import ema_weights, with_ema
 
 
 class SeedEarlyStopping:

@@ -13,8 +13,8 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import accelfn as af
-from accelfn.diagnostics import SyncProbe
-from accelfn.ema import ema_state_dict, ema_weights, with_ema
+from accelfn.observe.diagnostics import SyncProbe
+from accelfn.transforms.ema import ema_state_dict, ema_weights, with_ema
 
 
 class BNNet(nn.Module):

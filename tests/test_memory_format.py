@@ -13,7 +13,7 @@ from tensordict import TensorDict
 from torch import nn
 
 import accelfn as af
-from accelfn.memory_format import channels_last, is_channels_last
+from accelfn.recipes.memory_format import channels_last, is_channels_last
 
 CL = torch.channels_last
 

@@ -16,8 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from accelfn.diagnostics import Diagnostics, SyncProbe
-from accelfn.monitor import (
+from accelfn.observe.diagnostics import Diagnostics, SyncProbe
+from accelfn.observe.monitor import (
     Monitor,
     Thresholds,
     count_flops,

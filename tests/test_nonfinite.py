@@ -201,7 +201,7 @@ def test_fused_divergence_raises_one_update_later_with_state_intact(net):
 
 
 def test_sync_probe_finds_no_host_sync_in_a_fused_step_and_the_guard_read_otherwise(net):
-    from accelfn.diagnostics import SyncProbe
+    from accelfn.observe.diagnostics import SyncProbe
 
     fused = _fused_setup(net)
     step = af.with_amp(af.with_accumulation(2)(af.with_clipping(classify)))
@@ -215,7 +215,7 @@ def test_sync_probe_finds_no_host_sync_in_a_fused_step_and_the_guard_read_otherw
     with SyncProbe(mode="emulate") as probe:
         step(plain, make_batch(seed=1))
     assert [(s.op, s.location.split(":")[0]) for s in probe.syncs] == [
-        ("Tensor.tolist", "accelfn/step.py")]
+        ("Tensor.tolist", "accelfn/core/engine.py")]
 
 
 def test_policy_off_with_fp16_loss_scaling_is_refused_in_any_order():

@@ -10,7 +10,13 @@ from conftest import Net, classify, make_batch
 from torch import nn
 
 import accelfn as af
-from accelfn.params import NO_DECAY_TYPES, freeze, no_decay_names, param_groups, unfreeze
+from accelfn.recipes.param_groups import (
+    NO_DECAY_TYPES,
+    freeze,
+    no_decay_names,
+    param_groups,
+    unfreeze,
+)
 
 
 def names_by_decay(model, groups):

@@ -19,8 +19,8 @@ from resume_worker import ENV, WORKER, assert_same_run
 from resume_worker import load_result as load
 
 from accelfn import checkpointing as ckpt
-from accelfn import preemption
-from accelfn.preemption import EXIT_PREEMPTED, PreemptionGuard
+from accelfn.checkpointing import preemption
+from accelfn.checkpointing.preemption import EXIT_PREEMPTED, PreemptionGuard
 
 
 def test_a_signal_sets_the_flag_and_handlers_are_put_back():

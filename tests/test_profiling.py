@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from accelfn.profiling import Profiler, profiled
+from accelfn.observe.profiling import Profiler, profiled
 
 
 def _work(model: nn.Module) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch.optim.lr_scheduler import (
 )
 
 import accelfn as af
-from accelfn.schedules import (
+from accelfn.recipes.schedules import (
     WarmupPlateau,
     one_cycle,
     warmup_cosine,

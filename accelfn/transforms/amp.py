@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .state import TrainState
-from .step import Prepared, StepContext, configurable
-from .wrapping import wrap_forward
+from ..core.engine import Prepared, StepContext, configurable
+from ..core.modules import wrap_forward
+from ..core.state import TrainState
 
 __all__ = ["with_amp"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -14,11 +13,11 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-from .state import TrainState
-from .step import Prepared, configurable
-from .wrapping import wrap_forward
+from ..core.engine import Prepared, configurable
+from ..core.modules import find_blocks, wrap_forward
+from ..core.state import TrainState
 
-__all__ = ["checkpointed", "find_blocks"]
+__all__ = ["checkpointed"]
 
 BlockSpec = str | tuple[type, ...] | type | Callable[[str, nn.Module], bool]
 
@@ -34,28 +33,6 @@ COMPUTE_INTENSIVE_OPS = (
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
 )
-
-
-def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's repeated blocks: children of ``nn.ModuleList``/``nn.Sequential`` that share
-    a class with a sibling and have parameters and submodules, outermost only.
-
-    Finds the transformer blocks of a GPT, the residual blocks of a torchvision ResNet.
-    """
-    found: list[tuple[str, nn.Module]] = []
-    for name, module in model.named_modules():
-        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
-            continue
-        by_class: dict[type, list[tuple[str, nn.Module]]] = defaultdict(list)
-        for child_name, child in module.named_children():
-            by_class[type(child)].append((f"{name}.{child_name}" if name else child_name, child))
-        for members in by_class.values():
-            sample = members[0][1]
-            if (len(members) >= 2 and any(True for _ in sample.children())
-                    and any(True for _ in sample.parameters())):
-                found.extend(members)
-    names = [n for n, _ in found]
-    return [(n, m) for n, m in found if not any(n.startswith(o + ".") for o in names if o != n)]
 
 
 def _select(model: nn.Module, blocks: BlockSpec) -> list[tuple[str, nn.Module]]:

@@ -257,7 +257,7 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
 
         env["torchvision"] = torchvision.__version__
     with contextlib.suppress(Exception):
-        from . import __version__
+        from .. import __version__
 
         env["accelfn"] = __version__
     if dev.type == "cuda":
@@ -422,7 +422,7 @@ def make_images(kind: str, samples: int, size: int, classes: int = 10,
         images = torch.randint(0, 256, (samples, 3, size, size), dtype=torch.uint8, generator=g)
         labels = torch.randint(0, classes, (samples,), generator=g)
     elif kind == "digits":
-        from .datasets import digits
+        from ..data.datasets import digits
 
         d = digits()
         idx = torch.arange(samples) % d.batch_size[0]
@@ -520,7 +520,7 @@ def _dataloader(data: TensorDict, cfg: BenchConfig, device: torch.device,
 def _accelfn_loader(data: TensorDict, cfg: BenchConfig, device: torch.device,
                     channels_last: bool, rank: int | None = None,
                     world: int | None = None) -> Any:
-    from . import data as ad
+    from .. import data as ad
 
     size = int(cfg.image_size or 32)
     transforms: list[Any] = [ad.RandomCrop(size, padding=max(1, size // 8)),
@@ -565,7 +565,7 @@ def _build_step(stage: Stage, cfg: BenchConfig, device: torch.device,
 
 def _prepare_model(cfg: BenchConfig, init: dict[str, torch.Tensor], device: torch.device,
                    channels_last: bool) -> nn.Module:
-    from .memory_format import channels_last as to_channels_last
+    from ..recipes.memory_format import channels_last as to_channels_last
 
     assert cfg.model is not None and cfg.image_size is not None
     model = build_model(cfg.model, cfg.image_size, cfg.classes, cfg.seed)
@@ -583,7 +583,7 @@ def _prepare_model(cfg: BenchConfig, init: dict[str, torch.Tensor], device: torc
 
 def _model_flops(cfg: BenchConfig, init: dict[str, torch.Tensor], device: torch.device) -> int:
     """Counted FLOPs (matmuls and convolutions, forward and backward) of one sample."""
-    from .monitor import training_flops
+    from ..observe.monitor import training_flops
 
     model = _prepare_model(cfg, init, device, channels_last=False)
     size = int(cfg.image_size or 32)
@@ -597,7 +597,7 @@ def _model_flops(cfg: BenchConfig, init: dict[str, torch.Tensor], device: torch.
 def _peak(device: torch.device, dtype: torch.dtype) -> float | None:
     if device.type != "cuda":
         return None
-    from .monitor import peak_flops
+    from ..observe.monitor import peak_flops
 
     return peak_flops(torch.cuda.get_device_name(device), dtype)
 

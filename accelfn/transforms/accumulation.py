@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .step import LossFn, Step, apply_transform
+from ..core.engine import LossFn, Step, apply_transform
 
 __all__ = ["with_accumulation"]
 

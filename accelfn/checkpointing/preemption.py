@@ -35,7 +35,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from .state import TrainState
+from ..core.state import TrainState
 
 __all__ = ["EXIT_PREEMPTED", "PreemptionGuard"]
 
@@ -183,7 +183,7 @@ class PreemptionGuard:
         Equivalent to ``save(directory, state, **save_options); sys.exit(exit_code)``; the
         process group, if any, is destroyed first.
         """
-        from .checkpointing import save
+        from .store import save
 
         path = save(directory, state, **save_options)
         main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .checkpoint import find_blocks
+from ..core.modules import find_blocks
 
 __all__ = ["NO_DECAY_TYPES", "freeze", "no_decay_names", "param_groups", "unfreeze"]
 

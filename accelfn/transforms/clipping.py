@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .step import StepContext, configurable
+from ..core.engine import StepContext, configurable
 
 __all__ = ["with_clipping"]
 

@@ -3,112 +3,21 @@
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from tensordict import TensorDict, TensorDictBase
-from torch import Tensor, nn
+from torch import nn
 
-from .checkpoint import find_blocks
-from .state import TrainState
-from .step import Prepared, StepContext, configurable
+from ..core.engine import Prepared, StepContext, configurable
+from ..core.modules import find_blocks
+from ..core.processes import init_distributed, world_size
+from ..core.state import TrainState
 
-__all__ = [
-    "distributed",
-    "init_distributed",
-    "is_main_process",
-    "reduce_metrics",
-    "scale_lr",
-    "world_size",
-]
+__all__ = ["distributed"]
 
 _STRATEGIES = ("ddp", "fsdp")
 _COMPRESSION = (None, "fp16", "bf16", "powersgd")
-
-
-def world_size() -> int:
-    """Number of training processes (1 without torch.distributed)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def is_main_process() -> bool:
-    """True on rank 0, or in a single process: the one that prints and saves."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-
-
-def init_distributed(backend: str | None = None) -> torch.device:
-    """Set up the process group from torchrun's environment and return this process' device.
-
-    Equivalent to ``dist.init_process_group(backend)`` with ``nccl`` on GPUs and ``gloo`` on
-    CPUs, plus ``torch.cuda.set_device(LOCAL_RANK)``. Without torchrun's variables (a plain
-    ``python`` run) it initialises nothing and returns the default device.
-    """
-    cuda = torch.cuda.is_available()
-    env_world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    if env_world <= 1 or (dist.is_available() and dist.is_initialized()):
-        return device
-    if "MASTER_ADDR" not in os.environ or "RANK" not in os.environ:
-        raise RuntimeError(
-            f"WORLD_SIZE={env_world} but RANK/MASTER_ADDR are not set; start the script with "
-            "torchrun --nproc_per_node=N script.py"
-        )
-    backend = backend or ("nccl" if cuda else "gloo")
-    if backend == "nccl" and not (cuda and dist.is_nccl_available()):
-        raise RuntimeError("backend 'nccl' needs CUDA GPUs and an NCCL build; use 'gloo' on CPUs")
-    device_id = device if backend == "nccl" else None
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None:
-        dist.init_process_group(backend=backend, device_id=device_id)
-        return device
-    # torchrun keeps one store for the whole job: without a per-restart prefix a restarted
-    # worker can read the address its peer published before the restart and fail to connect.
-    from torch.distributed.rendezvous import rendezvous
-
-    store, rank, world = next(rendezvous("env://"))
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"restart-{restart}/", store),
-                            rank=rank, world_size=world, device_id=device_id)
-    return device
-
-
-def reduce_metrics(metrics: Mapping[str, Tensor] | TensorDictBase, *,
-                   op: str = "mean") -> TensorDict:
-    """Equivalent to ``dist.all_reduce`` of every metric (divided by the world size for
-    ``"mean"``), done as one collective on one stacked tensor.
-
-    Call it when you read metrics (every N steps), not every step. In a single process it
-    returns the metrics unchanged (as float32 values).
-    """
-    if op not in ("mean", "sum", "max", "min"):
-        raise ValueError(f"reduce_metrics(op={op!r}) must be 'mean', 'sum', 'max' or 'min'")
-    keys = [k for k in metrics.keys() if isinstance(metrics[k], Tensor)]
-    if not keys:
-        return TensorDict({}, batch_size=[])
-    values = torch.stack([metrics[k].detach().float().reshape(()) for k in keys])
-    world = world_size()
-    if world > 1:
-        reduce_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
-                     "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(values, op=reduce_op)
-        if op == "mean":
-            values = values / world
-    return TensorDict({k: values[i] for i, k in enumerate(keys)}, batch_size=[])
-
-
-def scale_lr(base_lr: float, batch_size: int, base_batch_size: int = 256) -> float:
-    """The linear scaling rule: ``base_lr * global_batch / base_batch_size``.
-
-    ``batch_size`` is the per-process batch; the global batch multiplies it by the world size.
-    """
-    if batch_size < 1 or base_batch_size < 1:
-        raise ValueError("scale_lr needs positive batch sizes")
-    return base_lr * batch_size * world_size() / base_batch_size
 
 
 class _Distributed:

@@ -56,8 +56,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .state import TrainState
-from .step import Step, describe
+from ..core.engine import Step, describe
+from ..core.state import TrainState
 
 __all__ = [
     "CheckpointError",

@@ -13,7 +13,7 @@ import torch
 from tensordict import TensorDictBase
 from torch import Tensor, nn
 
-from .data.gpu import ChannelsLast
+from ..data.gpu import ChannelsLast
 
 __all__ = ["channels_last", "is_channels_last"]
 

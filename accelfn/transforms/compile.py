@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from .state import TrainState
-from .step import Prepared, configurable
+from ..core.engine import Prepared, configurable
+from ..core.state import TrainState
 
 __all__ = ["compiled"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .step import configurable
+from ..core.engine import configurable
 
 __all__ = ["with_nonfinite"]
 

@@ -236,7 +236,7 @@ _CPU_BY_DESIGN = ("torch/optim/",)
 # The non-finite guard's deferred read (fused optimizers): flags copied to pinned host memory
 # one update earlier, read after their event has completed. Reading host memory is not a
 # sync on a GPU; emulation would report it because everything is a CPU tensor there.
-_DEFERRED_BY_DESIGN = (f"accelfn{os.sep}step.py", " in settle")
+_DEFERRED_BY_DESIGN = (f"accelfn{os.sep}core{os.sep}engine.py", " in settle")
 
 
 class _InMethod(threading.local):

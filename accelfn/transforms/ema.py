@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .state import TrainState
-from .step import Prepared, StepContext, configurable
+from ..core.engine import Prepared, StepContext, configurable
+from ..core.state import TrainState
 
 __all__ = ["ema_state_dict", "ema_weights", "with_ema"]
 

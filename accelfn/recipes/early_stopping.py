@@ -18,7 +18,7 @@ from typing import Any, Literal, SupportsFloat
 import torch
 from torch import Tensor, nn
 
-from .state import TrainState
+from ..core.state import TrainState
 
 __all__ = ["EarlyStopping"]
 

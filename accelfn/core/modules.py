@@ -1,15 +1,16 @@
-"""Wrapping a module's forward in place, keeping state_dict keys and deepcopy intact."""
+"""Module utilities: finding a model's repeated blocks, wrapping a forward in place."""
 
 from __future__ import annotations
 
 import functools
 import types
+from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-__all__ = ["wrap_forward"]
+__all__ = ["find_blocks", "wrap_forward"]
 
 Wrapper = Callable[..., Any]  # wrapper(module, inner_forward, *args, **kwargs)
 
@@ -40,3 +41,25 @@ def wrap_forward(module: nn.Module, tag: str, wrapper: Wrapper) -> bool:
     module._accelfn_wrappers = (*module._accelfn_wrappers, wrapper)
     module._accelfn_tags = (*tags, tag)
     return True
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's repeated blocks: children of ``nn.ModuleList``/``nn.Sequential`` that share
+    a class with a sibling and have parameters and submodules, outermost only.
+
+    Finds the transformer blocks of a GPT, the residual blocks of a torchvision ResNet.
+    """
+    found: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        by_class: dict[type, list[tuple[str, nn.Module]]] = defaultdict(list)
+        for child_name, child in module.named_children():
+            by_class[type(child)].append((f"{name}.{child_name}" if name else child_name, child))
+        for members in by_class.values():
+            sample = members[0][1]
+            if (len(members) >= 2 and any(True for _ in sample.children())
+                    and any(True for _ in sample.parameters())):
+                found.extend(members)
+    names = [n for n, _ in found]
+    return [(n, m) for n, m in found if not any(n.startswith(o + ".") for o in names if o != n)]

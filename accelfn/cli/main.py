@@ -20,7 +20,7 @@ __all__ = ["COMMANDS", "build_parser", "main"]
 
 
 def _run_doctor(args: argparse.Namespace) -> int:
-    from .doctor import doctor
+    from ..observe.environment import doctor
 
     report = doctor(num_workers=args.num_workers)
     print(report.to_json() if args.json else str(report))

@@ -1,0 +1,1 @@
+"""The ``accelfn`` command: ``doctor`` and ``bench``."""

@@ -1,0 +1,1 @@
+"""Measurement and diagnosis: monitor, GPU sampler, diagnostics, sync probe, profiler, doctor."""

@@ -1,0 +1,1 @@
+"""Recipes: learning-rate schedules, parameter groups, early stopping, memory format."""
