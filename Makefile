@@ -16,6 +16,7 @@ run: setup
 
 test: setup
 	$(BIN)/ruff check accelfn tests benchmarks examples docs
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q
 
 docs: setup

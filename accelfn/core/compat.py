@@ -1,0 +1,91 @@
+"""Every private torch API accelfn uses, behind one name each.
+
+torch changes its private functions between releases without notice. Keeping each one here,
+with a test in ``tests/core/test_compat.py`` that fails loudly when torch changes it, means a
+torch upgrade breaks one file, in a known place. The torch range accelfn is tested with is
+stated in ``pyproject.toml``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "compile_backends",
+    "compile_modes",
+    "foreach_copy_",
+    "foreach_div_",
+    "foreach_lerp_",
+    "foreach_norm",
+    "non_finite_check_and_unscale_",
+    "set_nested_element",
+    "step_supports_amp_scaling",
+    "unwrap_compiled",
+]
+
+
+def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor,
+                                  inv_scale: Tensor) -> None:
+    """``torch._amp_foreach_non_finite_check_and_unscale_``: multiply ``grads`` by
+    ``inv_scale`` in place and set ``found_inf`` to 1 where any holds NaN/Inf (one fused pass).
+    """
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def foreach_div_(tensors: list[Tensor], divisor: Tensor | float) -> None:
+    """``torch._foreach_div_``: divide every tensor by ``divisor`` in one fused call."""
+    torch._foreach_div_(tensors, divisor)
+
+
+def foreach_lerp_(tensors: list[Tensor], ends: list[Tensor], weights: Sequence[Tensor]) -> None:
+    """``torch._foreach_lerp_``: ``t += w * (end - t)`` for every tensor."""
+    torch._foreach_lerp_(tensors, ends, list(weights))
+
+
+def foreach_copy_(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """``torch._foreach_copy_``: copy ``sources`` into ``targets`` in one fused call."""
+    torch._foreach_copy_(targets, sources)
+
+
+def foreach_norm(tensors: list[Tensor], ord: float = 2.0) -> list[Tensor]:
+    """``torch._foreach_norm``: the norm of every tensor, one fused call."""
+    return list(torch._foreach_norm(tensors, ord))
+
+
+def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step`` reads a ``found_inf`` attribute and skips on the device
+    (``Optimizer._step_supports_amp_scaling``, set by the fused Adam, AdamW and SGD)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a ``torch.compile`` wrapper (``OptimizedModule._orig_mod``)."""
+    inner = getattr(model, "_orig_mod", model)
+    assert isinstance(inner, torch.nn.Module)
+    return inner
+
+
+def compile_modes() -> tuple[str, ...]:
+    """The ``mode=`` values ``torch.compile`` accepts (``torch._inductor.list_mode_options``)."""
+    from torch._inductor import list_mode_options
+
+    return tuple(list_mode_options())
+
+
+def compile_backends() -> list[str]:
+    """The ``backend=`` names ``torch.compile`` knows (``torch._dynamo.list_backends``)."""
+    import torch._dynamo
+
+    return list(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def set_nested_element(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """``torch.distributed.checkpoint._nested_dict.set_element``: put ``value`` at ``path``
+    of a nested state dict, creating the containers on the way."""
+    from torch.distributed.checkpoint._nested_dict import set_element
+
+    set_element(root, path, value)  # type: ignore[arg-type]

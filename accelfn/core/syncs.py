@@ -1,0 +1,39 @@
+"""Host reads that are not syncs by design, marked so the sync probe can tell them apart.
+
+Some bookkeeping reads values on the host that were copied there asynchronously one update
+earlier (the non-finite guard's deferred read with fused optimizers): on a GPU that read
+waits for nothing. A CPU run cannot show the difference, so such reads run inside
+:func:`deferred_read`, and ``accelfn.observe``'s sync probe leaves reads made inside it out
+of its emulated report. The marker is a thread-local flag, not a file path: moving code does
+not change what the probe sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+
+__all__ = ["deferred_read", "in_deferred_read"]
+
+
+class _Flag(threading.local):
+    depth = 0
+
+
+_FLAG = _Flag()
+
+
+@contextlib.contextmanager
+def deferred_read() -> Iterator[None]:
+    """Mark the enclosed host reads as reads of data already copied to the host."""
+    _FLAG.depth += 1
+    try:
+        yield
+    finally:
+        _FLAG.depth -= 1
+
+
+def in_deferred_read() -> bool:
+    """Whether the calling thread is inside :func:`deferred_read`."""
+    return _FLAG.depth > 0

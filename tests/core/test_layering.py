@@ -1,0 +1,104 @@
+"""The package layout: imports point inward only (DESIGN.md section 7), checked on the source."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2] / "accelfn"
+
+# package -> the other accelfn packages its modules may import
+ALLOWED: dict[str, set[str]] = {
+    "core": set(),
+    "transforms": {"core"},
+    "data": {"core"},
+    "observe": {"core"},
+    "checkpointing": {"core"},
+    "recipes": {"core", "data"},
+    "testing": {"core", "transforms"},
+    "cli": {"core", "transforms", "data", "observe", "checkpointing", "recipes", "__init__"},
+    "assets": set(),
+}
+PACKAGES = set(ALLOWED)
+MAX_LINES = 500
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in ROOT.rglob("*.py") if p.name != "__main__.py")
+
+
+def _package(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    return rel.parts[0].removesuffix(".py") if len(rel.parts) > 1 or rel.stem != "__init__" \
+        else "__init__"
+
+
+def _imported(path: Path) -> list[tuple[str, int]]:
+    """The accelfn modules ``path`` imports, as dotted names below accelfn, with line numbers."""
+    tree = ast.parse(path.read_text(), str(path))
+    here = path.relative_to(ROOT).with_suffix("").parts
+    package = here[:-1]  # the package relative imports start from
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name.removeprefix("accelfn."), node.lineno) for a in node.names
+                     if a.name == "accelfn" or a.name.startswith("accelfn.")]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                name = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            elif node.module and (node.module == "accelfn" or node.module.startswith("accelfn.")):
+                name = node.module.removeprefix("accelfn").removeprefix(".")
+            else:
+                continue
+            if not name:  # `from . import x` at the top: x is the package
+                out += [(a.name, node.lineno) for a in node.names]
+            else:
+                out.append((name, node.lineno))
+    return out
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_inward(path: Path) -> None:
+    package = _package(path)
+    if package == "__init__":
+        return  # the public re-exports may name every layer
+    allowed = ALLOWED[package] | {package}
+    for name, line in _imported(path):
+        target = name.split(".")[0]
+        if name == "accelfn" or target not in PACKAGES:  # the top-level public API
+            target = "__init__"
+        assert target in allowed, (
+            f"{path.relative_to(ROOT)}:{line} imports accelfn.{name}: {package} may import "
+            f"only {sorted(allowed)}")
+        if package == "transforms" and target == "transforms":
+            own = path.relative_to(ROOT).with_suffix("").parts
+            assert name in ("transforms", ".".join(own)), (
+                f"{path.relative_to(ROOT)}:{line} imports accelfn.{name}: a transform never "
+                "imports another transform")
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_modules_stay_small(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines (at most {MAX_LINES})"
+
+
+def test_no_public_name_shadows_a_submodule() -> None:
+    import importlib
+    import pkgutil
+
+    import accelfn
+
+    for info in pkgutil.walk_packages(accelfn.__path__, "accelfn."):
+        if info.name == "accelfn.__main__":
+            continue
+        parent_name, _, leaf = info.name.rpartition(".")
+        parent = importlib.import_module(parent_name)
+        module = importlib.import_module(info.name)
+        value = getattr(parent, leaf, module)
+        assert value is module, (
+            f"{parent_name}.{leaf} is {type(value).__name__}, shadowing the submodule "
+            f"{info.name}; rename one of them")
