@@ -197,7 +197,7 @@ class Monitor:
                 self._sinks.append(TensorBoardSink(self._paths["tensorboard"]))
             if self._want_progress:
                 self._bar = make_bar(self.total, self._desc, self._file)
-        if self.profiler is not None and self.profiler._prof is None and not self.profiler.done:
+        if self.profiler is not None and not self.profiler.running and not self.profiler.done:
             self.profiler.start()
         return self
 

@@ -107,6 +107,11 @@ class Profiler:
         return self._steps >= self.total_steps
 
     @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`stop` (or the end of the last cycle)."""
+        return self._prof is not None
+
+    @property
     def activities(self) -> list[str]:
         """The activities actually recorded (``"cpu"``, ``"cuda"``)."""
         return [a.name.lower() for a in self._activities]
