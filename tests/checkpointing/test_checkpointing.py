@@ -24,7 +24,8 @@ from tensordict import TensorDict
 import accelfn as af
 from accelfn import checkpointing as ckpt
 from accelfn import data
-from accelfn.checkpointing import store as ckpt_store
+from accelfn.checkpointing import files as ckpt_files
+from accelfn.checkpointing import format as ckpt_format
 
 
 class Counter:
@@ -182,7 +183,7 @@ def test_checkpoint_carrying_code_is_refused_without_running_it(tmp_path):
     dcp = ckpt.save(tmp_path / "b", state, step=step, sharded=True)
     pwned = tmp_path / "pwned"
     buffer = io.BytesIO()
-    torch.save({"format": ckpt_store.FORMAT, "state": _Exploit(str(pwned))}, buffer)
+    torch.save({"format": ckpt_format.FORMAT, "state": _Exploit(str(pwned))}, buffer)
     _forge(ok, "state.pt", buffer.getvalue())
     _forge(dcp, "sharded/.metadata", pickle.dumps(_Exploit(str(pwned)), protocol=2))
     for path in (ok, dcp):
@@ -221,20 +222,20 @@ def _fail_rename(monkeypatch):
 
 
 def _fail_marker(monkeypatch):
-    real = ckpt_store._write_json
+    real = ckpt_files.write_json
 
     def write(path, obj):
-        if path.name.startswith(ckpt_store.MARKER):
+        if path.name.startswith(ckpt_format.MARKER):
             raise OSError("no space left for the marker")
         return real(path, obj)
 
-    monkeypatch.setattr(ckpt_store, "_write_json", write)
+    monkeypatch.setattr(ckpt_files, "write_json", write)
 
 
 def _fail_dcp(monkeypatch):
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict_saver
 
-    monkeypatch.setattr(dcp, "save", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(state_dict_saver, "save", lambda *a, **k: (_ for _ in ()).throw(
         OSError("shard write failed")))
 
 
