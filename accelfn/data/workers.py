@@ -97,8 +97,8 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
     memory). Results are returned in source order; at most ``max_in_flight`` items are being
     processed or waiting. Its state is the source's state as of the last item returned, so
     resume is exact whatever was in flight. Exceptions in ``map_fn`` are re-raised with
-    their type and message. Worker processes exit within ``PARENT_POLL_S`` of the death of
-    the process that created the pool, even a ``SIGKILL``.
+    their type and message. Worker processes exit within 0.1 s (``PARENT_POLL_S``) of the
+    death of the process that created the pool, by ``SIGKILL`` too.
 
     (``torchdata.nodes.ParallelMapper`` in torchdata 0.11 starts new threads or processes on
     every ``reset()``, i.e. every epoch.)
