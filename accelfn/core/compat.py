@@ -22,6 +22,9 @@ __all__ = [
     "foreach_lerp_",
     "foreach_norm",
     "non_finite_check_and_unscale_",
+    "scaler_forget_step",
+    "scaler_found_inf",
+    "scaler_scale",
     "set_nested_element",
     "step_supports_amp_scaling",
     "unwrap_compiled",
@@ -89,3 +92,28 @@ def set_nested_element(root: dict[str, Any], path: tuple[str | int, ...], value:
     from torch.distributed.checkpoint._nested_dict import set_element
 
     set_element(root, path, value)  # type: ignore[arg-type]
+
+
+def scaler_scale(scaler: torch.amp.GradScaler) -> Tensor:
+    """The loss scale as a device tensor, without a host read (``GradScaler._get_scale_async``)."""
+    scale = scaler._get_scale_async()
+    assert scale is not None, "the scaler has not scaled a loss yet"
+    return scale
+
+
+def scaler_found_inf(scaler: torch.amp.GradScaler,
+                     optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The per-device NaN/Inf flags ``unscale_`` recorded for ``optimizer``
+    (``GradScaler._found_inf_per_device``)."""
+    return list(scaler._found_inf_per_device(optimizer).values())
+
+
+def scaler_forget_step(scaler: torch.amp.GradScaler) -> None:
+    """Forget what ``unscale_`` recorded this iteration, as ``update()`` does at its end, but
+    leave the scale and its growth tracker as they are (``GradScaler._per_optimizer_states``):
+    an aborted update must not wedge the next one."""
+    from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
