@@ -39,7 +39,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import accelfn as af
-from accelfn.cli.bench import SavedActivations, environment, resolve_device, sync, time_steps
+from accelfn.observe.timing import SavedActivations, environment, resolve_device, sync, time_steps
 
 
 @dataclass

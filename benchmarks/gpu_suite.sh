@@ -118,8 +118,9 @@ run_part environment 60 "$PYTHON" -c \
   "$WORK/environment.json"
 
 # Only files that mention CUDA or a GPU can hold GPU-only tests: collect just those (faster);
-# the gpu_only plugin then keeps the GPU-only tests among them.
-mapfile -t GPU_FILES < <(grep -lEi 'cuda|gpu' tests/test_*.py | grep -v 'test_bench.py' || true)
+# the gpu_only plugin then keeps the GPU-only tests among them. Tests sit in tests/<package>/.
+mapfile -t GPU_FILES < <(grep -rlEi --include='test_*.py' 'cuda|gpu' tests \
+  | grep -v 'test_bench.py' | sort || true)
 if [[ ${#GPU_FILES[@]} -gt 0 ]]; then
   run_part gpu_tests "$T_TESTS" env PYTHONPATH="$ROOT/benchmarks${PYTHONPATH:+:$PYTHONPATH}" \
     "$PYTHON" -m pytest -p gpu_only "${GPU_FILES[@]}" -q -rs -p no:cacheprovider \

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=None)
     args = p.parse_args(argv)
 
-    from accelfn.cli.bench import environment
+    from accelfn.observe.timing import environment
 
     machine: dict[str, Any]
     try:

@@ -18,7 +18,7 @@ batches, with per-step times interleaved (the order rotated every step) and medi
   ``TORCHINDUCTOR_CACHE_DIR``; the first starts from an empty one).
 
 Memory: ``activation_mib`` is the peak of what autograd holds for the backward (exact on any
-device, parameters excluded, see :class:`accelfn.cli.bench.SavedActivations`); on CUDA also
+device, parameters excluded, see :class:`accelfn.observe.timing.SavedActivations`); on CUDA also
 ``peak_step_mib``, the allocator's peak during one step above what was allocated before it.
 
     python benchmarks/transforms.py [--only amp,checkpoint] [--quick] [--json out.json]
@@ -53,7 +53,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpt2 import SMALL, TINY, GPTConfig, lm_loss, make_model, make_optimizer, token_batches
 
 import accelfn as af
-from accelfn.cli.bench import SavedActivations, environment, interleaved, resolve_device, sync
+from accelfn.observe.timing import (
+    SavedActivations,
+    environment,
+    interleaved,
+    resolve_device,
+    sync,
+)
 
 SECTIONS = ("amp", "accumulation", "checkpoint", "compile")
 

@@ -5,8 +5,18 @@ nodes it composes (``IndexBatchSampler``, ``TensorDictGather``, ``SampleCollator
 ``PoolMapper``, ``ToDevice``, ``ApplyTransform``) are ``torchdata.nodes`` building blocks
 that can be recombined and wrapped in a ``BatchLoader``. ``preload`` writes a dataset once to
 a memory-mapped TensorDict; ``accelfn.data.gpu`` holds the batch transforms.
+
+Modules, in the order a batch passes them: ``sampling`` (indices per batch, epoch and rank),
+``gather`` (TensorDict sources), ``collate`` (per-sample sources), ``workers`` (persistent
+thread / process pools), ``stages`` (device copy, seeded batch transform), ``gpu`` (the batch
+transforms), ``batch_loader`` (iteration, position, data wait), ``pipeline`` (``loader()``,
+which wires them); ``preloading`` (memory-mapped datasets, image files) and ``datasets``
+(small bundled datasets) stand apart.
 """
 
+from .batch_loader import BatchLoader
+from .collate import IterableBatcher, SampleCollator, SampleSpec
+from .gather import TensorDictGather
 from .gpu import (
     ChannelsLast,
     Compose,
@@ -17,8 +27,8 @@ from .gpu import (
     RandomResizedCrop,
     ToDtype,
 )
-from .pipeline import ApplyTransform, BatchLoader, ToDevice, loader
-from .preload import (
+from .pipeline import loader
+from .preloading import (
     ImageFiles,
     find_images,
     open_preloaded,
@@ -27,13 +37,8 @@ from .preload import (
     preload_info,
 )
 from .sampling import IndexBatchSampler, epoch_indices, mix_seed, resolve_shard
-from .sources import (
-    IterableBatcher,
-    PoolMapper,
-    SampleCollator,
-    SampleSpec,
-    TensorDictGather,
-)
+from .stages import ApplyTransform, ToDevice
+from .workers import PoolMapper
 
 __all__ = [
     "ApplyTransform",

@@ -94,7 +94,7 @@ def epoch_indices(
     return order
 
 
-class IndexBatchSampler(BaseNode[torch.Tensor]):
+class IndexBatchSampler(BaseNode[torch.Tensor]):  # type: ignore[misc]  # torchdata: untyped
     """A ``torchdata.nodes`` source node yielding one int64 index tensor per batch.
 
     Shuffled with ``seed`` and reshuffled every epoch (an epoch begins at each ``reset()``

@@ -12,7 +12,7 @@ structured :class:`DoctorReport`:
 * CPU cores (usable by this process, and per rank under ``torchrun``) against data-loader
   workers;
 
-and turns what is wrong or slow into :class:`~accelfn.diagnostics.Finding` s with the fix.
+and turns what is wrong or slow into :class:`~accelfn.observe.findings.Finding` s with the fix.
 It never fails for want of a GPU, a driver or pynvml: it says so.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .diagnostics import Finding, format_findings, worst_severity
+from .findings import Finding, Severity, format_findings, worst_severity
 
 __all__ = ["DoctorReport", "GPUInfo", "doctor"]
 
@@ -189,7 +189,8 @@ def _query_nvml() -> dict[str, Any]:
 def _cudnn_version() -> str | None:
     """cuDNN as ``"9.24.0"`` (torch reports ``92400``; cuDNN 8 used ``8700`` for 8.7.0)."""
     try:
-        v = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        cudnn = torch.backends.cudnn
+        v = cudnn.version() if cudnn.is_available() else None  # type: ignore[no-untyped-call]
     except Exception:
         return None
     if v is None:
@@ -341,7 +342,7 @@ def _findings(versions: dict[str, str | None], cuda: dict[str, Any], nvml: dict[
                                "source build without cuDNN"))
 
     if nvml_error:
-        sev = "info" if built is None or not cuda["available"] else "warning"
+        sev: Severity = "info" if built is None or not cuda["available"] else "warning"
         if cuda["available"]:
             sev = "warning"
             fix = ("pip install nvidia-ml-py (GPU utilisation and memory sampling need it)"

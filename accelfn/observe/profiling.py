@@ -86,8 +86,8 @@ class Profiler:
         self.wait, self.warmup, self.active = wait, warmup, active
         self.repeat, self.skip_first = repeat, skip_first
         self._activities = _activities(activities)
-        self._options = dict(record_shapes=record_shapes, profile_memory=profile_memory,
-                             with_stack=with_stack, with_flops=with_flops)
+        self._record_shapes, self._profile_memory = record_shapes, profile_memory
+        self._with_stack, self._with_flops = with_stack, with_flops
         self._gzip = use_gzip
         self._worker = worker_name
         self._prof: profile | None = None
@@ -105,6 +105,11 @@ class Profiler:
     def done(self) -> bool:
         """True once every cycle has been recorded (and the profiler stopped)."""
         return self._steps >= self.total_steps
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and :meth:`stop` (or the end of the last cycle)."""
+        return self._prof is not None
 
     @property
     def activities(self) -> list[str]:
@@ -135,7 +140,9 @@ class Profiler:
             activities=self._activities,
             schedule=schedule(wait=self.wait, warmup=self.warmup, active=self.active,
                               repeat=self.repeat, skip_first=self.skip_first),
-            on_trace_ready=self._on_ready, **self._options)
+            on_trace_ready=self._on_ready, record_shapes=self._record_shapes,
+            profile_memory=self._profile_memory, with_stack=self._with_stack,
+            with_flops=self._with_flops)
         self._prof.start()
         return self
 

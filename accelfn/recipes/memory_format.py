@@ -7,7 +7,8 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from collections.abc import Callable
+from typing import TypeVar, overload
 
 import torch
 from tensordict import TensorDictBase
@@ -17,14 +18,34 @@ from ..data.gpu import ChannelsLast
 
 __all__ = ["channels_last", "is_channels_last"]
 
-T = TypeVar("T", nn.Module, Tensor, TensorDictBase)
+M = TypeVar("M", bound=nn.Module)
 
 
 def _to_channels_last(t: Tensor) -> Tensor:
     return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
 
 
-def channels_last(obj: T) -> T:
+def _module_apply(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> None:  # compat:
+    """``nn.Module._apply``: replace every parameter's and buffer's data (and gradient) by
+    ``fn`` of it, in place, the ``Parameter`` objects kept (what ``Module.to`` does, for any
+    ``fn``). To move to ``accelfn.core.compat`` as ``module_apply``."""
+    module._apply(fn)  # type: ignore[no-untyped-call]  # torch leaves _apply unannotated
+
+
+@overload
+def channels_last(obj: M) -> M: ...
+
+
+@overload
+def channels_last(obj: Tensor) -> Tensor: ...
+
+
+@overload
+def channels_last(obj: TensorDictBase) -> TensorDictBase: ...
+
+
+def channels_last(obj: nn.Module | Tensor | TensorDictBase
+                  ) -> nn.Module | Tensor | TensorDictBase:
     """Equivalent to ``model.to(memory_format=torch.channels_last)`` for a model with 4-D
     (2-D convolution) weights, and to ``x.contiguous(memory_format=torch.channels_last)``
     for a 4-D tensor; anything else is returned unchanged.
@@ -45,7 +66,8 @@ def channels_last(obj: T) -> T:
         tensors = [*obj.parameters(), *obj.buffers()]
         if not any(t.dim() == 4 for t in tensors):
             return obj
-        return obj._apply(_to_channels_last)
+        _module_apply(obj, _to_channels_last)
+        return obj
     if isinstance(obj, Tensor):
         return _to_channels_last(obj)
     if isinstance(obj, TensorDictBase):

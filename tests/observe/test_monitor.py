@@ -16,15 +16,12 @@ import pytest
 import torch
 from torch import nn
 
-from accelfn.observe.diagnostics import Diagnostics, SyncProbe
-from accelfn.observe.monitor import (
-    Monitor,
-    Thresholds,
-    count_flops,
-    peak_flops,
-    progress,
-    training_flops,
-)
+from accelfn.observe.diagnostics import Diagnostics
+from accelfn.observe.flops import count_flops, peak_flops, training_flops
+from accelfn.observe.monitor import Monitor
+from accelfn.observe.progress_bars import progress
+from accelfn.observe.report import Thresholds
+from accelfn.observe.sync_probe import SyncProbe
 
 
 def fake_pynvml(util: int) -> types.ModuleType:

@@ -19,8 +19,9 @@ from torch import nn
 
 from accelfn.cli import bench
 from accelfn.cli.main import main
+from accelfn.observe.timing import SavedActivations
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _number(x: object) -> bool:
@@ -96,9 +97,9 @@ def test_saved_activations_counts_what_autograd_keeps() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
     x = torch.randn(32, 64)
-    with bench.SavedActivations(model) as fp32:
+    with SavedActivations(model) as fp32:
         model(x).sum().backward()
-    with bench.SavedActivations(model) as bf16, torch.autocast("cpu", dtype=torch.bfloat16):
+    with SavedActivations(model) as bf16, torch.autocast("cpu", dtype=torch.bfloat16):
         model(x).sum().backward()
     # fp32 keeps the input and the hidden activation (relu output), not the weights
     assert fp32.bytes >= (32 * 64 + 32 * 256) * 4
@@ -146,9 +147,9 @@ def test_saved_activations_peak_is_one_micro_batch_under_accumulation() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
     x = torch.randn(32, 64)
-    with bench.SavedActivations(model) as whole:
+    with SavedActivations(model) as whole:
         model(x).sum().backward()
-    with bench.SavedActivations(model) as micro:
+    with SavedActivations(model) as micro:
         for part in x.chunk(4):
             model(part.clone()).sum().backward()
     assert micro.bytes * 4 == pytest.approx(whole.bytes, rel=0.05)

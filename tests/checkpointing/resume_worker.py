@@ -1,5 +1,5 @@
-"""Training runs that get killed, preempted and resumed, for tests/test_resume.py and
-tests/test_preemption.py (each mode runs in its own process, as a real restart would).
+"""Training runs that get killed, preempted and resumed, for test_resume.py and
+test_preemption.py (each mode runs in its own process, as a real restart would).
 
     python resume_worker.py first   RUN OUT   reference run, then train, save, die (SIGKILL)
                                               in the middle of a later save
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 from conftest import Net
 
 import accelfn as af

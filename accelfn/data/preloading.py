@@ -14,11 +14,12 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
+from .gpu.base import as_pair, fit_image
 from .pipeline import loader
 
 __all__ = [
@@ -36,9 +37,15 @@ _FORMAT = 1
 
 def _marker(path: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((path / MARKER).read_text())
+        info = json.loads((path / MARKER).read_text())
     except FileNotFoundError:
         return None
+    if not isinstance(info, dict) or not isinstance(info.get("num_samples"), int):
+        raise ValueError(
+            f"{path / MARKER} is not a preload marker (a JSON object with num_samples); "
+            "preload again with overwrite=True"
+        )
+    return info
 
 
 def open_preloaded(path: str | os.PathLike[str]) -> TensorDict:
@@ -75,7 +82,7 @@ def preload(
     sample_transform: Callable[[Any], Any] | None = None,
     batch_size: int = 256,
     num_workers: int | None = None,
-    worker_type: str = "thread",
+    worker_type: Literal["thread", "process"] = "thread",
     overwrite: bool = False,
     metadata: dict[str, Any] | None = None,
 ) -> TensorDict:
@@ -118,12 +125,17 @@ def preload(
         raise ValueError("cannot preload an empty dataset")
 
     if path.exists() and any(path.iterdir()):
-        info = _marker(path)
+        try:
+            info = _marker(path)
+        except ValueError:
+            if not overwrite:
+                raise
+            info = {}  # a damaged marker: rewritten below, like an unfinished preload
         if info is None and not (path / "meta.json").exists():
             raise ValueError(
                 f"{path} exists and is not a preloaded dataset; choose a new or empty directory"
             )
-        if info is not None and not overwrite:
+        if info and not overwrite:
             if info["num_samples"] != n:
                 raise ValueError(
                     f"{path} already holds a preload of {info['num_samples']} samples but the "
@@ -139,7 +151,7 @@ def preload(
         shuffle=False,
         drop_last=False,
         num_workers=num_workers,
-        worker_type=worker_type,  # type: ignore[arg-type]
+        worker_type=worker_type,
         keys=keys,
         sample_transform=sample_transform,
         ragged_keys=(),
@@ -152,6 +164,7 @@ def preload(
         for batch in batches:
             if out is None:
                 proto = batch.apply(lambda t: t[0].expand(n, *t.shape[1:]), batch_size=[n])
+                assert proto is not None  # apply() returns None only with inplace / out=
                 out = proto.memmap_like(path)
             stop = start + batch.batch_size[0]
             out[start:stop] = batch
@@ -188,26 +201,18 @@ def find_images(root: str | os.PathLike[str]) -> tuple[list[str], list[int], lis
 
     Returns ``(files, labels, classes)`` with classes sorted by name and labels their indices.
     """
-    from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
+    from torchvision.datasets.folder import (  # type: ignore[import-untyped]
+        IMG_EXTENSIONS,
+        find_classes,
+        make_dataset,
+    )
 
     classes, class_to_idx = find_classes(os.fspath(root))
     items = make_dataset(os.fspath(root), class_to_idx, extensions=IMG_EXTENSIONS)
     return [f for f, _ in items], [label for _, label in items], classes
 
 
-def _fit(img: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    from torchvision.transforms.v2.functional import center_crop, resize
-
-    th, tw = size
-    h, w = img.shape[-2:]
-    if (h, w) != (th, tw):
-        s = max(th / h, tw / w)
-        img = resize(img, [max(th, round(h * s)), max(tw, round(w * s))], antialias=True)
-        img = center_crop(img, [th, tw])
-    return img
-
-
-class ImageFiles(torch.utils.data.Dataset):
+class ImageFiles(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     """A map-style dataset over image files (JPEG, PNG, ...), loaded with ``torchvision.io``.
 
     * ``jpeg=False`` (default): each sample is ``{"image": uint8 (3, H, W), "label": int64}``,
@@ -238,9 +243,7 @@ class ImageFiles(torch.utils.data.Dataset):
         if labels is not None and len(labels) != len(self.files):
             raise ValueError(f"got {len(self.files)} files but {len(labels)} labels")
         self.labels = list(labels) if labels is not None else [0] * len(self.files)
-        if size is not None:
-            size = (size, size) if isinstance(size, int) else tuple(size)
-        self.size = size
+        self.size = None if size is None else as_pair(size, "size")
         self.jpeg = jpeg
         self.ragged_keys = ("jpeg",) if jpeg else ()
 
@@ -248,7 +251,11 @@ class ImageFiles(torch.utils.data.Dataset):
         return len(self.files)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        from torchvision.io import ImageReadMode, decode_image, read_file
+        from torchvision.io import (  # type: ignore[import-untyped]
+            ImageReadMode,
+            decode_image,
+            read_file,
+        )
 
         path = self.files[index]
         data = read_file(path)
@@ -262,7 +269,7 @@ class ImageFiles(torch.utils.data.Dataset):
             return {"jpeg": data, "label": label}
         img = decode_image(data, mode=ImageReadMode.RGB)
         if self.size is not None:
-            img = _fit(img, self.size)  # type: ignore[arg-type]
+            img = fit_image(img, self.size)
         return {"image": img, "label": label}
 
 

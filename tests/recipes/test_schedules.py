@@ -296,6 +296,7 @@ def test_bad_arguments_say_how_to_fix_them(call, match):
 
 # ----------------------------------------------------------------- two processes
 STEPS, WARMUP, TOTAL = 5, 2, 6
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # conftest, reference
 
 
 def _worker(out: str) -> None:
@@ -326,7 +327,9 @@ def test_scheduler_steps_once_per_update_on_two_processes(tmp_path):
     # torchrun's environment, set by hand: two workers without a launcher process
     procs = [subprocess.Popen(
         [sys.executable, __file__, str(tmp_path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                 [TESTS, *filter(None, [os.environ.get("PYTHONPATH")])]),
+             "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
              "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": str(rank),
              "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"},
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(2)]

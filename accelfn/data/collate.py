@@ -1,128 +1,35 @@
-"""Sources: turning indices (or a stream) into CPU TensorDict batches.
+"""Per-sample sources: samples loaded one by one, checked and collated into TensorDicts.
 
-* :class:`TensorDictGather` fetches a whole batch from an in-memory or memory-mapped
-  TensorDict with one ``index_select`` per key (no per-sample Python).
-* :class:`SampleCollator` loads samples one by one from a map-style dataset and collates them
-  into a TensorDict, checking every sample against the first one (keys, shapes, dtypes) so a
-  bad sample is reported by its dataset index.
+* :class:`SampleCollator` loads a batch from a map-style dataset and collates it, checking
+  every sample against the first one (keys, shapes, dtypes) so a bad sample is reported by its
+  dataset index.
 * :class:`IterableBatcher` does the same for an iterable, as a ``torchdata.nodes`` node.
-* :class:`PoolMapper` is a ``torchdata.nodes`` node that maps over its source in a pool of
-  worker threads or processes that persist across epochs (``ParallelMapper`` in torchdata
-  0.11 starts new ones on every ``reset()``, i.e. every epoch).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import multiprocessing
-import weakref
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-import torch.multiprocessing as torch_mp
 from tensordict import TensorDict, TensorDictBase
 from torchdata.nodes import BaseNode
 
+from .gather import plain_tensor
+
 __all__ = [
+    "DEFAULT_PAIR_KEYS",
     "IterableBatcher",
-    "PoolMapper",
     "SampleCollator",
     "SampleSpec",
-    "TensorDictGather",
     "collate_samples",
     "sample_to_dict",
 ]
 
 #: Keys given to the two fields of ``(input, target)`` tuple samples (torchvision datasets).
 DEFAULT_PAIR_KEYS = ("image", "label")
-
-Key = str | tuple[str, ...]
-
-
-# --------------------------------------------------------------------------------------------
-# TensorDict sources
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A plain ``torch.Tensor`` view (drops the MemoryMappedTensor subclass and its overhead)."""
-    return t.as_subclass(torch.Tensor) if type(t) is not torch.Tensor else t
-
-
-def _nest(flat: Mapping[Key, torch.Tensor]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in flat.items():
-        if isinstance(key, tuple):
-            d = out
-            for part in key[:-1]:
-                d = d.setdefault(part, {})
-            d[key[-1]] = value
-        else:
-            out[key] = value
-    return out
-
-
-class TensorDictGather:
-    """Fetch a batch from a TensorDict with one gather per key: ``__call__(indices) -> TensorDict``.
-
-    Works on in-memory, memory-mapped (``TensorDict.load_memmap``) or device-resident
-    TensorDicts; the gather runs where the data lives. Indices index the first batch dimension.
-
-    Args:
-        data: the dataset, one row per sample along ``batch_size[0]``.
-        keys: keys to fetch (nested keys as tuples); default all leaves.
-
-    Raises:
-        TypeError: ``data`` is not a TensorDict with at least one batch dimension, or holds
-            non-tensor leaves.
-        ValueError: it is empty, or a requested key is missing.
-    """
-
-    def __init__(self, data: TensorDictBase, keys: Sequence[Key] | None = None) -> None:
-        if not isinstance(data, TensorDictBase):
-            raise TypeError(f"expected a TensorDict, got {type(data).__name__}")
-        if data.batch_dims < 1:
-            raise TypeError(
-                "the TensorDict source needs a batch dimension (one row per sample): build it "
-                "with TensorDict({...}, batch_size=[num_samples])"
-            )
-        n = data.batch_size[0]
-        if n == 0:
-            raise ValueError("the TensorDict source is empty (batch_size[0] == 0)")
-        available = list(data.keys(include_nested=True, leaves_only=True))
-        if keys is None:
-            keys = available
-        leaves: dict[Key, torch.Tensor] = {}
-        for key in keys:
-            if key not in available:
-                raise ValueError(
-                    f"key {key!r} is not in the TensorDict source; available keys: "
-                    f"{sorted(map(str, available))}"
-                )
-            value = data.get(key)
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"key {key!r} of the TensorDict source holds {type(value).__name__}, not a "
-                    "tensor; store per-sample data as tensors (one row per sample)"
-                )
-            leaves[key] = _plain(value)
-        self.num_samples = n
-        self.device = data.device
-        self._leaves = leaves
-
-    def __call__(self, indices: torch.Tensor) -> TensorDict:
-        first = next(iter(self._leaves.values()))
-        if indices.device != first.device:
-            indices = indices.to(first.device, non_blocking=True)
-        out = {k: torch.index_select(v, 0, indices) for k, v in self._leaves.items()}
-        return TensorDict(_nest(out), batch_size=[indices.shape[0]], device=self.device)
-
-
-# --------------------------------------------------------------------------------------------
-# Per-sample sources
 
 
 @dataclass(frozen=True)
@@ -162,15 +69,18 @@ class SampleSpec:
 
 def _to_tensor(value: Any, key: str, index: int) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
-        return _plain(value)
+        return plain_tensor(value)
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)
     if isinstance(value, (bool, int, float, np.generic)):
         return torch.as_tensor(value)
     if type(value).__module__.startswith("PIL."):
-        from torchvision.transforms.v2.functional import pil_to_tensor
+        from torchvision.transforms.v2.functional import (  # type: ignore[import-untyped]
+            pil_to_tensor,
+        )
 
-        return pil_to_tensor(value)
+        out: torch.Tensor = pil_to_tensor(value)
+        return out
     if isinstance(value, Mapping):
         raise TypeError(
             f"sample {index}: key {key!r} holds a nested mapping; samples must be flat "
@@ -333,7 +243,7 @@ class SampleCollator:
         return collate_samples([(i, self.load(i)) for i in indices.tolist()], self.spec)
 
 
-class IterableBatcher(BaseNode[TensorDict]):
+class IterableBatcher(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata: untyped
     """Batch and collate the samples of an iterable source node into TensorDicts.
 
     Sharding is by position: rank ``r`` of ``w`` keeps samples ``r, r + w, r + 2w, ...`` of
@@ -417,7 +327,8 @@ class IterableBatcher(BaseNode[TensorDict]):
                 )
             raise StopIteration
         self._batches += 1
-        return collate_samples(samples, self.spec)  # type: ignore[arg-type]
+        assert self.spec is not None  # set by the first sample, and the batch has one
+        return collate_samples(samples, self.spec)
 
     def get_state(self) -> dict[str, Any]:
         return {
@@ -427,149 +338,3 @@ class IterableBatcher(BaseNode[TensorDict]):
             "batches": self._batches,
         }
 
-
-# --------------------------------------------------------------------------------------------
-# Persistent workers
-
-_WORKER_FN: Callable[[Any], Any] | None = None
-
-
-def _process_init(fn: Callable[[Any], Any]) -> None:
-    global _WORKER_FN
-    _WORKER_FN = fn
-    torch.set_num_threads(1)
-
-
-def _thread_init() -> None:
-    torch.set_num_threads(1)  # per thread (OpenMP): no oversubscription across workers
-
-
-def _noop() -> None:
-    return None
-
-
-def _process_call(item: Any) -> Any:
-    assert _WORKER_FN is not None
-    return _WORKER_FN(item)
-
-
-class PoolMapper(BaseNode[Any]):
-    """Map ``map_fn`` over a source node in worker threads or processes that persist.
-
-    The workers start at the first ``reset()`` and serve every later epoch (for processes,
-    ``map_fn`` is sent to each once, at start-up, and tensors come back through shared
-    memory). Results are returned in source order; at most ``max_in_flight`` items are being
-    processed or waiting. Its state is the source's state as of the last item returned, so
-    resume is exact whatever was in flight. Exceptions in ``map_fn`` are re-raised with
-    their type and message.
-
-    (``torchdata.nodes.ParallelMapper`` in torchdata 0.11 starts new threads or processes on
-    every ``reset()``, i.e. every epoch.)
-
-    Args:
-        source: node whose items are passed to ``map_fn`` (e.g. index tensors).
-        map_fn: the function; picklable for processes.
-        num_workers: number of threads or processes (>= 1).
-        worker_type: ``"thread"`` (work that releases the GIL: I/O, decoding, tensor ops) or
-            ``"process"`` (Python-heavy work that holds it).
-        max_in_flight: items submitted ahead; default ``2 * num_workers``.
-        mp_context: start method for processes (``"fork"``, ``"spawn"``, ``"forkserver"``);
-            default the platform's.
-    """
-
-    def __init__(
-        self,
-        source: BaseNode[Any],
-        map_fn: Callable[[Any], Any],
-        num_workers: int,
-        *,
-        worker_type: str = "thread",
-        max_in_flight: int | None = None,
-        mp_context: str | None = None,
-    ) -> None:
-        super().__init__()
-        if num_workers < 1:
-            raise ValueError(f"PoolMapper needs num_workers >= 1, got {num_workers}")
-        if worker_type not in ("thread", "process"):
-            raise ValueError(f"worker_type must be 'thread' or 'process', got {worker_type!r}")
-        self.source = source
-        self.map_fn = map_fn
-        self.num_workers = num_workers
-        self.worker_type = worker_type
-        self.max_in_flight = max_in_flight or 2 * num_workers
-        self.mp_context = mp_context
-        self._pool: cf.Executor | None = None
-        self._pending: deque[tuple[cf.Future, dict[str, Any]]] = deque()
-        self._state: dict[str, Any] | None = None
-        self._exhausted = False
-
-    def _ensure_pool(self) -> cf.Executor:
-        if self._pool is None:
-            if self.worker_type == "thread":
-                self._pool = cf.ThreadPoolExecutor(
-                    self.num_workers, thread_name_prefix="accelfn-data", initializer=_thread_init
-                )
-            else:
-                ctx = (
-                    torch_mp.get_context(self.mp_context)
-                    if self.mp_context
-                    else multiprocessing.get_context()
-                )
-                self._pool = cf.ProcessPoolExecutor(
-                    self.num_workers,
-                    mp_context=ctx,
-                    initializer=_process_init,
-                    initargs=(self.map_fn,),
-                )
-                # Start the processes now, from the thread calling reset() (normally the main
-                # thread), rather than from whichever thread submits the first item.
-                self._pool.submit(_noop)
-            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
-        return self._pool
-
-    def _submit(self, pool: cf.Executor, item: Any) -> cf.Future:
-        if self.worker_type == "thread":
-            return pool.submit(self.map_fn, item)
-        return pool.submit(_process_call, item)
-
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        self._ensure_pool()
-        for fut, _ in self._pending:
-            fut.cancel()
-        self._pending.clear()
-        self._exhausted = False
-        self.source.reset(None if initial_state is None else initial_state["source"])
-        self._state = self.source.state_dict()
-
-    def _fill(self) -> None:
-        pool = self._ensure_pool()
-        while not self._exhausted and len(self._pending) < self.max_in_flight:
-            try:
-                item = next(self.source)
-            except StopIteration:
-                self._exhausted = True
-                break
-            self._pending.append((self._submit(pool, item), self.source.state_dict()))
-
-    def next(self) -> Any:
-        self._fill()
-        if not self._pending:
-            raise StopIteration
-        fut, state = self._pending.popleft()
-        result = fut.result()
-        self._state = state
-        self._fill()
-        return result
-
-    def get_state(self) -> dict[str, Any]:
-        return {"source": self._state}
-
-    def close(self) -> None:
-        """Stop the workers (a later ``reset()`` starts new ones)."""
-        if self._pool is not None:
-            for fut, _ in self._pending:
-                fut.cancel()
-            self._pending.clear()
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None

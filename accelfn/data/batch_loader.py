@@ -1,0 +1,255 @@
+"""The loader: a re-iterable over a ``torchdata.nodes`` graph, checkpointable and timed.
+
+:class:`BatchLoader` iterates its root node epoch after epoch, with an exact ``state_dict()``
+and a record of how long the loop waited for each batch.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+from tensordict import TensorDictBase
+from torchdata.nodes import BaseNode
+
+__all__ = ["STATE_FORMAT", "BatchLoader"]
+
+STATE_FORMAT = "accelfn.data.loader/1"
+
+
+class _Iterator(Iterator[TensorDictBase]):
+    """The iterator of one epoch of a :class:`BatchLoader`; times each ``next()``."""
+
+    def __init__(self, owner: BatchLoader, generation: int) -> None:
+        self._owner = owner
+        self._generation = generation
+
+    def __iter__(self) -> _Iterator:
+        return self
+
+    def __next__(self) -> TensorDictBase:
+        owner = self._owner
+        if self._generation != owner._generation:
+            raise RuntimeError(
+                "this iterator is stale: iter() was called again on its loader, which started "
+                "a new epoch; iterate the newest iterator"
+            )
+        t0 = time.perf_counter()
+        try:
+            batch = owner._next()
+        except StopIteration:
+            if owner._last_return is not None:  # the loop's last step, up to the epoch's end
+                owner.total_time_s += time.perf_counter() - owner._last_return
+            owner._last_return = None
+            raise
+        t1 = time.perf_counter()
+        wait = t1 - t0
+        owner.last_wait_s = wait
+        owner.total_wait_s += wait
+        owner.total_time_s += t1 - owner._last_return if owner._last_return is not None else wait
+        owner._last_return = t1
+        owner.batches += 1
+        return batch
+
+
+def shutdown_node_thread(node: BaseNode[Any]) -> None:  # compat: torchdata private API
+    """Stop the background thread of a ``Prefetcher`` or ``PinMemory`` node, if it has one.
+
+    torchdata 0.11 keeps it as ``node._it`` (a ``_SingleThreadedMapper``) with a
+    ``_shutdown()`` method, and offers no public way to stop it.
+    """
+    worker = getattr(node, "_it", None)
+    if worker is not None and callable(getattr(worker, "_shutdown", None)):
+        worker._shutdown()
+
+
+def _stop_threads(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) -> None:
+    """Stop every background thread of the graph below ``root`` and call ``close_fns``."""
+    seen: set[int] = set()
+    todo: list[Any] = [root]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        shutdown_node_thread(node)
+        todo.extend(v for v in vars(node).values() if isinstance(v, BaseNode))
+    for fn in close_fns:
+        fn()
+
+
+class BatchLoader(Iterable[TensorDictBase]):
+    """A re-iterable loader over a ``torchdata.nodes`` graph of TensorDict batches.
+
+    Each ``iter()`` starts the next epoch (or resumes the position given to
+    :meth:`load_state_dict`). Built by :func:`loader`; can also wrap any root node you compose
+    yourself.
+
+    Data-wait measurement (read by monitors; the clock is ``time.perf_counter``):
+
+    * ``last_wait_s``: seconds the last ``next()`` blocked before returning its batch (queue
+      wait, host-side transfer and transform launch; GPU-side work is asynchronous and not
+      included).
+    * ``total_wait_s``: sum of those waits since construction or :meth:`reset_timing`.
+    * ``batches``: batches returned since then.
+    * ``total_time_s``: wall time of the loop over those batches: the first wait of each
+      epoch, then from each return to the next request's return (or to the end of the epoch),
+      i.e. loop time excluding time spent outside iteration between epochs.
+    * ``wait_share``: ``total_wait_s / total_time_s``, the fraction of the loop spent waiting
+      for data (the seeds' target is under 0.2).
+
+    Args:
+        root: the graph's root node, yielding TensorDict batches.
+        num_batches: batches per epoch, if known (``len(loader)``).
+        config: plain description of the pipeline, stored in the state and checked on load.
+        close_fns: called by :meth:`close` (e.g. to stop worker processes).
+    """
+
+    def __init__(
+        self,
+        root: BaseNode[TensorDictBase],
+        *,
+        num_batches: int | None = None,
+        config: Mapping[str, Any] | None = None,
+        close_fns: Sequence[Callable[[], None]] = (),
+    ) -> None:
+        self.root = root
+        self.num_batches = num_batches
+        self.config = dict(config or {})
+        self._close_fns = tuple(close_fns)
+        self._pending_state: dict[str, Any] | None = None
+        self._peeked: TensorDictBase | None = None
+        self._peek_state: dict[str, Any] | None = None
+        self._generation = 0
+        self._active = False
+        self._started_for_state = False
+        self.last_wait_s = 0.0
+        self.total_wait_s = 0.0
+        self.total_time_s = 0.0
+        self.batches = 0
+        self._last_return: float | None = None
+        # Background threads (prefetching, pinning) must stop before the interpreter tears
+        # down torch, or a thread still inside an op aborts the process at exit.
+        weakref.finalize(self, _stop_threads, root, self._close_fns)
+
+    # -- iteration ---------------------------------------------------------------------------
+
+    def __iter__(self) -> _Iterator:
+        self._generation += 1
+        self._last_return = None
+        if self._started_for_state:
+            # state_dict() before the first iter() already started this epoch: keep it.
+            self._started_for_state = False
+            return _Iterator(self, self._generation)
+        self._peeked = self._peek_state = None
+        state, self._pending_state = self._pending_state, None
+        if state is None:
+            self.root.reset(None)
+        else:
+            self.root.reset(state)
+            # A position saved right after an epoch's last batch resumes at the next epoch.
+            before = self.root.state_dict()
+            try:
+                self._peeked = next(self.root)
+                self._peek_state = before
+            except StopIteration:
+                self.root.reset(None)
+        self._active = True
+        return _Iterator(self, self._generation)
+
+    def _next(self) -> TensorDictBase:
+        if self._peeked is not None:
+            batch, self._peeked, self._peek_state = self._peeked, None, None
+            return batch
+        out: TensorDictBase = next(self.root)
+        return out
+
+    def __len__(self) -> int:
+        if self.num_batches is None:
+            raise TypeError("the number of batches per epoch is unknown (iterable source)")
+        return self.num_batches
+
+    # -- checkpointing -----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last batch returned, as plain data (ints, strings, dicts).
+
+        Safe to ``torch.save`` and to load with ``torch.load(..., weights_only=True)``. Loading
+        it into an identically configured loader and iterating yields exactly the batches an
+        uninterrupted run would have yielded next (including the next epoch's, if it was taken
+        at the end of an epoch).
+        """
+        if self._pending_state is not None:
+            root = self._pending_state
+        elif not self._active:
+            # Start the first epoch now (the next iter() continues it, not a new one): the
+            # nodes' state only exists once they are reset.
+            self.__iter__()
+            self._started_for_state = True
+            root = self._peek_state if self._peek_state is not None else self.root.state_dict()
+        elif self._peek_state is not None:
+            root = self._peek_state
+        else:
+            root = self.root.state_dict()
+        return {"format": STATE_FORMAT, "config": dict(self.config), "root": root}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict` at the next ``iter()``.
+
+        Raises:
+            ValueError: the state is not a loader state, or was saved by a loader with a
+                different configuration (dataset size, batch size, seed, sharding, ...).
+        """
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise ValueError(
+                f"not an accelfn.data loader state (expected format {STATE_FORMAT!r}); pass "
+                "what BatchLoader.state_dict() returned"
+            )
+        saved = dict(state.get("config", {}))
+        if saved != self.config:
+            diff = sorted(
+                k for k in set(saved) | set(self.config) if saved.get(k) != self.config.get(k)
+            )
+            detail = ", ".join(
+                f"{k}: saved {saved.get(k)!r}, here {self.config.get(k)!r}" for k in diff
+            )
+            raise ValueError(
+                f"the loader state was saved with a different configuration ({detail}); build "
+                "the loader with the same settings to resume"
+            )
+        self._pending_state = state["root"]
+        self._peeked = self._peek_state = None
+        self._started_for_state = False
+
+    # -- timing ------------------------------------------------------------------------------
+
+    @property
+    def wait_share(self) -> float:
+        """Fraction of the loop's wall time spent waiting for data (0 before any batch)."""
+        return self.total_wait_s / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def reset_timing(self) -> None:
+        """Zero ``last_wait_s``, ``total_wait_s``, ``total_time_s`` and ``batches``."""
+        self.last_wait_s = self.total_wait_s = self.total_time_s = 0.0
+        self.batches = 0
+        self._last_return = None
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop background threads and persistent worker processes. The loader can still be
+        iterated (they restart with the next epoch). Also done at interpreter exit."""
+        _stop_threads(self.root, self._close_fns)
+
+    def __enter__(self) -> BatchLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        items = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        return f"BatchLoader({items})"
+

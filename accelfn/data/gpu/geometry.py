@@ -1,0 +1,216 @@
+"""Geometry on whole batches, with per-sample parameters: random crops and flips."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDictBase
+
+from .base import as_keys, as_pair, same_size_images, uniform
+
+__all__ = ["RandomCrop", "RandomHorizontalFlip", "RandomResizedCrop"]
+
+
+class RandomCrop:
+    """Pad by ``padding`` then crop ``size`` at a random offset, independently per sample.
+
+    Equivalent to ``torchvision.transforms.v2.RandomCrop(size, padding, fill=fill,
+    padding_mode=padding_mode)`` applied to each sample with a for-loop, but done as one
+    ``gather`` over the batch. Keeps the dtype (uint8 stays uint8).
+
+    Args:
+        size: output ``(height, width)`` (or one int).
+        padding: pixels added on each side: int or ``(vertical, horizontal)``.
+        fill: value of constant padding.
+        padding_mode: ``"constant"``, ``"reflect"`` or ``"replicate"``.
+        keys: batch keys to crop (all with the same offsets per sample).
+    """
+
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        padding: int | Sequence[int] = 0,
+        *,
+        fill: float = 0,
+        padding_mode: str = "constant",
+        keys: str | Sequence[str] = ("image",),
+    ) -> None:
+        self.size = as_pair(size, "size")
+        self.padding = as_pair(padding, "padding")
+        if padding_mode not in ("constant", "reflect", "replicate"):
+            raise ValueError(
+                f"padding_mode must be 'constant', 'reflect' or 'replicate', got {padding_mode!r}"
+            )
+        self.fill = fill
+        self.padding_mode = padding_mode
+        self.keys = as_keys(keys)
+
+    def __call__(
+        self, batch: TensorDictBase, generator: torch.Generator | None = None
+    ) -> TensorDictBase:
+        xs = same_size_images(batch, self.keys, "RandomCrop")
+        b, device = xs[0].shape[0], xs[0].device
+        ph, pw = self.padding
+        th, tw = self.size
+        hp, wp = xs[0].shape[-2] + 2 * ph, xs[0].shape[-1] + 2 * pw
+        if th > hp or tw > wp:
+            raise ValueError(
+                f"RandomCrop: crop size {self.size} is larger than the padded image "
+                f"({hp}, {wp}); lower size or raise padding"
+            )
+        oy = (uniform(b, generator, device, "RandomCrop") * (hp - th + 1)).long()
+        ox = (uniform(b, generator, device, "RandomCrop") * (wp - tw + 1)).long()
+        rows = oy[:, None] + torch.arange(th, device=device)
+        cols = ox[:, None] + torch.arange(tw, device=device)
+        flat = (rows[:, :, None] * wp + cols[:, None, :]).reshape(b, 1, th * tw)
+        out = batch.copy()
+        for k, x in zip(self.keys, xs):
+            lead = x.shape[1:-2]
+            x = x.reshape(b, -1, *x.shape[-2:])
+            if ph or pw:
+                pad = (pw, pw, ph, ph)
+                if self.padding_mode == "constant":
+                    x = F.pad(x, pad, value=self.fill)
+                else:
+                    x = F.pad(x, pad, mode=self.padding_mode)
+            x = x.reshape(b, x.shape[1], hp * wp)
+            y = x.gather(2, flat.expand(b, x.shape[1], th * tw))
+            out.set(k, y.reshape(b, *lead, th, tw))
+        return out
+
+    def __repr__(self) -> str:
+        return f"RandomCrop(size={self.size}, padding={self.padding}, keys={self.keys})"
+
+
+class RandomResizedCrop:
+    """Crop a random area and aspect ratio, then resize to ``size``, independently per sample.
+
+    The box is drawn as in ``torchvision.transforms.v2.RandomResizedCrop`` (area fraction
+    uniform in ``scale``, log-aspect uniform in ``log(ratio)``, 10 tries, then a centre crop
+    clamped to ``ratio``), vectorised over the batch. Resampling is one
+    ``torchvision.ops.roi_align`` call (bilinear, averaging several points per output pixel
+    when shrinking, which acts as antialiasing). Integer inputs are resampled in float32 and
+    rounded back to their dtype.
+
+    Args:
+        size: output ``(height, width)`` (or one int).
+        scale: range of the crop's area as a fraction of the image.
+        ratio: range of the crop's aspect ratio (width / height).
+        keys: batch keys to crop (all with the same boxes per sample).
+    """
+
+    def __init__(
+        self,
+        size: int | Sequence[int],
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        *,
+        keys: str | Sequence[str] = ("image",),
+    ) -> None:
+        self.size = as_pair(size, "size")
+        if not (0 < scale[0] <= scale[1] <= 1):
+            raise ValueError(f"scale must satisfy 0 < low <= high <= 1, got {scale}")
+        if not (0 < ratio[0] <= ratio[1]):
+            raise ValueError(f"ratio must satisfy 0 < low <= high, got {ratio}")
+        self.scale = (float(scale[0]), float(scale[1]))
+        self.ratio = (float(ratio[0]), float(ratio[1]))
+        self.keys = as_keys(keys)
+
+    def boxes(
+        self, b: int, height: int, width: int, generator: torch.Generator | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Draw ``b`` crop boxes ``(x1, y1, x2, y2)`` in pixels, float32, shape ``(b, 4)``."""
+        tries = 10
+        area = float(height * width)
+        u = uniform(b * tries * 4, generator, device, "RandomResizedCrop").view(4, b, tries)
+        target = area * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[0])
+        lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        aspect = torch.exp(lo + (hi - lo) * u[1])
+        w = torch.sqrt(target * aspect).round()
+        h = torch.sqrt(target / aspect).round()
+        ok = (w > 0) & (h > 0) & (w <= width) & (h <= height)
+        first = ok.int().argmax(dim=1, keepdim=True)
+        any_ok = ok.any(dim=1)
+        w = w.gather(1, first).squeeze(1)
+        h = h.gather(1, first).squeeze(1)
+        ty = (u[2].gather(1, first).squeeze(1) * (height - h + 1)).floor()
+        tx = (u[3].gather(1, first).squeeze(1) * (width - w + 1)).floor()
+        # Fallback: the largest centred crop whose aspect ratio is within ``ratio``.
+        in_ratio = width / height
+        if in_ratio < self.ratio[0]:
+            fw, fh = width, round(width / self.ratio[0])
+        elif in_ratio > self.ratio[1]:
+            fw, fh = round(height * self.ratio[1]), height
+        else:
+            fw, fh = width, height
+        fy, fx = (height - fh) // 2, (width - fw) // 2
+        w = torch.where(any_ok, w, torch.full_like(w, fw))
+        h = torch.where(any_ok, h, torch.full_like(h, fh))
+        ty = torch.where(any_ok, ty, torch.full_like(ty, fy))
+        tx = torch.where(any_ok, tx, torch.full_like(tx, fx))
+        return torch.stack([tx, ty, tx + w, ty + h], dim=1)
+
+    def __call__(
+        self, batch: TensorDictBase, generator: torch.Generator | None = None
+    ) -> TensorDictBase:
+        from torchvision.ops import roi_align  # type: ignore[import-untyped]
+
+        xs = same_size_images(batch, self.keys, "RandomResizedCrop")
+        b, device = xs[0].shape[0], xs[0].device
+        height, width = xs[0].shape[-2:]
+        boxes = self.boxes(b, height, width, generator, device)
+        rois = torch.cat([torch.arange(b, device=device, dtype=boxes.dtype)[:, None], boxes], 1)
+        out = batch.copy()
+        for k, x in zip(self.keys, xs):
+            lead = x.shape[1:-2]
+            x4 = x.reshape(b, -1, height, width)
+            work = x4 if x4.dtype in (torch.float32, torch.float64) else x4.float()
+            y = roi_align(work, rois.to(work.dtype), self.size, 1.0, -1, True)
+            if not x.dtype.is_floating_point:
+                info = torch.iinfo(x.dtype)
+                y = y.round_().clamp_(info.min, info.max)
+            out.set(k, y.to(x.dtype).reshape(b, *lead, *self.size))
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"RandomResizedCrop(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
+            f"keys={self.keys})"
+        )
+
+
+class RandomHorizontalFlip:
+    """Mirror each sample left-right with probability ``p`` (one masked select, no loop)."""
+
+    def __init__(self, p: float = 0.5, *, keys: str | Sequence[str] = ("image",)) -> None:
+        if not 0 <= p <= 1:
+            raise ValueError(f"p must be in [0, 1], got {p}")
+        self.p = float(p)
+        self.keys = as_keys(keys)
+
+    def __call__(
+        self, batch: TensorDictBase, generator: torch.Generator | None = None
+    ) -> TensorDictBase:
+        xs = same_size_images(batch, self.keys, "RandomHorizontalFlip")
+        b, device = xs[0].shape[0], xs[0].device
+        flip = uniform(b, generator, device, "RandomHorizontalFlip") < self.p
+        out = batch.copy()
+        for k, x in zip(self.keys, xs):
+            mask = flip.view(b, *([1] * (x.dim() - 1)))
+            if x.dtype.is_floating_point or x.dtype == torch.bool:
+                y = torch.where(mask, x.flip(-1), x)
+            else:
+                # Exact for integers (one term is always zero) and several times faster than
+                # torch.where on CPU; not used for floats, where 0 * inf would give nan.
+                m = mask.to(x.dtype)
+                y = x.flip(-1) * m + x * (1 - m)
+            out.set(k, y)
+        return out
+
+    def __repr__(self) -> str:
+        return f"RandomHorizontalFlip(p={self.p}, keys={self.keys})"
+

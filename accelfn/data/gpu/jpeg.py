@@ -1,0 +1,115 @@
+"""JPEG decoding of whole batches with ``torchvision.io.decode_jpeg`` (nvJPEG on CUDA)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from tensordict import TensorDictBase
+
+from .base import as_pair, fit_image, image
+
+__all__ = ["DecodeJPEG"]
+
+
+class DecodeJPEG:
+    """Decode a batch of JPEG byte strings with ``torchvision.io.decode_jpeg`` onto a device.
+
+    Input: ``batch[key]``, zero-padded encoded bytes ``(batch, max_length)`` uint8, and
+    ``batch[lengths_key]`` (int64, the true length of each) — the layout the loader collates
+    for ``ragged_keys`` (e.g. from :class:`accelfn.data.ImageFiles` with ``jpeg=True``). Both
+    stay on the host (they are this transform's ``host_keys``); the decoded ``uint8``
+    ``(batch, 3, height, width)`` images are written to ``out_key`` on ``device`` (default:
+    the device of the batch's other tensors), with nvJPEG's batched decoder on CUDA. The byte
+    keys are removed.
+
+    Images of different sizes need ``size``: each is resized (shorter side to fit, antialiased)
+    and centre-cropped to ``size`` before stacking (a per-image step: decode output is
+    inherently a list).
+
+    Args:
+        key: key of the padded encoded bytes.
+        lengths_key: key of the byte counts; default ``f"{key}_lengths"``.
+        out_key: key for the decoded images.
+        size: common ``(height, width)`` for images of different sizes.
+        device: where to decode; default the batch's device.
+        mode: ``"RGB"`` (3 channels), ``"GRAY"`` or ``"UNCHANGED"``.
+    """
+
+    def __init__(
+        self,
+        key: str = "jpeg",
+        *,
+        lengths_key: str | None = None,
+        out_key: str = "image",
+        size: int | Sequence[int] | None = None,
+        device: torch.device | str | None = None,
+        mode: str = "RGB",
+    ) -> None:
+        from torchvision.io import ImageReadMode  # type: ignore[import-untyped]
+
+        if mode not in ("RGB", "GRAY", "UNCHANGED"):
+            raise ValueError(f"mode must be 'RGB', 'GRAY' or 'UNCHANGED', got {mode!r}")
+        self.key = key
+        self.lengths_key = lengths_key or f"{key}_lengths"
+        self.out_key = out_key
+        self.size = None if size is None else as_pair(size, "size")
+        self.device = None if device is None else torch.device(device)
+        self.mode = getattr(ImageReadMode, mode)
+        self.host_keys = (self.key, self.lengths_key)
+
+    def _device(self, batch: TensorDictBase) -> torch.device:
+        if self.device is not None:
+            return self.device
+        if batch.device is not None:
+            return batch.device
+        for k, v in batch.items(include_nested=True, leaves_only=True):
+            if k not in self.host_keys and isinstance(v, torch.Tensor):
+                return v.device
+        return torch.device("cpu")
+
+    def __call__(
+        self, batch: TensorDictBase, generator: torch.Generator | None = None
+    ) -> TensorDictBase:
+        from torchvision.io import decode_jpeg  # type: ignore[import-untyped]
+
+        data = image(batch, self.key, "DecodeJPEG", min_dim=2)
+        lengths = image(batch, self.lengths_key, "DecodeJPEG", min_dim=1)
+        if data.device.type != "cpu" or lengths.device.type != "cpu":
+            raise ValueError(
+                f"DecodeJPEG: keys {self.host_keys} must be on the CPU (the decoder reads host "
+                "memory); the loader keeps a transform's host_keys there, or move them with "
+                ".cpu() before calling"
+            )
+        if data.dtype != torch.uint8:
+            raise TypeError(f"DecodeJPEG: key {self.key!r} must be uint8, got {data.dtype}")
+        device = self._device(batch)
+        blobs = [data[i, :n] for i, n in enumerate(lengths.tolist())]
+        try:
+            images = decode_jpeg(blobs, mode=self.mode, device=device)
+        except RuntimeError as err:
+            for i, blob in enumerate(blobs):
+                try:
+                    decode_jpeg(blob, mode=self.mode)
+                except RuntimeError as one:
+                    raise ValueError(
+                        f"DecodeJPEG: sample {i} of the batch (key {self.key!r}, "
+                        f"{blob.numel()} bytes) is not a decodable JPEG: {one}"
+                    ) from None
+            raise err
+        if self.size is not None:
+            size = self.size
+            images = [fit_image(img, size) for img in images]
+        else:
+            shapes = {tuple(img.shape) for img in images}
+            if len(shapes) > 1:
+                raise ValueError(
+                    f"DecodeJPEG: the batch's images have different shapes {sorted(shapes)}; "
+                    "pass size=(height, width) to resize and centre-crop them to one size"
+                )
+        out = batch.exclude(*self.host_keys)
+        out.set(self.out_key, torch.stack(images))
+        return out
+
+    def __repr__(self) -> str:
+        return f"DecodeJPEG({self.key!r} -> {self.out_key!r}, size={self.size})"

@@ -1,0 +1,248 @@
+"""Pipeline stages after loading: the copy to the device and the seeded batch transform.
+
+* :class:`ToDevice` copies batches to the device without blocking, on a side stream.
+* :class:`ApplyTransform` applies a batch transform with a generator seeded per batch from
+  ``(seed, rank, epoch, batch_number)``, in the loop's thread or in worker threads.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+from torchdata.nodes import BaseNode, Mapper
+
+from .gpu import accepts_generator, host_keys
+from .sampling import mix_seed
+from .workers import PoolMapper
+
+__all__ = ["ApplyTransform", "ToDevice"]
+
+
+class ToDevice(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchdata: untyped
+    """Move TensorDict batches to ``device`` with non-blocking copies.
+
+    On CUDA the copy of the next ``lookahead`` batches is issued on a side stream while the
+    current one is being used; the consumer's stream waits for it on the GPU (no host sync)
+    and the tensors are marked as used by that stream. Keys in ``keep_on_host`` stay where
+    they are (e.g. encoded bytes for :class:`~accelfn.data.gpu.DecodeJPEG`). Its state is the
+    source's state as of the last batch returned, so look-ahead never skips data on resume.
+    """
+
+    def __init__(
+        self,
+        source: BaseNode[TensorDictBase],
+        device: torch.device | str,
+        *,
+        lookahead: int = 1,
+        keep_on_host: Sequence[str] = (),
+    ) -> None:
+        super().__init__()
+        self.source = source
+        self.device = torch.device(device)
+        self.keep_on_host = tuple(keep_on_host)
+        self._cuda = self.device.type == "cuda"
+        self.lookahead = lookahead if self._cuda else 0
+        self._stream: torch.cuda.Stream | None = None
+        # (moved batch, its copy's event on CUDA, the host batch kept alive until then, state)
+        self._queue: deque[
+            tuple[TensorDictBase, torch.cuda.Event | None, TensorDictBase | None, dict[str, Any]]
+        ] = deque()
+        self._state: dict[str, Any] | None = None
+        self._exhausted = False
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._queue.clear()
+        self._exhausted = False
+        self.source.reset(None if initial_state is None else initial_state["source"])
+        self._state = self.source.state_dict()
+        if self._cuda and self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+
+    def _move(self, batch: TensorDictBase) -> TensorDictBase:
+        if self.keep_on_host:
+            host = batch.select(*[k for k in self.keep_on_host if k in batch.keys()])
+            moved = batch.exclude(*self.keep_on_host).to(self.device, non_blocking=True)
+            moved.clear_device_()
+            moved.update(host)
+            return moved
+        return batch.to(self.device, non_blocking=True)
+
+    def _pull(self) -> None:
+        try:
+            batch = next(self.source)
+        except StopIteration:
+            self._exhausted = True
+            return
+        state = self.source.state_dict()
+        if self._cuda:
+            assert self._stream is not None
+            with torch.cuda.stream(self._stream):
+                moved = self._move(batch)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(self._stream)
+            self._queue.append((moved, event, batch, state))
+        else:
+            self._queue.append((self._move(batch), None, None, state))
+
+    def next(self) -> TensorDictBase:
+        while not self._exhausted and len(self._queue) <= self.lookahead:
+            self._pull()
+        if not self._queue:
+            raise StopIteration
+        moved, event, _host, state = self._queue.popleft()
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for t in moved.values(include_nested=True, leaves_only=True):
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                    t.record_stream(current)
+        self._state = state
+        return moved
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self._state}
+
+
+class _TagSeeds(BaseNode[tuple[Any, int]]):  # type: ignore[misc]  # torchdata: untyped
+    """Pair each batch with its seed ``mix_seed(seed, rank, epoch, batch_number)``."""
+
+    def __init__(self, source: BaseNode[Any], seed: int, rank: int) -> None:
+        super().__init__()
+        self.source = source
+        self.seed = seed
+        self.rank = rank
+        self._epoch = 0
+        self._batches = 0
+        self._started = False
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is not None:
+            self.source.reset(initial_state["source"])
+            self._epoch = int(initial_state["epoch"])
+            self._batches = int(initial_state["batches"])
+            self._started = True
+        else:
+            self.source.reset()
+            if self._started:
+                self._epoch += 1
+            self._batches = 0
+            self._started = False
+
+    def next(self) -> tuple[Any, int]:
+        self._started = True
+        batch = next(self.source)
+        seed = mix_seed(self.seed, self.rank, self._epoch, self._batches)
+        self._batches += 1
+        return batch, seed
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self.source.state_dict(), "epoch": self._epoch, "batches": self._batches}
+
+
+class _SeededCall:
+    """``(batch, seed) -> transform(batch, generator=<seeded on the batch's device>)``."""
+
+    def __init__(self, transform: Callable[..., TensorDictBase]) -> None:
+        self.transform = transform
+        self.takes_generator = accepts_generator(transform)
+        self.keep = set(host_keys(transform))
+        self._local = threading.local()
+
+    def _generator(self, batch: TensorDictBase, seed: int) -> torch.Generator:
+        device = batch.device
+        if device is None:
+            devices = [
+                v.device
+                for k, v in batch.items(leaves_only=True)
+                if k not in self.keep and isinstance(v, torch.Tensor)
+            ]
+            device = devices[0] if devices else torch.device("cpu")
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        # one per thread and device
+        cache: dict[torch.device, torch.Generator] = self._local.__dict__.setdefault(
+            "generators", {}
+        )
+        g = cache.get(device)
+        if g is None:
+            g = cache[device] = torch.Generator(device=device)
+        g.manual_seed(seed)
+        return g
+
+    def __call__(self, item: tuple[TensorDictBase, int]) -> TensorDictBase:
+        batch, seed = item
+        if self.takes_generator:
+            out = self.transform(batch, generator=self._generator(batch, seed))
+        else:
+            out = self.transform(batch)
+        if not isinstance(out, TensorDictBase):
+            raise TypeError(
+                f"the batch transform {self.transform!r} returned {type(out).__name__}; it "
+                "must return the (new) TensorDict batch"
+            )
+        return out
+
+
+class ApplyTransform(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchdata: untyped
+    """Apply a batch transform, giving it a ``torch.Generator`` seeded per batch.
+
+    The generator (on the batch's device) is seeded with ``mix_seed(seed, rank, epoch,
+    batch_number)``, so augmentations are reproducible from ``seed``, differ every epoch and
+    across ranks, and are reproduced exactly after a resume. Transforms without a
+    ``generator`` parameter are called as ``transform(batch)``.
+
+    With ``num_workers > 0`` the transform runs on that many batches at once in worker threads
+    (a :class:`~accelfn.data.PoolMapper`, in order): for host (CPU) batches, whose
+    transforms are real work rather than asynchronous kernel launches. Seeds are assigned in order
+    before the workers, so the output does not depend on ``num_workers``.
+    """
+
+    def __init__(
+        self,
+        source: BaseNode[TensorDictBase],
+        transform: Callable[..., TensorDictBase],
+        *,
+        seed: int = 0,
+        rank: int = 0,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        if not callable(transform):
+            raise TypeError(f"transform must be callable, got {transform!r}")
+        self.source = source
+        self.transform = transform
+        self.seed = seed
+        self.rank = rank
+        self.num_workers = num_workers
+        tagged = _TagSeeds(source, seed, rank)
+        call = _SeededCall(transform)
+        self._inner: BaseNode[TensorDictBase]
+        self._pool: PoolMapper | None = None
+        if num_workers > 0:
+            self._pool = PoolMapper(tagged, call, num_workers)
+            self._inner = self._pool
+        else:
+            self._inner = Mapper(tagged, call)
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._inner.reset(None if initial_state is None else initial_state["inner"])
+
+    def next(self) -> TensorDictBase:
+        batch: TensorDictBase = next(self._inner)
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {"inner": self._inner.state_dict()}
+
+    def close(self) -> None:
+        """Stop the worker threads, if any (a later ``reset()`` starts new ones)."""
+        if self._pool is not None:
+            self._pool.close()

@@ -1,0 +1,221 @@
+"""The monitor's report: the numbers of a run, its verdict and findings, as text, JSON and
+a plot; and the checklist's :class:`Thresholds` it is judged against."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .findings import Finding, format_findings
+from .gpu_sampler import GPUSample
+from .sync_probe import SyncPoint
+
+__all__ = ["MonitorReport", "Thresholds"]
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """The seeds' checklist: data wait under 20% of an iteration, GPU busy over 85%.
+
+    ``mfu_low`` is the MFU under which a busy GPU is called compute-inefficient.
+    """
+
+    data_wait_share: float = 0.20
+    gpu_busy: float = 0.85
+    mfu_low: float = 0.25
+
+
+def fmt_rate(x: float | None, unit: str) -> str:
+    """``x`` with an SI prefix (``"1.23 Msamples/s"``); ``"n/a"`` for ``None``."""
+    if x is None:
+        return "n/a"
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.2f} {unit}"
+
+
+@dataclass
+class MonitorReport:
+    """Summary of a monitored run; ``rows`` keeps every step's record for plots.
+
+    Timing statistics skip the first ``warmup`` steps (compilation, cuDNN autotuning,
+    worker start-up) and the probed step, unless nothing else is left.
+    """
+
+    steps: int
+    measured_steps: int
+    warmup: int
+    wall_s: float
+    device: str
+    device_name: str | None
+    step_time_s: float | None
+    step_time_median_s: float | None
+    step_time_p90_s: float | None
+    data_wait_s: float | None
+    data_wait_share: float | None
+    samples_per_s: float | None
+    tokens_per_s: float | None
+    flops_per_step: float | None
+    peak_flops: float | None
+    mfu: float | None
+    peak_memory_gib: float | None
+    gpu_util: float | None
+    gpu_memory_gib: float | None
+    gpu_power_w: float | None
+    gpu_note: str | None
+    syncs: list[SyncPoint] | None
+    metrics: dict[str, float]
+    findings: list[Finding]
+    verdict: str
+    rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    gpu_samples: list[GPUSample] = field(default_factory=list, repr=False)
+
+    def to_dict(self, *, rows: bool = False) -> dict[str, Any]:
+        """A JSON-ready dict (per-step rows and GPU samples only with ``rows=True``)."""
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__
+               if k not in ("rows", "gpu_samples", "findings", "syncs")}
+        out["findings"] = [f.to_dict() for f in self.findings]
+        out["syncs"] = None if self.syncs is None else [
+            {"op": s.op, "location": s.location, "code": s.code, "via": s.via,
+             "count": s.count} for s in self.syncs]
+        if rows:
+            out["rows"] = self.rows
+            out["gpu_samples"] = self.gpu_samples
+        return out
+
+    def to_json(self, *, rows: bool = False, indent: int | None = 2) -> str:
+        """The report as JSON text."""
+        return json.dumps(self.to_dict(rows=rows), indent=indent, default=str)
+
+    def __str__(self) -> str:
+        def ms(x: float | None) -> str:
+            return "n/a" if x is None else f"{1e3 * x:.1f} ms"
+
+        def pct(x: float | None) -> str:
+            return "n/a" if x is None else f"{100 * x:.1f}%"
+
+        dev = self.device + (f" ({self.device_name})" if self.device_name else "")
+        lines = [
+            "accelfn monitor report",
+            "======================",
+            f"device          {dev}",
+            f"steps           {self.steps} ({self.measured_steps} measured), "
+            f"wall {self.wall_s:.1f} s",
+            f"step time       mean {ms(self.step_time_s)}, median "
+            f"{ms(self.step_time_median_s)}, p90 {ms(self.step_time_p90_s)}",
+            f"data wait       {ms(self.data_wait_s)} per step = {pct(self.data_wait_share)} "
+            "of an iteration",
+            f"throughput      {fmt_rate(self.samples_per_s, 'samples/s')}"
+            + (f", {fmt_rate(self.tokens_per_s, 'tokens/s')}" if self.tokens_per_s else ""),
+        ]
+        if self.flops_per_step:
+            peak = fmt_rate(self.peak_flops, "FLOP/s") if self.peak_flops else "unknown peak"
+            lines.append(f"compute         {fmt_rate(self.flops_per_step, 'FLOP')}/step, "
+                         f"MFU {pct(self.mfu)} of {peak}")
+        if self.peak_memory_gib is not None:
+            lines.append(f"peak memory     {self.peak_memory_gib:.2f} GiB")
+        if self.gpu_util is not None:
+            power = f", {self.gpu_power_w:.0f} W" if self.gpu_power_w is not None else ""
+            lines.append(f"GPU (pynvml)    busy {self.gpu_util:.0f}%, memory used "
+                         f"{self.gpu_memory_gib:.2f} GiB{power}")
+        elif self.gpu_note:
+            lines.append(f"GPU (pynvml)    not sampled: {self.gpu_note}")
+        if self.metrics:
+            lines.append("metrics (mean)  " + ", ".join(f"{k} {v:.4g}"
+                                                        for k, v in self.metrics.items()))
+        lines += ["", f"verdict: {self.verdict}", "", format_findings(self.findings)]
+        return "\n".join(lines)
+
+    def plot(self, path: str | Path, *, title: str | None = None) -> Path:
+        """Write a PNG of the run: throughput, data wait, memory (and GPU busy) per step.
+
+        Needs matplotlib (``pip install 'accelfn[plot]'``); raises ``ImportError`` saying
+        so when it is absent.
+        """
+        try:
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
+        except ImportError as exc:
+            raise ImportError("MonitorReport.plot needs matplotlib: "
+                              "pip install 'accelfn[plot]'") from exc
+        rows = self.rows
+        if not rows:
+            raise ValueError("MonitorReport.plot: no steps recorded")
+        steps = [r["step"] for r in rows]
+        has_gpu = bool(self.gpu_samples)
+        n = 4 if has_gpu else 3
+        fig = Figure(figsize=(9, 2.3 * n + 0.6), constrained_layout=True)
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(n, 1, sharex=True)
+        warm = [r["step"] for r in rows if r["step"] < self.warmup]
+        probed = [r["step"] for r in rows if r.get("probed")]
+
+        def shade(ax: Any) -> None:
+            if warm:
+                ax.axvspan(min(steps) - 0.5, max(warm) + 0.5, color="0.9", lw=0)
+            for s in probed:
+                ax.axvspan(s - 0.5, s + 0.5, color="#fde0c5", lw=0)
+
+        ax = axes[0]
+        shade(ax)
+        if self.tokens_per_s:
+            ax.plot(steps, [r.get("tokens_per_s") for r in rows], color="C0")
+            ax.set_ylabel("tokens/s")
+        else:
+            ax.plot(steps, [r.get("samples_per_s") for r in rows], color="C0")
+            ax.set_ylabel("samples/s")
+        ax.set_ylim(bottom=0)
+        ax.set_title("throughput per step")
+        ax = axes[1]
+        shade(ax)
+        ax.plot(steps, [1e3 * r["step_s"] for r in rows], color="C1", label="iteration")
+        ax.plot(steps, [1e3 * r["data_wait_s"] for r in rows], color="C3", label="data wait")
+        ax.set_ylabel("ms")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"iteration time and data wait (share {100 * (self.data_wait_share or 0):.0f}"
+                     f"%, target < {100 * Thresholds().data_wait_share:.0f}%)")
+        ax.legend(loc="upper right", fontsize=8)
+        ax = axes[2]
+        shade(ax)
+        mem = [r.get("mem_gib") for r in rows]
+        ax.plot(steps, mem, color="C2", label="allocated" if self.device.startswith("cuda")
+                else "resident (RSS)")
+        if has_gpu:
+            t_to_step = [(r["time_s"], r["step"]) for r in rows]
+            gs = [_interp(t, t_to_step) for t, *_ in self.gpu_samples]
+            ax.plot(gs, [s[2] for s in self.gpu_samples], color="C4", ls="--",
+                    label="GPU used (nvml)")
+        ax.set_ylabel("GiB")
+        ax.set_ylim(bottom=0)
+        ax.set_title("memory")
+        ax.legend(loc="upper right", fontsize=8)
+        if has_gpu:
+            ax = axes[3]
+            shade(ax)
+            ax.plot(gs, [s[1] for s in self.gpu_samples], color="C5")
+            ax.axhline(100 * Thresholds().gpu_busy, color="k", ls=":", lw=1)
+            ax.set_ylim(0, 105)
+            ax.set_ylabel("%")
+            ax.set_title("GPU busy (pynvml)")
+        axes[-1].set_xlabel("step (grey: warm-up, orange: sync probe; neither in the summary)")
+        fig.suptitle(title or f"verdict: {self.verdict}", fontsize=10)
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=100)
+        return out
+
+
+def _interp(t: float, pairs: list[tuple[float, int]]) -> float:
+    """Step coordinate of time ``t`` from (time, step) pairs (boundary times)."""
+    if not pairs:
+        return 0.0
+    if t <= pairs[0][0]:
+        return pairs[0][1] - 1 + t / max(pairs[0][0], 1e-9)
+    for (t0, s0), (t1, s1) in itertools.pairwise(pairs):
+        if t0 <= t <= t1:
+            return s0 + (s1 - s0) * (t - t0) / max(t1 - t0, 1e-9)
+    return float(pairs[-1][1])

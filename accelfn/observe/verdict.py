@@ -1,0 +1,172 @@
+"""The verdict: a run's rows summarised and judged against the seeds' checklist.
+
+Data loading under 20% of an iteration, GPU busy over 85%, no unnecessary host syncs; for
+each miss a finding says what to do, and one line says what limits the run (input-bound,
+sync-bound, GPU underused or compute-bound).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from .findings import Finding
+from .gpu_sampler import GPUSample
+from .records import ROW_KEYS
+from .report import MonitorReport, Thresholds
+from .sync_probe import SyncPoint
+
+__all__ = ["summarise", "verdict"]
+
+
+def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
+              device_name: str | None, flops_per_step: float | None, peak: float | None,
+              peak_memory_gib: float | None, gpu_samples: Sequence[GPUSample],
+              gpu_note: str | None, syncs: list[SyncPoint] | None, probe_mode: str | None,
+              th: Thresholds, more_findings: Iterable[Finding] = ()) -> MonitorReport:
+    """The report of a run from its rows (one per step) and what the monitor knows besides.
+
+    Timing statistics skip the first ``warmup`` steps and the probed step, unless nothing
+    else is left; GPU samples count from the first measured step on. ``more_findings`` go
+    after the checklist's.
+    """
+    sel = [r for r in rows if r["step"] >= warmup and not r.get("probed")]
+    if not sel:
+        sel = [r for r in rows if not r.get("probed")] or list(rows)
+    n = len(sel)
+    step_times = sorted(r["step_s"] for r in sel)
+    total_step = sum(step_times)
+    total_iter = sum(r["iter_s"] for r in sel)
+    total_wait = sum(r["data_wait_s"] for r in sel)
+
+    def q(x: float) -> float | None:
+        return step_times[min(int(x * n), n - 1)] if n else None
+
+    share = total_wait / total_iter if total_iter > 0 else None
+    samples = [r["samples"] for r in sel if r["samples"]]
+    tokens = [r["tokens"] for r in sel if r["tokens"]]
+    sps = sum(samples) / total_step if samples and total_step > 0 else None
+    tps = sum(tokens) / total_step if tokens and total_step > 0 else None
+    mfu = (flops_per_step * n / total_step / peak
+           if flops_per_step and peak and total_step > 0 else None)
+    samples_gpu = list(gpu_samples)
+    gpu_util = gpu_mem = gpu_power = None
+    if samples_gpu:
+        t_from = sel[0]["time_s"] - sel[0]["iter_s"] if sel else 0.0
+        window = [s for s in samples_gpu if s[0] >= t_from] or samples_gpu
+        gpu_util = sum(s[1] for s in window) / len(window)
+        gpu_mem = max(s[2] for s in window)
+        powers = [s[3] for s in window if s[3] is not None]
+        gpu_power = sum(powers) / len(powers) if powers else None
+    elif gpu_note is None:
+        gpu_note = "no samples yet (run longer than gpu_interval)"
+    metric_keys = [k for k in dict.fromkeys(k for r in sel for k in r)
+                   if k not in ROW_KEYS]
+    metrics: dict[str, float] = {}
+    for k in metric_keys:
+        vals = [r[k] for r in sel if isinstance(r.get(k), (int, float))]
+        if vals:
+            metrics[k] = sum(vals) / len(vals)
+    findings, line = verdict(share=share, gpu_util=gpu_util, gpu_note=gpu_note, mfu=mfu,
+                             syncs=syncs, probe_mode=probe_mode, device_type=device.type,
+                             th=th)
+    findings += more_findings
+    return MonitorReport(
+        steps=len(rows), measured_steps=n, warmup=warmup,
+        wall_s=(rows[-1]["time_s"] if rows else 0.0), device=str(device),
+        device_name=device_name, step_time_s=total_step / n if n else None,
+        step_time_median_s=q(0.5), step_time_p90_s=q(0.9),
+        data_wait_s=total_wait / n if n else None, data_wait_share=share,
+        samples_per_s=sps, tokens_per_s=tps, flops_per_step=flops_per_step,
+        peak_flops=peak, mfu=mfu, peak_memory_gib=peak_memory_gib, gpu_util=gpu_util,
+        gpu_memory_gib=gpu_mem, gpu_power_w=gpu_power, gpu_note=gpu_note,
+        syncs=syncs, metrics=metrics, findings=findings, verdict=line,
+        rows=list(rows), gpu_samples=list(samples_gpu))
+
+
+def verdict(*, share: float | None, gpu_util: float | None, gpu_note: str | None,
+            mfu: float | None, syncs: list[SyncPoint] | None, probe_mode: str | None,
+            device_type: str, th: Thresholds) -> tuple[list[Finding], str]:
+    """The checklist's findings and the one-line verdict of a run.
+
+    ``share`` is the data-wait share of an iteration, ``gpu_util`` the mean pynvml busy
+    percentage (``gpu_note`` says why it is ``None``), ``syncs`` the probed step's sync
+    points (``None``: no step probed) found in ``probe_mode``.
+    """
+    out: list[Finding] = []
+    data_bound = share is not None and share >= th.data_wait_share
+    if share is None:
+        out.append(Finding("data_wait", "info", "no steps measured"))
+    elif data_bound:
+        out.append(Finding(
+            "data_wait", "warning",
+            f"the loop waits for data {100 * share:.0f}% of each iteration "
+            f"(target < {100 * th.data_wait_share:.0f}%)",
+            "more loader workers (up to the cores per process), pin_memory=True, "
+            "persistent_workers=True, prefetching; move decoding and augmentation to the "
+            "GPU (accelfn.data) or preload into a memory-mapped TensorDict"))
+    else:
+        out.append(Finding("data_wait", "ok",
+                           f"data wait {100 * share:.1f}% of an iteration "
+                           f"(< {100 * th.data_wait_share:.0f}%)"))
+    if syncs is None:
+        out.append(Finding("host_syncs", "info",
+                           "no step was probed for host syncs",
+                           "use Monitor.iterate/measure (sync_check_step probes one step) "
+                           "or `with mon.probe_syncs(): step(state, batch)`"))
+    elif syncs:
+        for s in syncs:
+            out.append(Finding("host_syncs", "warning", f"host sync: {s}", s.fix))
+    else:
+        out.append(Finding("host_syncs", "ok",
+                           f"no host-device sync points in the probed step "
+                           f"({probe_mode})"))
+    gpu_low = gpu_util is not None and gpu_util < 100 * th.gpu_busy
+    if gpu_util is None:
+        out.append(Finding("gpu_busy", "info", f"GPU utilisation not measured: {gpu_note}"))
+    elif gpu_low:
+        if data_bound:
+            fix = "fix the data loading first (above): the GPU idles while it waits"
+        elif syncs:
+            fix = "remove the host syncs listed above: each one drains the GPU's queue"
+        else:
+            fix = ("the GPU runs out of work between kernels: larger batches, "
+                   "torch.compile (accelfn.compiled, mode='reduce-overhead' uses CUDA "
+                   "graphs against launch overhead), bf16 autocast, fewer small ops")
+        out.append(Finding("gpu_busy", "warning",
+                           f"GPU busy {gpu_util:.0f}% (target > {100 * th.gpu_busy:.0f}%)",
+                           fix))
+    else:
+        out.append(Finding("gpu_busy", "ok", f"GPU busy {gpu_util:.0f}%"))
+    if mfu is not None:
+        if mfu < th.mfu_low and not data_bound and not gpu_low:
+            out.append(Finding(
+                "mfu", "info", f"MFU {100 * mfu:.1f}%: the GPU is busy but far below its "
+                "peak", "bf16 autocast (accelfn.with_amp), TF32 for fp32 matmuls, "
+                "torch.compile to fuse elementwise ops, channels_last for convolutions, "
+                "matrix sizes that are multiples of 8/64"))
+        else:
+            out.append(Finding("mfu", "ok" if mfu >= th.mfu_low else "info",
+                               f"MFU {100 * mfu:.1f}%"))
+    if share is None:
+        verdict = "no steps measured"
+    elif data_bound:
+        verdict = (f"input-bound: the loop waits for data {100 * share:.0f}% of each "
+                   "iteration")
+    elif syncs:
+        verdict = (f"sync-bound: {len(syncs)} host sync point(s) in the step stall the GPU"
+                   if probe_mode == "cuda" else
+                   f"sync-bound: {len(syncs)} host sync point(s) in the step would stall a "
+                   "GPU (emulated probe)")
+    elif gpu_low:
+        verdict = f"GPU underused ({gpu_util:.0f}% busy): launch or CPU overhead"
+    elif gpu_util is not None:
+        verdict = f"compute-bound: GPU busy {gpu_util:.0f}%" + (
+            f", MFU {100 * mfu:.0f}%" if mfu is not None else "")
+    else:
+        verdict = (f"compute-bound on {device_type}: data wait "
+                   f"{100 * share:.0f}%, no host syncs found" if syncs is not None else
+                   f"compute-bound on {device_type}: data wait {100 * share:.0f}%")
+    return out, verdict
