@@ -41,10 +41,12 @@ from .core.state import TrainState
 from .data import datasets
 
 # observe
-from .observe.diagnostics import Diagnostics, SyncProbe
+from .observe.diagnostics import Diagnostics
 from .observe.environment import doctor
-from .observe.monitor import Monitor, training_flops
+from .observe.flops import training_flops
+from .observe.monitor import Monitor
 from .observe.profiling import Profiler, profiled
+from .observe.sync_probe import SyncProbe
 
 # recipes
 from .recipes.early_stopping import EarlyStopping

@@ -22,7 +22,6 @@ from __future__ import annotations
 import copy
 from collections import Counter
 
-import pytest
 import torch
 from conftest import Net, classify
 from hypothesis import HealthCheck, example, given, settings

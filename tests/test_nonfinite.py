@@ -205,7 +205,7 @@ def test_fused_divergence_raises_one_update_later_with_state_intact(net):
 
 
 def test_sync_probe_finds_no_host_sync_in_a_fused_step_and_the_guard_read_otherwise(net):
-    from accelfn.observe.diagnostics import SyncProbe
+    from accelfn.observe.sync_probe import SyncProbe
 
     fused = _fused_setup(net)
     step = af.with_amp(af.with_accumulation(2)(af.with_clipping(classify)))

@@ -8,13 +8,15 @@ stated in ``pyproject.toml``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "aten_observer",
     "compile_backends",
     "compile_modes",
     "foreach_copy_",
@@ -117,3 +119,21 @@ def scaler_forget_step(scaler: torch.amp.GradScaler) -> None:
     from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
     scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def aten_observer(
+        on_op: Callable[[str, tuple[Any, ...], dict[str, Any]], None],
+) -> contextlib.AbstractContextManager[Any]:
+    """A ``torch.utils._python_dispatch.TorchDispatchMode`` that calls ``on_op(name, args,
+    kwargs)`` before every aten operator run inside it (``name``: the overload packet's, e.g.
+    ``"nonzero"``), then runs it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Observer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            on_op(func.overloadpacket.__name__, tuple(args), kwargs)
+            return func(*args, **kwargs)
+
+    return _Observer()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__

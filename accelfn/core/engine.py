@@ -60,7 +60,7 @@ def _check_stack(transforms: tuple[Transform, ...], text: Callable[[], str]) -> 
         if names.count(name) > 1:
             raise ValueError(f"{name} is applied twice in {text()}; apply each transform once")
     for phase in _ORDER:
-        members = [t for t in transforms if phase in t.hooks]
+        members = sorted((t for t in transforms if phase in t.hooks), key=lambda t: t.name)
         if len(members) < 2:
             continue
         first, second = members[0], members[1]
