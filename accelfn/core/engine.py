@@ -77,6 +77,10 @@ def _check_stack(transforms: tuple[Transform, ...], text: Callable[[], str]) -> 
                         f"declare commutes=True (or name the other) on both if it does not")
 
 
+def _sharding(key: tuple[Transform, ...]) -> tuple[Transform, ...]:
+    return tuple(t for t in key if "shard" in t.hooks)
+
+
 class Step:
     """A training step: ``step(state, batch)`` runs exactly one optimizer update.
 
@@ -140,24 +144,23 @@ class Step:
     def prepare(self, state: TrainState) -> Prepared:
         """Prepare ``state`` for this step (done once per state, lazily, by the first call).
 
-        The preparation is kept in the state: steps whose preparing transforms are equal
-        share it; a step that would prepare the state differently is refused.
+        The preparation is kept in the state and shared by every step whose preparing
+        transforms are equal. A step that prepares differently gets its own preparation of
+        the same model, unless the two disagree on sharding (DDP/FSDP wrap the model once).
         """
         if not isinstance(state, TrainState):
             raise TypeError(
                 f"a step is called as step(state, batch) with an accelfn.TrainState, got "
                 f"{type(state).__name__}")
         key = self._prepare_key()
-        found = state.preparation
-        if found is not None:
-            done_key, prepared, text = found
-            if done_key != key:
+        for done_key, prepared, text in state.preparations:
+            if done_key == key:
+                return prepared  # type: ignore[no-any-return]
+            if _sharding(done_key) != _sharding(key):
                 raise ValueError(
-                    f"this TrainState was prepared by {text}; {describe(self)} would prepare "
-                    "its model differently. A state's model is prepared once: build a new "
-                    "TrainState for another stack, or use steps that differ only in "
-                    "transforms that prepare nothing")
-            return prepared  # type: ignore[no-any-return]
+                    f"this TrainState was prepared by {text}, which shards the model "
+                    f"differently from {describe(self)}; a model is sharded once. Use the "
+                    "same distributed(...) in every step of a state, or build a new TrainState")
         prepared = Prepared(model=state.model, optimizer_step=state.optimizer.step,
                             device=state.device)
         for phase in PREPARE_PHASES:
@@ -170,7 +173,7 @@ class Step:
         skips = compat.step_supports_amp_scaling(state.optimizer) and all(
             group.get("fused") for group in state.optimizer.param_groups)
         prepared = dataclasses.replace(prepared, skips_on_device=skips)
-        state.set_preparation(key, prepared, describe(self))
+        state.add_preparation(key, prepared, describe(self))
         return prepared
 
     # ----------------------------------------------------------------- the update

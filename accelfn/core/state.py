@@ -73,7 +73,7 @@ class TrainState:
         self.step = 0  # optimizer updates attempted (skipped ones included)
         self._slots: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
-        self._preparation: tuple[Any, Any, str] | None = None
+        self._preparations: list[tuple[Any, Any, str]] = []
 
     @property
     def model(self) -> nn.Module:
@@ -100,15 +100,13 @@ class TrainState:
             "optimizer.param_groups")
 
     @property
-    def preparation(self) -> tuple[Any, Any, str] | None:
-        """(key, prepared, description) of the step that prepared this state, or None."""
-        return self._preparation
+    def preparations(self) -> tuple[tuple[Any, Any, str], ...]:
+        """(key, prepared, description) of each stack that prepared this state so far."""
+        return tuple(self._preparations)
 
-    def set_preparation(self, key: Any, prepared: Any, description: str) -> None:
-        """Record the preparation a step made of this state (once; the engine calls it)."""
-        if self._preparation is not None:
-            raise RuntimeError("this TrainState is prepared already")
-        self._preparation = (key, prepared, description)
+    def add_preparation(self, key: Any, prepared: Any, description: str) -> None:
+        """Record the preparation a step made of this state (the engine calls it)."""
+        self._preparations.append((key, prepared, description))
 
     def slot(self, name: str, factory: Callable[[], Any]) -> Any:
         """The state object a transform keeps under ``name``, created by ``factory`` once.

@@ -34,7 +34,8 @@ __all__ = ["SyncPoint", "SyncProbe"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
-_SKIP_FILES = (_THIS_FILE, contextlib.__file__, threading.__file__)
+_SKIP_FILES = (_THIS_FILE, os.path.abspath(compat.__file__), contextlib.__file__,
+               threading.__file__)
 
 
 @dataclass(frozen=True)

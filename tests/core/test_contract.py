@@ -74,12 +74,22 @@ def test_one_step_in_two_stacks_and_two_states_behaves_as_if_built_alone():
     assert_params_equal(b.model, alone_b.model)
 
 
-def test_a_state_prepared_by_one_stack_refuses_a_stack_that_prepares_differently():
+def test_stacks_sharing_a_state_share_equal_preparations_and_refuse_other_sharding():
     state = _state()
-    af.checkpointed(classify)(state, make_batch())
-    af.with_clipping(af.checkpointed(classify))(state, make_batch())  # same preparation: fine
-    with pytest.raises(ValueError, match="prepared by checkpointed"):
-        af.with_amp(classify)(state, make_batch())
+    log = []
+
+    def count(prepared, st):
+        log.append(1)
+        return prepared
+
+    counted = af.Transform("counted", af.Hooks(checkpoint=count))
+    counted(classify)(state, make_batch())
+    af.with_clipping(counted(classify))(state, make_batch())  # equal preparation: shared
+    assert log == [1]
+    af.lift(classify)(state, make_batch())  # prepares nothing: its own, raw preparation
+    fsdp = af.Transform("fake_fsdp", af.Hooks(shard=count))
+    with pytest.raises(ValueError, match="shards the model differently"):
+        fsdp(classify)(state, make_batch())
 
 
 # ---------------------------------------------------------------- 2. hooks are declared
