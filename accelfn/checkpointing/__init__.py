@@ -1,20 +1,26 @@
 """Saving and resuming: atomic checkpoints of a TrainState (whole or sharded), RNG, preemption.
 
-    af.checkpointing.save(directory, state, loader=loader)
-    info = af.checkpointing.load(directory, state, loader=loader)
+    from accelfn import checkpointing
+
+    if checkpointing.latest("runs/x") is not None:                  # resume if there is one
+        checkpointing.load("runs/x", state, loader=train, step=step)
+    for batch in train:
+        step(state, batch)
+        if state.step % 500 == 0:
+            checkpointing.save("runs/x", state, loader=train, step=step, keep=3)
+
+The package by concern: ``format`` (names, errors, plain data), ``files`` (atomic files,
+digests, listing and rotation), ``checks`` (what a checkpoint must match), ``dcp`` (sharded
+state through torch.distributed.checkpoint), ``rng`` (RNG states), ``collective`` (agreeing
+across processes), ``saving`` and ``loading`` (the two calls), ``preemption``.
 """
 
+from .files import checkpoints, latest
+from .format import CheckpointError, CheckpointInfo
+from .loading import load
 from .preemption import EXIT_PREEMPTED, PreemptionGuard
-from .store import (
-    CheckpointError,
-    CheckpointInfo,
-    checkpoints,
-    latest,
-    load,
-    rng_state,
-    save,
-    set_rng_state,
-)
+from .rng import rng_state, set_rng_state
+from .saving import save
 
 __all__ = [
     "EXIT_PREEMPTED",

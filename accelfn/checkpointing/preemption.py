@@ -183,7 +183,7 @@ class PreemptionGuard:
         Equivalent to ``save(directory, state, **save_options); sys.exit(exit_code)``; the
         process group, if any, is destroyed first.
         """
-        from .store import save
+        from .saving import save
 
         path = save(directory, state, **save_options)
         main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0

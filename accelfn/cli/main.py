@@ -1,10 +1,12 @@
 """The ``accelfn`` command line.
 
-``accelfn doctor [--json] [--num-workers N]`` checks the machine (see :mod:`accelfn.doctor`).
+``accelfn doctor [--json] [--num-workers N]`` checks the machine (see
+:mod:`accelfn.observe.environment`); ``accelfn bench`` runs the staged case study (see
+:mod:`accelfn.cli.bench`).
 
 Each subcommand is one ``add_<name>(subparsers)`` function that builds its parser and sets
 ``func`` (taking the parsed arguments, returning the exit status); :data:`COMMANDS` lists
-them, so a new subcommand (e.g. ``bench``) is one function and one entry.
+them, so a new subcommand is one function and one entry.
 """
 
 from __future__ import annotations

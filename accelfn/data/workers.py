@@ -2,13 +2,18 @@
 
 :class:`PoolMapper` maps over its source in worker threads or processes that persist across
 epochs (``ParallelMapper`` in torchdata 0.11 starts new ones on every ``reset()``, i.e. every
-epoch).
+epoch). Worker processes watch the process that started them and exit as soon as it is gone,
+killed or not (a killed trainer cannot shut its pool down, and workers waiting for work would
+otherwise outlive it, holding its output pipes open), as torch's DataLoader workers do.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import multiprocessing
+import os
+import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -22,9 +27,51 @@ __all__ = ["PoolMapper"]
 
 _WORKER_FN: Callable[[Any], Any] | None = None
 
+#: How often a worker process checks that its trainer is alive (seconds).
+PARENT_POLL_S = 0.1
 
-def _process_init(fn: Callable[[Any], Any]) -> None:
+_HAS_PROC = os.path.isdir("/proc/self")
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs; a zombie (dead, not yet reaped by its parent) does not."""
+    if _HAS_PROC:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return False
+        return stat.rpartition(b")")[2].split()[:1] not in ([b"Z"], [b"X"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _watch_trainer(trainer: int) -> None:
+    """Exit this worker process as soon as ``trainer``, the process that started it, is gone.
+
+    Two signals, polled every ``PARENT_POLL_S``: the parent changes (the trainer died and the
+    worker was re-parented; with ``forkserver`` the parent is the fork server, which lives as
+    long as its workers), or the trainer no longer runs (also when it died before this worker
+    started). The exit is immediate (``os._exit``): there is nobody to return results to.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent and _alive(trainer):
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="accelfn-data-watch-trainer", daemon=True).start()
+
+
+def _process_init(fn: Callable[[Any], Any], trainer: int) -> None:
     global _WORKER_FN
+    _watch_trainer(trainer)
     _WORKER_FN = fn
     torch.set_num_threads(1)
 
@@ -50,7 +97,8 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
     memory). Results are returned in source order; at most ``max_in_flight`` items are being
     processed or waiting. Its state is the source's state as of the last item returned, so
     resume is exact whatever was in flight. Exceptions in ``map_fn`` are re-raised with
-    their type and message.
+    their type and message. Worker processes exit within ``PARENT_POLL_S`` of the death of
+    the process that created the pool, even a ``SIGKILL``.
 
     (``torchdata.nodes.ParallelMapper`` in torchdata 0.11 starts new threads or processes on
     every ``reset()``, i.e. every epoch.)
@@ -108,7 +156,7 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
                     self.num_workers,
                     mp_context=ctx,
                     initializer=_process_init,
-                    initargs=(self.map_fn,),
+                    initargs=(self.map_fn, os.getpid()),
                 )
                 # Start the processes now, from the thread calling reset() (normally the main
                 # thread), rather than from whichever thread submits the first item.

@@ -232,7 +232,6 @@ def interleaved(fns: Sequence[Callable[[], Any]], steps: int,
     return times
 
 
-
 @dataclass
 class StepTiming:
     """What :func:`time_steps` measured."""

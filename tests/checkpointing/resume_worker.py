@@ -44,7 +44,9 @@ from conftest import Net
 
 import accelfn as af
 from accelfn import checkpointing, data
-from accelfn.checkpointing import store as _store  # noqa: F401  (makes checkpointing.store an attribute)
+from accelfn.checkpointing import files as checkpoint_files
+from accelfn.checkpointing import format as checkpoint_format
+from accelfn.checkpointing import loading as checkpoint_loading
 from accelfn.checkpointing.preemption import PreemptionGuard
 
 STEPS = 16       # single process: 12 batches per epoch, so the run crosses an epoch
@@ -186,15 +188,15 @@ def first(run: Path, out: Path) -> None:
         checkpointing.save(run, state, loader=loader, step=step, keep=2, extra={"at": at})
     train(state, it, step, SAVE_AT + 2, losses, STEPS)  # work that will be lost
 
-    real_write_json = checkpointing.store._write_json
+    real_write_json = checkpoint_files.write_json
 
     def die_before_the_marker(path: Path, obj: Any) -> None:
-        if path.name.startswith(checkpointing.store.MARKER):
+        if path.name.startswith(checkpoint_format.MARKER):
             print(f"killed while committing {path.parent.name}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         real_write_json(path, obj)
 
-    checkpointing.store._write_json = die_before_the_marker
+    checkpoint_files.write_json = die_before_the_marker
     checkpointing.save(run, state, loader=loader, step=step, keep=2)
     raise AssertionError("the process should have been killed while saving")
 
@@ -229,7 +231,7 @@ def resume(run: Path, out: Path, mutations: bool) -> None:
         return
     for part in MUTATIONS:
         state, loader, step = build()
-        with checkpointing.store._dropping(part):
+        with checkpoint_loading._dropping(part):
             info = checkpointing.load(run, state, loader=loader, step=step)
         assert part not in info.restored, (part, info.restored)
         losses = []

@@ -6,97 +6,34 @@ In one process and fast; kill-and-resume across processes is in test_resume.py.
 from __future__ import annotations
 
 import collections
-import hashlib
 import io
 import json
 import os
 import pickle
-import random
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from checkpoint_helpers import (
+    Counter,
+    assert_unchanged,
+    dataset,
+    forge,
+    noisy,
+    refused,
+    run,
+    scramble_rngs,
+    setup,
+    snapshot,
+)
 from conftest import Net, classify
-from tensordict import TensorDict
 
 import accelfn as af
 from accelfn import checkpointing as ckpt
 from accelfn import data
-from accelfn.checkpointing import store as ckpt_store
-
-
-class Counter:
-    """A user transform whose slot changes the update (so a lost slot is visible)."""
-
-    name = "counter"
-    grads_order = 40
-
-    def __repr__(self) -> str:
-        return "counter"
-
-    def on_grads(self, ctx):
-        slot = ctx.state.slot(self.name, lambda: {"count": torch.zeros(())})
-        for g in ctx.grads():
-            g.add_(slot["count"] * 1e-3)
-        slot["count"] += 1
-
-
-def dataset(n: int = 48) -> TensorDict:
-    g = torch.Generator().manual_seed(0)
-    return TensorDict({"x": torch.randn(n, 6, generator=g),
-                       "y": torch.randint(0, 4, (n,), generator=g)}, batch_size=[n])
-
-
-def noisy(model, batch):
-    out = classify(model, batch)
-    out["loss"] = torch.nn.functional.dropout(out["loss"].unsqueeze(0), 0.3)[0] * (
-        1 + 0.1 * random.random()) * (1 + 0.1 * float(np.random.rand()))
-    return out
-
-
-def setup(seed: int = 0, *, opt: str = "adamw", scheduler: bool = True, batch_size: int = 4,
-          dim: int = 8):
-    torch.manual_seed(seed)
-    model = Net(dim=dim)
-    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-2) if opt == "adamw"
-                 else torch.optim.SGD(model.parameters(), lr=0.1))
-    sched = torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5) if scheduler else None
-    state = af.TrainState(model, optimizer, scheduler=sched)
-    loader = data.loader(dataset(), batch_size=batch_size, seed=1)
-    step = af.with_amp(dtype=torch.float16, growth_interval=1)(
-        af.with_clipping(af.apply_transform(noisy, Counter())))
-    step.prepare(state)  # what load() does first (creates the loss scaler's slot)
-    return state, loader, step
-
-
-def run(state, it, step, n):
-    return [step(state, next(it))["loss"].clone() for _ in range(n)]
-
-
-def snapshot(state):
-    return {"params": [p.detach().clone() for p in state.model.parameters()],
-            "opt": repr(state.optimizer.state_dict()),
-            "sched": None if state.scheduler is None else state.scheduler.state_dict(),
-            "step": state.step, "slots": repr(state.state_dict()["slots"]),
-            "rng": ckpt.rng_state()}
-
-
-def assert_unchanged(before, state):
-    after = snapshot(state)
-    assert all(torch.equal(a, b) for a, b in zip(before["params"], after["params"]))
-    assert before["opt"] == after["opt"]
-    assert before["sched"] == after["sched"]
-    assert before["step"] == after["step"]
-    assert before["slots"] == after["slots"]
-    assert repr(before["rng"]) == repr(after["rng"])
-
-
-def scramble_rngs():
-    random.seed(99)
-    np.random.seed(99)
-    torch.manual_seed(99)
+from accelfn.checkpointing import files as ckpt_files
+from accelfn.checkpointing import format as ckpt_format
 
 
 @pytest.fixture
@@ -159,14 +96,6 @@ def test_every_file_is_weights_only_and_load_never_unpickles_freely(saved, monke
     assert calls and all(flag is True for flag in calls)
 
 
-def _forge(path: Path, rel: str, content: bytes) -> None:
-    """Replace a file and fix the marker's size and checksum, as a forged checkpoint would."""
-    (path / rel).write_bytes(content)
-    marker = json.loads((path / "COMMITTED").read_text())
-    marker["files"][rel] = {"size": len(content), "sha256": hashlib.sha256(content).hexdigest()}
-    (path / "COMMITTED").write_text(json.dumps(marker))
-
-
 class _Exploit:
     def __init__(self, target: str) -> None:
         self.target = target
@@ -182,9 +111,9 @@ def test_checkpoint_carrying_code_is_refused_without_running_it(tmp_path):
     dcp = ckpt.save(tmp_path / "b", state, step=step, sharded=True)
     pwned = tmp_path / "pwned"
     buffer = io.BytesIO()
-    torch.save({"format": ckpt_store.FORMAT, "state": _Exploit(str(pwned))}, buffer)
-    _forge(ok, "state.pt", buffer.getvalue())
-    _forge(dcp, "sharded/.metadata", pickle.dumps(_Exploit(str(pwned)), protocol=2))
+    torch.save({"format": ckpt_format.FORMAT, "state": _Exploit(str(pwned))}, buffer)
+    forge(ok, "state.pt", buffer.getvalue())
+    forge(dcp, "sharded/.metadata", pickle.dumps(_Exploit(str(pwned)), protocol=2))
     for path in (ok, dcp):
         fresh, _, fresh_step = setup(seed=1)
         before = snapshot(fresh)
@@ -221,20 +150,20 @@ def _fail_rename(monkeypatch):
 
 
 def _fail_marker(monkeypatch):
-    real = ckpt_store._write_json
+    real = ckpt_files.write_json
 
     def write(path, obj):
-        if path.name.startswith(ckpt_store.MARKER):
+        if path.name.startswith(ckpt_format.MARKER):
             raise OSError("no space left for the marker")
         return real(path, obj)
 
-    monkeypatch.setattr(ckpt_store, "_write_json", write)
+    monkeypatch.setattr(ckpt_files, "write_json", write)
 
 
 def _fail_dcp(monkeypatch):
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import state_dict_saver
 
-    monkeypatch.setattr(dcp, "save", lambda *a, **k: (_ for _ in ()).throw(
+    monkeypatch.setattr(state_dict_saver, "save", lambda *a, **k: (_ for _ in ()).throw(
         OSError("shard write failed")))
 
 
@@ -291,7 +220,7 @@ def test_saving_the_same_step_twice_keeps_both(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["truncate", "remove"])
-def test_damaged_files_are_refused(saved, damage):
+def test_damaged_files_arerefused(saved, damage):
     _, path, _, _ = saved
     target = path / "rank-00000.pt"
     if damage == "truncate":
@@ -307,7 +236,7 @@ def test_damaged_files_are_refused(saved, damage):
 
 @pytest.mark.parametrize("rel", ["state.pt", "rank-00000.pt", "meta.json", "sharded/.metadata",
                                  "sharded/__0_0.distcp"])
-def test_a_flipped_byte_anywhere_is_refused(tmp_path, rel):
+def test_a_flipped_byte_anywhere_isrefused(tmp_path, rel):
     state, loader, step = setup()
     run(state, iter(loader), step, 2)
     path = ckpt.save(tmp_path, state, loader=loader, step=step, sharded=True)
@@ -324,7 +253,7 @@ def test_a_flipped_byte_anywhere_is_refused(tmp_path, rel):
     assert_unchanged(before, fresh)
 
 
-def test_save_reads_no_rng_and_writes_nothing_when_refused(tmp_path):
+def test_save_reads_no_rng_and_writes_nothing_whenrefused(tmp_path):
     state, loader, step = setup()
     run(state, iter(loader), step, 1)
     before = repr(ckpt.rng_state())
@@ -361,22 +290,9 @@ def test_nothing_to_load(tmp_path):
 
 
 # ------------------------------------------------------------------------- refusals
-_OWN = object()
-
-
-def _refused(path, match, build=setup, loader=_OWN, step=_OWN):
-    """Loading ``path`` into a state from ``build`` raises ``match`` and changes nothing."""
-    fresh, own_loader, own_step = build()
-    before = snapshot(fresh)
-    with pytest.raises(ckpt.CheckpointError, match=match):
-        ckpt.load(path, fresh, loader=own_loader if loader is _OWN else loader,
-                  step=own_step if step is _OWN else step)
-    assert_unchanged(before, fresh)
-
-
 def test_a_different_model_is_refused_naming_the_parameters(saved):
     _, path, _, _ = saved
-    _refused(path, r"different model: 21 with another shape or dtype: blocks.0.fc1.bias saved "
+    refused(path, r"different model: 21 with another shape or dtype: blocks.0.fc1.bias saved "
              r"\[16\] float32, here \[24\] float32",
              build=lambda: setup(dim=12))
 
@@ -390,7 +306,7 @@ def test_a_different_model_is_refused_naming_the_parameters(saved):
         step.prepare(state)
         return state, loader, step
 
-    _refused(path, r"6 in this model but not in the checkpoint: blocks\.3\.norm\.weight",
+    refused(path, r"6 in this model but not in the checkpoint: blocks\.3\.norm\.weight",
              build=deeper)
 
 
@@ -398,7 +314,7 @@ def test_a_different_transform_stack_is_refused_but_not_another_order(saved):
     _, path, _, _ = saved
     other = af.with_amp(dtype=torch.float16, growth_interval=1)(af.apply_transform(noisy,
                                                                                    Counter()))
-    _refused(path, r"removed: with_clipping\(max_norm=1\)", step=other)
+    refused(path, r"removed: with_clipping\(max_norm=1\)", step=other)
     reordered = af.with_clipping(af.with_amp(dtype=torch.float16, growth_interval=1)(
         af.apply_transform(noisy, Counter())))
     fresh, loader, _ = setup()
@@ -407,10 +323,10 @@ def test_a_different_transform_stack_is_refused_but_not_another_order(saved):
 
 def test_other_mismatches_are_refused_with_the_fix(saved):
     _, path, _, _ = saved
-    _refused(path, "optimizer is AdamW .* this one is SGD", build=lambda: setup(opt="sgd"))
-    _refused(path, "scheduler is StepLR, this state's is None",
+    refused(path, "optimizer is AdamW .* this one is SGD", build=lambda: setup(opt="sgd"))
+    refused(path, "scheduler is StepLR, this state's is None",
              build=lambda: setup(scheduler=False))
-    _refused(path, "batch_size: saved 4, here 6",
+    refused(path, "batch_size: saved 4, here 6",
              loader=data.loader(dataset(), batch_size=6, seed=1))
 
 
@@ -418,8 +334,8 @@ def test_another_world_size_needs_allow_resharding(saved):
     _, path, _, _ = saved
     meta = json.loads((path / "meta.json").read_text())
     meta["world_size"] = 2
-    _forge(path, "meta.json", json.dumps(meta).encode())
-    _refused(path, "written by 2 process.*allow_resharding=True")
+    forge(path, "meta.json", json.dumps(meta).encode())
+    refused(path, "written by 2 process.*allow_resharding=True")
     fresh, loader, step = setup(seed=1)
     with pytest.raises(ckpt.CheckpointError, match="loader=None"):
         ckpt.load(path, fresh, loader=loader, step=step, allow_resharding=True)
@@ -468,7 +384,7 @@ def _two_groups():
 
 def test_other_parameter_groups_are_refused_before_the_model_changes(saved):
     _, path, _, _ = saved
-    _refused(path, r"parameter groups of sizes \[22\], this one is AdamW with \[2, 20\]",
+    refused(path, r"parameter groups of sizes \[22\], this one is AdamW with \[2, 20\]",
              build=_two_groups)
 
 

@@ -115,6 +115,20 @@ def test_bad_arguments_say_how_to_fix() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_stage_runs_under_torchrun_on_two_cpu_processes(tmp_path: Path) -> None:
+    out = tmp_path / "ddp.json"
+    code = main(["bench", "--quick", "--device", "cpu", "--stages", "ddp", "--ddp-procs", "2",
+                 "--steps", "2", "--warmup", "1", "--batch-size", "8", "--overhead-steps", "0",
+                 "--json", str(out)])
+    assert code == 0
+    ddp = {s["name"]: s for s in json.loads(out.read_text())["stages"]}["ddp"]
+    assert ddp["status"] == "ok", ddp
+    assert ddp["world_size"] == 2 and ddp["processes"] == 2
+    assert _number(ddp["samples_per_s"]) and "distributed" in ddp["stack"]
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"

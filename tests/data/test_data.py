@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import queue
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -173,6 +179,88 @@ def test_process_workers_persist_across_epochs():
         assert sorted(torch.cat([b["label"] for b in e]).tolist()) == list(range(40))
     assert os.getpid() not in pids[0]
     assert pids[1] <= pids[0] and len(pids[0] | pids[1]) <= 2
+
+
+def _session_processes(sid: int) -> set[int]:
+    """Pids of the live (not zombie) processes of session ``sid``, from /proc."""
+    out = set()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        state, session = fields[0], int(fields[3])
+        if session == sid and state not in "ZX":
+            out.add(int(entry))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_process_workers_exit_when_the_trainer_is_killed(method):
+    """SIGKILL the trainer: within 5 s no process it started is alive and its output pipe is
+    closed (a supervisor reading it sees the end), as with torch's DataLoader workers."""
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("killed_trainer.py")), method],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    lines: queue.Queue[bytes] = queue.Queue()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(b"")  # end of file: nobody holds the pipe open any more
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        output = []
+        while True:
+            line = lines.get(timeout=180)
+            output.append(line)
+            assert line, b"".join(output).decode(errors="replace")
+            if line.startswith(b"workers "):
+                break
+        workers = {int(p) for p in line.split()[1:]}
+        assert len(workers) == 2 and workers <= _session_processes(proc.pid)
+        time.sleep(1.0)  # the batches in flight are done: the workers wait for work
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 5.0
+        while _session_processes(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = _session_processes(proc.pid)
+        reader.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert not left, f"alive 5 s after the SIGKILL: {sorted(left)} (workers {workers})"
+        assert not reader.is_alive(), "the trainer's output pipe is still held open"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the session
+        proc.wait(timeout=10)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_dead_unreaped_trainer_counts_as_dead():
+    """A SIGKILLed trainer whose supervisor has not reaped it is a zombie: workers must not
+    take it for alive (``os.kill(pid, 0)`` would)."""
+    from accelfn.data.workers import _alive
+
+    assert _alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 60
+    while _alive(child.pid) and time.monotonic() < deadline:  # exited, not reaped: a zombie
+        time.sleep(0.05)
+    try:
+        assert not _alive(child.pid)
+        os.kill(child.pid, 0)  # the pid still exists
+    finally:
+        child.wait()
+    assert not _alive(child.pid)
 
 
 def test_iterable_source_in_order_and_reiterable():

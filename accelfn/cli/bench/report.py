@@ -25,7 +25,6 @@ def round_or_none(x: float | None, digits: int = 3) -> float | None:
     return None if x is None else round(float(x), digits)
 
 
-
 def combine_repeats(results: list[dict[str, Any]]) -> dict[str, Any]:
     """One stage's figures over its repeats: the median rate (and each one), the first
     repeat's first step (the cold compile), the largest memory."""
@@ -126,7 +125,6 @@ def _rounded(d: dict[str, Any]) -> dict[str, Any]:
         else:
             out[k] = v
     return out
-
 
 
 def _fmt(x: float | None, spec: str, suffix: str = "") -> str:

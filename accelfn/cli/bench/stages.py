@@ -51,7 +51,7 @@ __all__ = ["ddp_worker", "run_bench"]
 
 def _model_flops(cfg: BenchConfig, init: dict[str, torch.Tensor], device: torch.device) -> int:
     """Counted FLOPs (matmuls and convolutions, forward and backward) of one sample."""
-    from ...observe.monitor import training_flops
+    from ...observe.flops import training_flops
 
     model = prepare_model(cfg, init, device, channels_last=False)
     size = int(cfg.image_size or 32)
@@ -65,7 +65,7 @@ def _model_flops(cfg: BenchConfig, init: dict[str, torch.Tensor], device: torch.
 def _peak(device: torch.device, dtype: torch.dtype) -> float | None:
     if device.type != "cuda":
         return None
-    from ...observe.monitor import peak_flops
+    from ...observe.flops import peak_flops
 
     return peak_flops(torch.cuda.get_device_name(device), dtype)
 

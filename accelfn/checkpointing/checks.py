@@ -1,0 +1,169 @@
+"""What a checkpoint must match in the run that loads it, and the refusals that say how.
+
+:func:`~accelfn.checkpointing.save` records signatures (parameter names, shapes and dtypes;
+the optimizer's class and parameter groups; the transform stack) and
+:func:`~accelfn.checkpointing.load` compares them with this run's before anything changes:
+each mismatch is a :class:`~accelfn.checkpointing.CheckpointError` naming the difference and
+the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..core.engine import Step, describe
+from ..core.state import TrainState
+from .format import LOADER_FORMAT, CheckpointError
+
+__all__ = [
+    "check_loader",
+    "check_optimizer_state",
+    "check_slots",
+    "compare_models",
+    "compare_optimizers",
+    "compare_stacks",
+    "is_sharded",
+    "model_signature",
+    "optimizer_signature",
+    "stack_signature",
+]
+
+
+# ------------------------------------------------------------------------------ signatures
+def model_signature(model: nn.Module) -> dict[str, list[Any]]:
+    """``{name: [shape, dtype]}`` of every tensor in the model's state dict."""
+    return {name: [list(t.shape), str(t.dtype).replace("torch.", "")]
+            for name, t in model.state_dict().items() if isinstance(t, torch.Tensor)}
+
+
+def stack_signature(step: Step | None) -> dict[str, Any] | None:
+    """The transforms of ``step`` (in no particular order) and its description."""
+    if step is None:
+        return None
+    if not isinstance(step, Step):
+        raise TypeError(f"step= takes the accelfn Step being trained, got {type(step).__name__}")
+    # Stacking order never changes the result, so it is not part of the fingerprint.
+    return {"transforms": sorted(repr(t) for t in step.transforms), "describe": describe(step)}
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether the model's parameters are DTensors (FSDP2)."""
+    return any(hasattr(p, "to_local") and hasattr(p, "device_mesh") for p in model.parameters())
+
+
+def optimizer_signature(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    return {"class": type(optimizer).__name__,
+            "groups": [len(g["params"]) for g in optimizer.param_groups]}
+
+
+# ------------------------------------------------------------------------------ comparisons
+def compare_models(saved: dict[str, list[Any]], here: dict[str, list[Any]]) -> None:
+    missing = [k for k in saved if k not in here]
+    unexpected = [k for k in here if k not in saved]
+    shapes = [f"{k} saved {saved[k][0]} {saved[k][1]}, here {here[k][0]} {here[k][1]}"
+              for k in saved if k in here and saved[k] != here[k]]
+    if not (missing or unexpected or shapes):
+        return
+    parts = []
+    for label, items in (("in the checkpoint but not in this model", missing),
+                         ("in this model but not in the checkpoint", unexpected),
+                         ("with another shape or dtype", shapes)):
+        if items:
+            more = f" (+{len(items) - 4} more)" if len(items) > 4 else ""
+            parts.append(f"{len(items)} {label}: {', '.join(items[:4])}{more}")
+    raise CheckpointError(
+        "the checkpoint comes from a different model: " + "; ".join(parts)
+        + ". Build the model exactly as the checkpointed run did (same architecture, sizes "
+        "and dtype) before loading"
+    )
+
+
+def compare_stacks(saved: dict[str, Any] | None, here: dict[str, Any] | None) -> None:
+    if saved is None or here is None or saved["transforms"] == here["transforms"]:
+        return
+    added = sorted(set(here["transforms"]) - set(saved["transforms"]))
+    removed = sorted(set(saved["transforms"]) - set(here["transforms"]))
+    raise CheckpointError(
+        f"the checkpoint was saved by the step {saved['describe']!r}, this step is "
+        f"{here['describe']!r} (added: {', '.join(added) or 'none'}; removed: "
+        f"{', '.join(removed) or 'none'}): transform state (loss scaler, counters, averages) "
+        "would not match. Build the step the checkpointed run used, or pass step=None to "
+        "load without this check"
+    )
+
+
+def compare_optimizers(saved: Any, here: dict[str, Any]) -> None:
+    if saved != here:
+        raise CheckpointError(
+            f"the checkpoint's optimizer is {saved['class']} with parameter groups of "
+            f"sizes {saved['groups']}, this one is {here['class']} with "
+            f"{here['groups']}; build the optimizer (and its parameter groups) as the "
+            "checkpointed run did"
+        )
+
+
+def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer) -> None:
+    """The saved optimizer state fits this optimizer (counts and shapes per parameter)."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
+            or not isinstance(saved.get("state"), dict):
+        raise CheckpointError("the checkpoint's optimizer state is malformed")
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    if len(ids) != len(params):
+        raise CheckpointError(f"the checkpoint's optimizer holds {len(ids)} parameters, this "
+                              f"one {len(params)}; build it over the same parameters")
+    where = {pid: n for n, pid in enumerate(ids)}
+    for pid, entry in saved["state"].items():
+        if pid not in where:
+            raise CheckpointError(f"the checkpoint's optimizer state names parameter {pid}, "
+                                  "which is in none of its groups: the checkpoint is damaged")
+        shape = tuple(params[where[pid]].shape)
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shape:
+                raise CheckpointError(
+                    f"optimizer state {key!r} of parameter {where[pid]} has shape "
+                    f"{tuple(value.shape)}, the parameter {shape}; build the optimizer over the "
+                    "model's parameters in the order the checkpointed run used"
+                )
+
+
+def check_slots(saved: Any, state: TrainState) -> None:
+    if not isinstance(saved, Mapping):
+        raise CheckpointError("the checkpoint's transform slots are malformed")
+    live = state.slots
+    for name, value in saved.items():
+        obj = live.get(name)
+        if not isinstance(obj, dict):
+            continue  # objects with load_state_dict check themselves; rolled back on failure
+        if not isinstance(value, Mapping) or set(value) != set(obj):
+            keys = sorted(value) if isinstance(value, Mapping) else type(value).__name__
+            raise CheckpointError(
+                f"the checkpoint's state of transform slot {name!r} has keys {keys}, this step "
+                f"expects {sorted(obj)}: the checkpoint comes from a different transform stack"
+            )
+        for key, current in obj.items():
+            if isinstance(current, torch.Tensor) and (
+                    not isinstance(value[key], torch.Tensor) or value[key].shape != current.shape):
+                raise CheckpointError(f"slot {name!r} entry {key!r} has another shape than this "
+                                      "step's: the checkpoint comes from a different transform "
+                                      "stack")
+
+
+def check_loader(saved: Any, loader: Any) -> None:
+    config = getattr(loader, "config", None)
+    if not (isinstance(saved, Mapping) and saved.get("format") == LOADER_FORMAT
+            and isinstance(config, dict)):
+        return  # another kind of loader: its load_state_dict checks (rolled back on failure)
+    theirs = dict(saved.get("config", {}))
+    if theirs != config:
+        diff = ", ".join(f"{k}: saved {theirs.get(k)!r}, here {config.get(k)!r}"
+                         for k in sorted(set(theirs) | set(config))
+                         if theirs.get(k) != config.get(k))
+        raise CheckpointError(
+            f"the loader position was saved by a loader with another configuration ({diff}); "
+            "build the loader with the same settings to resume"
+        )

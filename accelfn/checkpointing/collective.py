@@ -1,0 +1,70 @@
+"""The few collectives a save or a load needs: agreeing on failures and on rank 0's values.
+
+Every stage of :func:`~accelfn.checkpointing.save` and :func:`~accelfn.checkpointing.load`
+ends with :func:`agree`: one all-reduce (MAX) of a flag, so that an error on one process
+raises on all of them and none is left waiting in the next collective. In a single process
+these are plain function calls.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .format import CheckpointError
+
+__all__ = ["agree", "anyone", "from_rank0", "gather", "rank_world"]
+
+T = TypeVar("T")
+
+
+def rank_world() -> tuple[int, int]:
+    """``(rank, world size)`` of this process; ``(0, 1)`` without a process group."""
+    if dist.is_available() and dist.is_initialized():  # type: ignore[no-untyped-call]
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _collective_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def anyone(flag: bool) -> bool:
+    """Whether ``flag`` is set on any process (one all-reduce of an int; local otherwise)."""
+    if rank_world()[1] == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def from_rank0(value: T) -> T:
+    """Rank 0's ``value`` on every process."""
+    if rank_world()[1] == 1:
+        return value
+    box: list[Any] = [value]
+    dist.broadcast_object_list(box, src=0, device=_collective_device())
+    result: T = box[0]
+    return result
+
+
+def agree(error: BaseException | None, what: str) -> None:
+    """Raise on every process if any process failed ``what`` (its own error where it failed)."""
+    if anyone(error is not None):
+        if error is not None:
+            raise error
+        raise CheckpointError(f"{what} failed on another process; see that process' error")
+
+
+def gather(value: Any) -> list[Any]:
+    """Every process' ``value``, in rank order (``[value]`` in a single process)."""
+    world = rank_world()[1]
+    if world == 1:
+        return [value]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, value)
+    return out

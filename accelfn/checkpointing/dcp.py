@@ -1,0 +1,193 @@
+"""Sharded model and optimizer state through ``torch.distributed.checkpoint`` (DCP), safely.
+
+FSDP2 parameters are DTensors: every process writes its own shards with ``dcp.save`` and DCP
+can load them on another number of processes. DCP reads its metadata with ``pickle.load``;
+here it is read with torch's weights-only unpickler instead (and rewritten at save time with
+a protocol that unpickler reads), so loading never runs pickled code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import pickle
+import re
+import warnings
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..core import compat
+from ..core.state import TrainState
+from .files import digest_file, write_bytes
+from .format import SHARDED_DIR, CheckpointError
+
+__all__ = ["load_sharded", "read_metadata", "rewrite_metadata", "save_sharded", "shard_owner",
+           "verify_shards"]
+
+
+# ------------------------------------------------------------------------------ compat
+# compat: torch.distributed.checkpoint.filesystem._StorageInfo and metadata._MEM_FORMAT_ENCODING
+def _private_metadata_classes() -> list[Any]:
+    """DCP metadata classes that are private in torch (to move to accelfn.core.compat)."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    return [metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo]
+
+
+# compat: torch._weights_only_unpickler.Unpickler
+def _weights_only_unpickle(data: bytes) -> Any:
+    """Unpickle with torch's weights-only unpickler (to move to accelfn.core.compat)."""
+    from torch import _weights_only_unpickler
+
+    unpickler = _weights_only_unpickler.Unpickler
+    return unpickler(io.BytesIO(data), encoding="ASCII").load()  # type: ignore[no-untyped-call]
+
+
+# ------------------------------------------------------------------------------ metadata
+def _safe_globals() -> list[Any]:
+    from torch.distributed.checkpoint import metadata as md
+
+    return [md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata,
+            md.ChunkStorageMetadata, md.TensorProperties, md.MetadataIndex, md.StorageMeta,
+            *_private_metadata_classes()]
+
+
+def _load_metadata(data: bytes) -> Any:
+    """DCP metadata through torch's weights-only unpickler (DCP itself uses ``pickle.load``)."""
+    with torch.serialization.safe_globals(_safe_globals()):
+        return _weights_only_unpickle(data)
+
+
+def rewrite_metadata(path: Path) -> None:
+    """Re-pickle the metadata DCP just wrote with protocol 2 (what the safe unpickler reads)."""
+    meta_path = path / ".metadata"
+    with open(meta_path, "rb") as f:
+        metadata = pickle.load(f)  # our own file, written a moment ago by dcp.save
+    metadata.storage_meta = None  # it records the temporary directory's path
+    buffer = io.BytesIO()
+    pickle.dump(metadata, buffer, protocol=2)
+    _load_metadata(buffer.getvalue())  # it must read back safely, or the save fails
+    tmp = meta_path.with_suffix(".rewrite")
+    write_bytes(tmp, buffer.getvalue())
+    os.replace(tmp, meta_path)
+
+
+def read_metadata(path: Path) -> Any:
+    """The DCP metadata in the directory ``path``, read safely, or CheckpointError."""
+    with open(path / ".metadata", "rb") as f:
+        data = f.read()
+    try:
+        return _load_metadata(data)
+    except Exception as error:
+        raise CheckpointError(
+            f"the sharded checkpoint's metadata in {path} is not plain data "
+            f"({type(error).__name__}: {error}); refusing to unpickle it"
+        ) from error
+
+
+def _reader(path: Path) -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            metadata: Metadata = read_metadata(Path(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            assert metadata.storage_meta is not None
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def _planner() -> Any:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.planner import ReadItem
+
+    class SafePlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            fqn = read_item.dest_index.fqn
+            if self.flatten_state_dict:
+                compat.set_nested_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafePlanner()
+
+
+# ------------------------------------------------------------------------------ save, load
+def _state(state: TrainState, with_optimizer: bool) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if with_optimizer:
+        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
+        return {"model": model_sd, "optimizer": optim_sd}
+    return {"model": get_model_state_dict(state.model)}
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) "
+                                "in a single process.*")
+        yield
+
+
+def _group_up() -> bool:
+    return dist.is_available() and dist.is_initialized()  # type: ignore[no-untyped-call]
+
+
+def save_sharded(path: Path, state: TrainState, with_optimizer: bool) -> None:
+    """``dcp.save`` of the model (and optimizer) into the directory ``path`` (collective)."""
+    from torch.distributed.checkpoint import state_dict_saver
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    with _quiet_single_process():
+        state_dict_saver.save(_state(state, with_optimizer),
+                              storage_writer=FileSystemWriter(path, sync_files=True),
+                              no_dist=not _group_up())
+
+
+def load_sharded(path: Path, state: TrainState, with_optimizer: bool) -> None:
+    """``dcp.load`` into the model (and optimizer) from the directory ``path`` (collective)."""
+    from torch.distributed.checkpoint import state_dict_loader
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    target = _state(state, with_optimizer)
+    with _quiet_single_process():
+        state_dict_loader.load(target, storage_reader=_reader(path), planner=_planner(),
+                               no_dist=not _group_up())
+    if with_optimizer:
+        set_state_dict(state.model, state.optimizer, model_state_dict=target["model"],
+                       optim_state_dict=target["optimizer"])
+    else:
+        set_model_state_dict(state.model, target["model"])
+
+
+# ------------------------------------------------------------------------------ digests
+def shard_owner(rel: str, world: int) -> int:
+    """Which process checks a DCP file: its writer (files ``__<rank>_<n>.distcp``), else 0."""
+    match = re.match(r"^" + SHARDED_DIR + r"/__(\d+)_\d+\.distcp$", rel)
+    owner = int(match.group(1)) if match else 0
+    return owner if owner < world else 0
+
+
+def verify_shards(path: Path, files: Mapping[str, Any], rank: int, world: int,
+                  saved_world: int) -> None:
+    """Checksum the DCP files this process wrote (all of them on rank 0 after resharding)."""
+    for rel in sorted(files):
+        if not rel.startswith(SHARDED_DIR + "/") or rel == f"{SHARDED_DIR}/.metadata":
+            continue
+        owner = shard_owner(rel, world) if world == saved_world else 0
+        if owner == rank and digest_file(path / rel) != files[rel]:
+            raise CheckpointError(
+                f"{path} is damaged: {rel} does not match the checksum recorded when it was "
+                "saved (changed or corrupted since); load an earlier checkpoint"
+            )

@@ -1,0 +1,197 @@
+"""Atomic files and digests: writing, fsyncing, checksumming, listing and rotating checkpoints.
+
+A save writes into a hidden temporary directory, fsyncs every file and the directory, renames
+it to its final name and writes the ``COMMITTED`` marker (the size and SHA-256 of every file)
+last. :func:`checkpoints` and :func:`latest` only see directories with a marker, and
+:func:`read_verified` hands out a file's bytes only when they match it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .format import FORMAT, MARKER, TMP_PREFIX, CheckpointError, parse_name
+
+__all__ = [
+    "check_files",
+    "checkpoints",
+    "digest",
+    "digest_file",
+    "final_name",
+    "fsync_dir",
+    "is_committed",
+    "latest",
+    "read_torch",
+    "read_verified",
+    "remove_checkpoint",
+    "rotate",
+    "write_bytes",
+    "write_json",
+    "write_torch",
+]
+
+Digest = dict[str, Any]
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (created, renamed, deleted files) durable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # platforms that cannot open directories (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def digest(data: bytes) -> Digest:
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def digest_file(path: Path) -> Digest:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+            size += len(chunk)
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+def write_torch(path: Path, obj: Any) -> Digest:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    data = buffer.getvalue()
+    write_bytes(path, data)
+    return digest(data)
+
+
+def write_json(path: Path, obj: Any) -> Digest:
+    data = json.dumps(obj, indent=1, sort_keys=True).encode()
+    write_bytes(path, data)
+    return digest(data)
+
+
+def read_verified(root: Path, rel: str, files: Mapping[str, Any]) -> bytes:
+    """The bytes of ``root/rel``, checked against the digest the commit marker recorded."""
+    try:
+        data = (root / rel).read_bytes()
+    except OSError as error:
+        raise CheckpointError(f"{root} is damaged: {rel} cannot be read ({error}); load an "
+                              "earlier checkpoint") from error
+    if digest(data) != files.get(rel):
+        raise CheckpointError(
+            f"{root} is damaged: {rel} does not match the checksum recorded when it was "
+            "saved (changed or corrupted since); load an earlier checkpoint"
+        )
+    return data
+
+
+def read_torch(root: Path, rel: str, files: Mapping[str, Any]) -> Any:
+    """``torch.load(weights_only=True)`` of a verified file (on the CPU)."""
+    data = read_verified(root, rel, files)
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as error:
+        raise CheckpointError(
+            f"{root / rel} cannot be read safely ({type(error).__name__}: {error}); the "
+            "checkpoint is corrupt or not an accelfn checkpoint"
+        ) from error
+
+
+def is_committed(path: Path) -> bool:
+    return (path / MARKER).is_file()
+
+
+def checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
+    """Equivalent to the ``step-*`` directories with a commit marker, oldest first (by step)."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        key = parse_name(entry.name)
+        if key is not None and entry.is_dir() and is_committed(entry):
+            found.append((key, entry))
+    return [path for _, path in sorted(found)]
+
+
+def latest(directory: str | os.PathLike[str]) -> Path | None:
+    """The newest committed checkpoint in ``directory``, or None: equivalent to
+    ``checkpoints(directory)[-1]`` (directories without a commit marker are never returned)."""
+    found = checkpoints(directory)
+    return found[-1] if found else None
+
+
+def final_name(root: Path, step: int) -> Path:
+    """``root/step-<step>``, or ``step-<step>.<n>`` when that step was saved before."""
+    base = f"step-{step:09d}"
+    candidate, i = root / base, 0
+    while candidate.exists():
+        i += 1
+        candidate = root / f"{base}.{i}"
+    return candidate
+
+
+def remove_checkpoint(path: Path) -> None:
+    marker = path / MARKER
+    if marker.exists():  # uncommit first: a crash mid-delete leaves an ignored directory
+        marker.unlink()
+        fsync_dir(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def rotate(root: Path, keep: int | None, newest: Path) -> None:
+    """Delete checkpoints beyond the newest ``keep`` and leftovers of crashed saves."""
+    for entry in root.iterdir():
+        if entry == newest or not entry.is_dir():
+            continue
+        if entry.name.startswith(TMP_PREFIX) or (
+                parse_name(entry.name) is not None and not is_committed(entry)):
+            shutil.rmtree(entry, ignore_errors=True)
+    if keep is not None:
+        committed = [p for p in checkpoints(root) if p != newest]
+        for old in committed[: max(0, len(committed) - (keep - 1))]:
+            remove_checkpoint(old)
+    fsync_dir(root)
+
+
+def check_files(path: Path) -> dict[str, Any]:
+    """The commit marker, after checking that every file it lists is there, full size."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"the commit marker of {path} is unreadable ({error})") from error
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT \
+            or not isinstance(marker.get("files"), dict):
+        raise CheckpointError(f"{path} is not an {FORMAT} checkpoint")
+    for rel, entry in marker["files"].items():
+        file = path / rel
+        if not file.is_file():
+            raise CheckpointError(f"{path} is damaged: {rel} is missing; load an earlier "
+                                  "checkpoint")
+        size = entry.get("size") if isinstance(entry, dict) else None
+        if file.stat().st_size != size:
+            raise CheckpointError(
+                f"{path} is damaged: {rel} has {file.stat().st_size} bytes, {size} were "
+                "written; load an earlier checkpoint"
+            )
+    return marker

@@ -1,0 +1,288 @@
+"""load(): one call restores everything a run needs to continue exactly, whole or not at all.
+
+Everything is read and checked before anything changes (:func:`_read_and_check`); should
+restoring still fail part-way, what was restored is rolled back. Every file loads with
+``torch.load(weights_only=True)`` (DCP's metadata with the same restricted unpickler), so
+loading never runs pickled code.
+
+Under ``torchrun`` every process calls :func:`load` (it is collective).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..core.engine import Step
+from ..core.state import TrainState
+from . import checks
+from .collective import agree, anyone, from_rank0, rank_world
+from .dcp import load_sharded, read_metadata, verify_shards
+from .files import check_files, is_committed, latest, read_torch, read_verified
+from .format import (
+    FORMAT,
+    MARKER,
+    META_FILE,
+    META_KEYS,
+    SHARDED_DIR,
+    STATE_FILE,
+    CheckpointError,
+    CheckpointInfo,
+    clone,
+    parse_name,
+    rank_file,
+)
+from .rng import rng_setters, rng_state, set_rng_state
+
+__all__ = ["load"]
+
+# Test-only hook: parts named here are left out when a checkpoint is restored, to show that
+# resuming without them is not exact. Set it with ``_dropping(...)``; never in real code.
+_DROPPED: frozenset[str] = frozenset()
+
+
+@contextlib.contextmanager
+def _dropping(*parts: str) -> Iterator[None]:
+    """Test-only: leave ``parts`` (see ``format.PARTS``, or ``"slot:<name>"``) out of restores."""
+    global _DROPPED
+    before = _DROPPED
+    _DROPPED = frozenset(parts)
+    try:
+        yield
+    finally:
+        _DROPPED = before
+
+
+def _resolve(path: Path) -> Path:
+    if is_committed(path):
+        return path
+    if parse_name(path.name) is not None and path.is_dir():
+        raise CheckpointError(
+            f"{path} has no {MARKER} marker: its save did not complete (the process died "
+            f"while writing it); load the previous one, e.g. latest({str(path.parent)!r})"
+        )
+    found = latest(path)
+    if found is None:
+        raise FileNotFoundError(
+            f"no complete checkpoint in {path}; check the path (start from scratch when "
+            "latest(directory) is None)"
+        )
+    return found
+
+
+@dataclass
+class _Checked:
+    meta: dict[str, Any]
+    payload: dict[str, Any]
+    rank_state: dict[str, Any] | None
+    rng_setters: list[tuple[str, Callable[[], None]]]
+
+
+def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | None,
+                    allow_resharding: bool, rank: int, world: int,
+                    dropped: frozenset[str]) -> _Checked:
+    marker = check_files(path)
+    listed = marker["files"]
+    try:
+        meta = json.loads(read_verified(path, META_FILE, listed))
+    except ValueError as error:
+        raise CheckpointError(f"{path / META_FILE} is unreadable ({error})") from error
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT \
+            or meta.get("step") != marker.get("step") or not META_KEYS <= set(meta):
+        raise CheckpointError(f"{path} has inconsistent metadata; load an earlier checkpoint")
+    checks.compare_models(meta["model"], checks.model_signature(state.model))
+    checks.compare_stacks(meta["stack"], checks.stack_signature(step))
+    checks.compare_optimizers(meta["optimizer"], checks.optimizer_signature(state.optimizer))
+    here_sched = None if state.scheduler is None else type(state.scheduler).__name__
+    if meta["scheduler"] != here_sched:
+        raise CheckpointError(
+            f"the checkpoint's scheduler is {meta['scheduler']}, this state's is {here_sched}; "
+            "build the state with the scheduler the checkpointed run used"
+        )
+    if not meta["sharded"] and checks.is_sharded(state.model):
+        raise CheckpointError(
+            f"{path} holds an unsharded model but this model's parameters are sharded "
+            "(FSDP2); write the checkpoint with save(..., sharded=True) to load it under FSDP"
+        )
+    same_world = int(meta["world_size"]) == world
+    if not same_world and not allow_resharding:
+        raise CheckpointError(
+            f"the checkpoint was written by {meta['world_size']} process(es), this run has "
+            f"{world}: RNG states and loader positions belong to processes and cannot carry "
+            "over. Resume with the same number of processes for an exact resume, or pass "
+            "allow_resharding=True (and loader=None) to restore everything else"
+        )
+    if loader is not None:
+        if not same_world:
+            raise CheckpointError(
+                f"the loader positions of {meta['world_size']} process(es) cannot be mapped "
+                f"onto {world}; pass loader=None with allow_resharding=True and start the "
+                "loader at a new epoch"
+            )
+        if not meta["loader"]:
+            raise CheckpointError(f"{path} was saved without a loader position; pass "
+                                  "loader=None, or save with loader= next time")
+        if not callable(getattr(loader, "load_state_dict", None)):
+            raise TypeError(f"loader={type(loader).__name__} has no load_state_dict()")
+    if meta["sharded"]:  # read before anything changes; DCP reads it again while loading
+        read_verified(path, f"{SHARDED_DIR}/.metadata", listed)
+        read_metadata(path / SHARDED_DIR)
+        verify_shards(path, listed, rank, world, int(meta["world_size"]))
+    payload = read_torch(path, STATE_FILE, listed)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT \
+            or not isinstance(payload.get("state"), dict):
+        raise CheckpointError(f"{path / STATE_FILE} is not an accelfn checkpoint state")
+    saved_state = payload["state"]
+    if not {"model", "optimizer", "scheduler", "step", "slots"} <= set(saved_state):
+        raise CheckpointError(f"{path / STATE_FILE} lacks parts of the training state")
+    if not meta["optimizer_sharded"] and "optimizer" not in dropped:
+        checks.check_optimizer_state(saved_state.get("optimizer"), state.optimizer)
+    checks.check_slots(saved_state.get("slots"), state)
+    rank_state = None
+    setters: list[tuple[str, Callable[[], None]]] = []
+    if same_world:
+        rank_state = read_torch(path, rank_file(rank), listed)
+        if not isinstance(rank_state, dict) or rank_state.get("format") != FORMAT \
+                or rank_state.get("rank") != rank:
+            raise CheckpointError(f"{path}/{rank_file(rank)} is not this process' state")
+        setters = rng_setters(rank_state["rng"], dropped)
+        if loader is not None:
+            checks.check_loader(rank_state["loader"], loader)
+    return _Checked(meta, payload, rank_state, setters)
+
+
+def load(
+    path: str | os.PathLike[str],
+    state: TrainState,
+    *,
+    loader: Any | None = None,
+    step: Step | None = None,
+    allow_resharding: bool = False,
+) -> CheckpointInfo:
+    """Equivalent to ``state.load_state_dict``, ``loader.load_state_dict`` and setting every RNG.
+
+    It restores a checkpoint written by :func:`save` whole or not at all. Everything is
+    checked before anything changes: the files against the commit marker (sizes and
+    SHA-256), the model's parameter names, shapes and dtypes, the optimizer and its
+    parameters, the scheduler, the transform stack (when ``step`` is given) and the loader's
+    configuration. Should restoring still fail part-way, what was restored is rolled back
+    (``load`` keeps a host copy of the state meanwhile) and the error is raised.
+
+    Args:
+        path: a checkpoint directory, or a run's folder (then its newest committed one).
+        state: the :class:`~accelfn.TrainState` to restore into, built like the saved one.
+        loader: the loader whose position was saved.
+        step: the step being trained: its transform stack must be the saved one, and it
+            prepares ``state`` first (e.g. FSDP2 shards the model before shards are loaded).
+        allow_resharding: load a checkpoint written by another number of processes:
+            model, optimizer, scheduler and transform state are restored (sharded ones are
+            resharded by DCP), RNG states and loader positions are not (they belonged to
+            processes that no longer exist); ``loader`` must be None.
+
+    Returns:
+        :class:`CheckpointInfo` with the step, ``extra`` and the names of the parts restored.
+
+    Raises:
+        FileNotFoundError: no committed checkpoint at ``path``.
+        CheckpointError: (a ValueError) an incomplete, damaged or mismatched checkpoint, with
+            what differs and how to fix it; ``state`` and ``loader`` are as they were.
+    """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"load() takes an accelfn.TrainState, got {type(state).__name__}")
+    rank, world = rank_world()
+    error: BaseException | None = None
+    resolved: Path | None = None
+    if rank == 0:
+        try:
+            resolved = _resolve(Path(path))
+        except BaseException as exc:  # every process must hear of it
+            error = exc
+    agree(error, "finding the checkpoint")
+    resolved = Path(from_rank0(str(resolved)))
+    dropped = _DROPPED
+    checked: _Checked | None = None
+    try:
+        if step is not None:
+            checks.stack_signature(step)
+            step.prepare(state)  # what the first call would do (collective under torchrun)
+        checked = _read_and_check(resolved, state, loader, step, allow_resharding, rank, world,
+                                  dropped)
+    except BaseException as exc:
+        error = exc
+    agree(error, "checking the checkpoint")
+    assert checked is not None
+    meta = checked.meta
+
+    snapshot = clone(state.state_dict())
+    rng_before = rng_state()
+    restored: list[str] = []
+    try:
+        restored += _restore_state(resolved, state, meta, checked.payload["state"], dropped)
+        if checked.rank_state is not None:
+            for name, setter in checked.rng_setters:
+                setter()
+                restored.append(name)
+    except BaseException as exc:
+        error = exc
+    failed = anyone(error is not None)
+    if not failed and loader is not None and "data" not in dropped:
+        assert checked.rank_state is not None
+        try:  # last, and checked above: a BatchLoader refuses before it changes anything
+            loader.load_state_dict(checked.rank_state["loader"])
+            restored.append("data")
+        except BaseException as exc:
+            error = exc
+        failed = anyone(error is not None)
+    if failed:
+        _rollback(state, snapshot, rng_before)
+        cause = error if error is not None else CheckpointError("failed on another process")
+        if not isinstance(cause, Exception):  # KeyboardInterrupt, SystemExit: as they are
+            raise cause
+        raise CheckpointError(
+            f"restoring {resolved} failed ({type(cause).__name__}: {cause}); nothing was "
+            "restored (the state and RNGs were rolled back). Build the state, step and loader "
+            "as the checkpointed run did"
+        ) from cause
+    return CheckpointInfo(
+        path=resolved, step=int(meta["step"]), world_size=int(meta["world_size"]),
+        sharded=bool(meta["sharded"]), created=float(meta["created"]),
+        stack=None if meta["stack"] is None else meta["stack"]["describe"],
+        extra=checked.payload.get("extra"), restored=tuple(restored))
+
+
+def _restore_state(path: Path, state: TrainState, meta: dict[str, Any],
+                   saved: dict[str, Any], dropped: frozenset[str]) -> list[str]:
+    saved = dict(saved)
+    if meta["sharded"]:
+        with_optimizer = meta["optimizer_sharded"] and "optimizer" not in dropped
+        load_sharded(path / SHARDED_DIR, state, with_optimizer)
+        saved["model"] = state.model.state_dict()  # already restored: load it onto itself
+        if with_optimizer:
+            saved["optimizer"] = state.optimizer.state_dict()
+    if "optimizer" in dropped:
+        saved["optimizer"] = state.optimizer.state_dict()
+    if "scheduler" in dropped and state.scheduler is not None:
+        saved["scheduler"] = state.scheduler.state_dict()
+    if "step" in dropped:
+        saved["step"] = state.step
+    saved["slots"] = {k: v for k, v in saved["slots"].items() if f"slot:{k}" not in dropped}
+    state.load_state_dict(saved)
+    parts = ["model", "optimizer", "scheduler", "step", *(f"slot:{k}" for k in saved["slots"])]
+    return [p for p in parts if p not in dropped]
+
+
+def _rollback(state: TrainState, snapshot: dict[str, Any], rng: dict[str, Any]) -> None:
+    """Put back what a failed :func:`load` changed (the original error is raised after)."""
+    pending = getattr(state, "_pending", None)
+    with contextlib.suppress(Exception):
+        state.load_state_dict(snapshot)
+    if isinstance(pending, dict):  # slots the failed load left waiting for their transform
+        for name in [k for k in pending if k not in snapshot["slots"]]:
+            del pending[name]
+    with contextlib.suppress(Exception):
+        set_rng_state(rng)
