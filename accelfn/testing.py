@@ -58,7 +58,8 @@ def plain_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapp
         edit_grads(model)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    detached: Tensor = loss.detach()
+    return detached
 
 
 # ------------------------------------------------------------------------ the default problem
@@ -151,7 +152,7 @@ def check_transform(
     step = apply_transform(loss_fn, transform)
 
     # 1. equivalence to the hand-written reference
-    state, params = _train(step, make_model, make_optimizer, batches)
+    _, params = _train(step, make_model, make_optimizer, batches)
     if reference is not None:
         model = make_model()
         optimizer = make_optimizer(model)

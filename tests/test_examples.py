@@ -13,8 +13,8 @@ import torch
 from conftest import Net, as_dict, classify, make_batch
 
 import accelfn as af
-from accelfn.testing import check_transform, plain_update
 from accelfn import checkpointing
+from accelfn.testing import check_transform, plain_update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -91,9 +91,11 @@ def compile_backends() -> list[str]:
 def set_nested_element(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
     """``torch.distributed.checkpoint._nested_dict.set_element``: put ``value`` at ``path``
     of a nested state dict, creating the containers on the way."""
-    from torch.distributed.checkpoint._nested_dict import set_element
+    from torch.distributed.checkpoint._nested_dict import (  # type: ignore[attr-defined]
+        set_element,
+    )
 
-    set_element(root, path, value)  # type: ignore[arg-type]
+    set_element(root, path, value)
 
 
 def scaler_scale(scaler: torch.amp.GradScaler) -> Tensor:

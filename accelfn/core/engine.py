@@ -243,7 +243,7 @@ class Step:
                 objective = loss if coef is None else loss * coef
                 for _, hook in scale_hooks:
                     objective = hook(ctx, objective)
-                objective.backward()
+                objective.backward()  # type: ignore[no-untyped-call]
         return absolute
 
     def _abort(self, ctx: CallContext) -> None:

@@ -346,7 +346,8 @@ def entered(managers: Sequence[contextlib.AbstractContextManager[Any]]) -> Itera
 
 
 
-def configure(name: str, fn: Any, transform: Transform) -> Any:
+def configure(name: str, fn: Callable[..., Any] | Step | None,
+              transform: Transform) -> Step | Transform:
     """``name(fn)`` applies ``transform`` (built with default options); ``name(**options)``
     returns it, to apply later. Refuses a positional option with the fix."""
     if fn is None:

@@ -43,12 +43,16 @@ COMPUTE_INTENSIVE_OPS = (
 def _select(model: nn.Module, blocks: BlockSpec) -> list[tuple[str, nn.Module]]:
     if blocks == "auto":
         return find_blocks(model)
-    if isinstance(blocks, type):
-        blocks = (blocks,)
-    if isinstance(blocks, tuple):
-        chosen = [(n, m) for n, m in model.named_modules() if n and isinstance(m, blocks)]
+    chosen: list[tuple[str, nn.Module]]
+    if isinstance(blocks, (type, tuple)):
+        types_ = blocks if isinstance(blocks, tuple) else (blocks,)
+        chosen = [(n, m) for n, m in model.named_modules()
+                  if n and any(isinstance(m, t) for t in types_)]
+    elif callable(blocks):
+        predicate: Callable[[str, nn.Module], bool] = blocks
+        chosen = [(n, m) for n, m in model.named_modules() if n and predicate(n, m)]
     else:
-        chosen = [(n, m) for n, m in model.named_modules() if n and blocks(n, m)]
+        raise ValueError(f"checkpointed(blocks={blocks!r}) is not understood")
     names = [n for n, _ in chosen]
     return [(n, m) for n, m in chosen if not any(n.startswith(o + ".") for o in names if o != n)]
 
@@ -66,13 +70,15 @@ def _run_checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any
                       **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    save = module._accelfn_ckpt_save
-    context_fn = (
-        (lambda: create_selective_checkpoint_contexts(_policy(save))) if save is not None
-        else None
-    )
-    extra = {} if context_fn is None else {"context_fn": context_fn}
-    return torch_checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+    save: tuple[Any, ...] | None = module.__dict__["_accelfn_ckpt_save"]
+    if save is None:
+        return torch_checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    def context_fn() -> Any:
+        return create_selective_checkpoint_contexts(_policy(save))  # type: ignore[no-untyped-call]
+
+    return torch_checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn,
+                            **kwargs)
 
 
 def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -> Transform:
@@ -84,7 +90,7 @@ def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -
                 f"{type(state.model).__name__}; pass blocks=(MyBlock,) or a "
                 "predicate(name, module)")
         for _, module in chosen[::every]:
-            module._accelfn_ckpt_save = save
+            module.__dict__["_accelfn_ckpt_save"] = save
             wrap_forward(module, "checkpoint", _run_checkpointed)
         state.slot(_SLOT, lambda: {"blocks": len(chosen[::every])})
         return prepared

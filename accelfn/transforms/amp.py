@@ -113,7 +113,7 @@ def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: fl
 
 @functools.cache
 def _cuda_bf16() -> bool:
-    return torch.cuda.is_bf16_supported()
+    return bool(torch.cuda.is_bf16_supported())
 
 
 def _run_in_fp32(module: nn.Module, forward: Callable[..., Any], *args: Any,

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Any, overload
 
 import torch
+from torch import nn
 
 from ..core import compat
 from ..core.engine import LossFn, Step
@@ -24,7 +25,7 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
             kwargs["options"] = options
         else:
             kwargs["mode"] = mode
-        model = torch.compile(prepared.model, **kwargs)
+        model: nn.Module = torch.compile(prepared.model, **kwargs)  # type: ignore[assignment]
         if not optimizer:
             return dataclasses.replace(prepared, model=model)
         for group in state.optimizer.param_groups:

@@ -85,7 +85,7 @@ def _distributed(strategy: str, static_graph: bool, compression: str | None,
                 raise ValueError(
                     "distributed(sync_batchnorm=True) needs CUDA devices: SyncBatchNorm has no "
                     "CPU implementation; leave it off when training on CPUs")
-            converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
             if converted is not model:
                 raise ValueError("sync_batchnorm cannot convert a model that is itself a "
                                  "BatchNorm")
@@ -104,7 +104,7 @@ def _distributed(strategy: str, static_graph: bool, compression: str | None,
                 _root(model).set_requires_gradient_sync(True)
             return contextlib.nullcontext()
         if strategy == "ddp":
-            no_sync: contextlib.AbstractContextManager[Any] = model.no_sync()
+            no_sync: contextlib.AbstractContextManager[Any] = getattr(model, "no_sync")()  # noqa: B009
             return no_sync
         if fsdp_sync == "once":
             _root(model).set_requires_gradient_sync(False)

@@ -62,7 +62,7 @@ class _EmaWeights:
     # ----------------------------------------------------------------- model side
     def sources(self, model: nn.Module) -> list[Tensor]:
         """The model's tensors in the order of :attr:`values`."""
-        found = [p for _, p in model.named_parameters()]
+        found: list[Tensor] = [p for _, p in model.named_parameters()]
         if self.average_buffers:
             found += [b for _, b in model.named_buffers()]
         if len(found) != len(self.values):
@@ -215,6 +215,7 @@ def _ema_slot(state: TrainState) -> _EmaWeights:
             "this state has no EMA weights: build the step with af.with_ema(...) and call it "
             "(or step.prepare(state) after loading a checkpoint) first"
         )
+    assert isinstance(slot, _EmaWeights)
     return slot
 
 
