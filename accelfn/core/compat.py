@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = [
     "aten_observer",
@@ -23,6 +23,7 @@ __all__ = [
     "foreach_div_",
     "foreach_lerp_",
     "foreach_norm",
+    "module_apply",
     "non_finite_check_and_unscale_",
     "scaler_forget_step",
     "scaler_found_inf",
@@ -139,3 +140,10 @@ def aten_observer(
             return func(*args, **kwargs)
 
     return _Observer()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__
+
+
+def module_apply(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> nn.Module:
+    """``nn.Module._apply``: replace every parameter and buffer ``t`` by ``fn(t)`` in place
+    (the parameters stay the same objects, so optimizers built on them still hold them)."""
+    applied: nn.Module = module._apply(fn)  # type: ignore[no-untyped-call]  # unannotated
+    return applied
