@@ -92,7 +92,7 @@ def test_preparation_happens_once_in_canonical_order(order):
 
 def test_builtin_prepare_phases_are_islands_checkpoint_shard_compile_average():
     phases = [name for name, when, _ in af.PHASES if when == "prepare"]
-    assert phases == ["islands", "checkpoint", "shard", "compile", "average"]
+    assert phases == ["convert", "islands", "checkpoint", "shard", "compile", "average"]
     built = {t.name: t for t in (af.with_amp(), af.checkpointed(), af.distributed(),
                                  af.compiled(), af.with_ema())}
     filled = {name: [p for p in phases if p in t.hooks] for name, t in built.items()}

@@ -48,6 +48,7 @@ __all__ = [
 #: the order of their names, whatever the stacking order.
 PHASES: tuple[tuple[str, str, str], ...] = (
     # (name, when, signature)
+    ("convert", "prepare", "(prepared, state) -> Prepared: module swaps (float8 Linear layers)"),
     ("islands", "prepare", "(prepared, state) -> Prepared: fp32 islands, compute dtype"),
     ("checkpoint", "prepare", "(prepared, state) -> Prepared: activation checkpointing"),
     ("shard", "prepare", "(prepared, state) -> Prepared: DDP/FSDP wrapping, process group"),
@@ -78,6 +79,7 @@ EXCLUSIVE = frozenset({"split", "flush", "decide", "scale_loss", "unscale", "sha
 class Hooks(TypedDict, total=False):
     """The hooks a transform implements, keyed by the phase each belongs to (see PHASES)."""
 
+    convert: Callable[[Prepared, TrainState], Prepared]
     islands: Callable[[Prepared, TrainState], Prepared]
     checkpoint: Callable[[Prepared, TrainState], Prepared]
     shard: Callable[[Prepared, TrainState], Prepared]
