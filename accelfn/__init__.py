@@ -14,17 +14,8 @@ from . import checkpointing, data
 from .checkpointing import EXIT_PREEMPTED, CheckpointError, CheckpointInfo, PreemptionGuard
 
 # core: the step protocol, the engine, TrainState, processes
-from .core.engine import (
-    NonFiniteError,
-    Prepared,
-    Step,
-    StepContext,
-    Transform,
-    apply_transform,
-    configurable,
-    describe,
-    lift,
-)
+from .core.engine import Step, apply_transform, describe, lift
+from .core.guard import NonFiniteError
 from .core.modules import find_blocks
 from .core.processes import (
     init_distributed,
@@ -33,16 +24,29 @@ from .core.processes import (
     scale_lr,
     world_size,
 )
+from .core.protocol import (
+    PHASES,
+    CallContext,
+    Decision,
+    Hooks,
+    Plan,
+    Prepared,
+    Sums,
+    Transform,
+    UpdateContext,
+)
 from .core.state import TrainState
 
 # data
 from .data import datasets
 
 # observe
-from .observe.diagnostics import Diagnostics, SyncProbe
+from .observe.diagnostics import Diagnostics
 from .observe.environment import doctor
-from .observe.monitor import Monitor, training_flops
+from .observe.flops import training_flops
+from .observe.monitor import Monitor
 from .observe.profiling import Profiler, profiled
+from .observe.sync_probe import SyncProbe
 
 # recipes
 from .recipes.early_stopping import EarlyStopping
@@ -71,27 +75,32 @@ __version__ = "0.1.0"
 __all__ = [
     "EXIT_PREEMPTED",
     "NO_DECAY_TYPES",
+    "PHASES",
+    "CallContext",
     "CheckpointError",
     "CheckpointInfo",
+    "Decision",
     "Diagnostics",
     "EarlyStopping",
+    "Hooks",
     "Monitor",
     "NonFiniteError",
+    "Plan",
     "PreemptionGuard",
     "Prepared",
     "Profiler",
     "Step",
-    "StepContext",
+    "Sums",
     "SyncProbe",
     "TrainState",
     "Transform",
+    "UpdateContext",
     "WarmupPlateau",
     "apply_transform",
     "channels_last",
     "checkpointed",
     "checkpointing",
     "compiled",
-    "configurable",
     "data",
     "datasets",
     "describe",

@@ -220,7 +220,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
     del probe
     peak = None
     if device.type == "cuda":
-        from accelfn.observe.monitor import peak_flops
+        from accelfn.observe.flops import peak_flops
 
         peak = peak_flops(torch.cuda.get_device_name(device), torch.bfloat16)
     batches = token_batches(c, args.batch_size, 4, device, args.seed)

@@ -18,8 +18,8 @@ SECTIONS = {
     "Steps and state": ["lift", "Step", "TrainState", "describe", "NonFiniteError"],
     "Transforms": ["with_amp", "with_accumulation", "with_clipping", "compiled", "checkpointed",
                    "distributed", "with_nonfinite", "with_ema"],
-    "Writing transforms": ["Transform", "StepContext", "Prepared", "configurable",
-                           "apply_transform"],
+    "Writing transforms": ["Transform", "Hooks", "PHASES", "Prepared", "CallContext",
+                           "UpdateContext", "Plan", "Decision", "Sums", "apply_transform"],
 }
 
 

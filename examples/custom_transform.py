@@ -4,15 +4,18 @@
     torchrun --nproc_per_node=2 examples/custom_transform.py
     python examples/custom_transform.py --steps 300 --resume runs/noise
 
-``with_gradient_noise`` follows the same public protocol as accelfn's own transforms: a small
-object with a ``name`` and an ``on_grads`` hook placed by ``grads_order``, state kept in a
-checkpointable slot, made usable bare or configured by ``accelfn.configurable``.
+``with_gradient_noise`` follows the same public protocol as accelfn's own transforms: an
+immutable ``accelfn.Transform`` record declaring one hook in the ``gradients`` phase (after
+unscaling and micro-batch weighting, before clipping), with its random generator kept in a
+checkpointable slot of the TrainState. ``tests/test_examples.py`` checks it against the
+noise written by hand and runs ``accelfn.testing.check_transform`` on it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,38 +32,28 @@ class _NoiseState:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.generator = torch.Generator(device).manual_seed(seed)
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"rng": self.generator.get_state()}
 
-    def load_state_dict(self, saved: dict) -> None:
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.generator.set_state(saved["rng"])
 
 
-class _GradientNoise:
-    name = "with_gradient_noise"
-    grads_order = 40  # after clipping (30), before the optimizer
-
-    def __init__(self, std: float, seed: int) -> None:
-        self.std, self.seed = std, seed
-
-    def __repr__(self) -> str:
-        return f"with_gradient_noise({self.std:g})"
-
-    def on_grads(self, ctx: af.StepContext) -> None:
-        noise = ctx.state.slot(self.name, lambda: _NoiseState(ctx.device, self.seed))
-        for g in ctx.grads():
-            g.add_(torch.randn(g.shape, generator=noise.generator, device=g.device,
-                               dtype=g.dtype), alpha=self.std)
-
-
-def _build(*, std: float = 0.01, seed: int = 0) -> _GradientNoise:
-    """Equivalent to ``p.grad += std * randn_like(p.grad)`` for every parameter, after clipping."""
+def with_gradient_noise(*, std: float = 0.01, seed: int = 0) -> af.Transform:
+    """Equivalent to ``p.grad += std * randn_like(p.grad)`` for every parameter, before
+    clipping and the optimizer step."""
     if not std > 0:
         raise ValueError(f"with_gradient_noise(std={std!r}) must be > 0")
-    return _GradientNoise(std, seed)
 
+    def add_noise(ctx: af.UpdateContext) -> None:
+        noise = ctx.state.slot("with_gradient_noise", lambda: _NoiseState(ctx.device, seed))
+        for g in ctx.grads():
+            g.add_(torch.randn(g.shape, generator=noise.generator, device=g.device,
+                               dtype=g.dtype), alpha=std)
 
-with_gradient_noise = af.configurable("with_gradient_noise", _build)
+    return af.Transform("with_gradient_noise", af.Hooks(gradients=add_noise),
+                        options=(("std", std), ("seed", seed)),
+                        label=f"with_gradient_noise({std:g})")
 
 
 def mlp_step(model: nn.Module, batch) -> dict[str, torch.Tensor]:

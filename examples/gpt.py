@@ -33,7 +33,8 @@ from torch import nn
 import accelfn as af
 from accelfn import checkpointing, data
 from accelfn.checkpointing.preemption import PreemptionGuard
-from accelfn.observe.monitor import Monitor, training_flops
+from accelfn.observe.flops import training_flops
+from accelfn.observe.monitor import Monitor
 
 # ------------------------------------------------------------------------------ data
 

@@ -14,18 +14,13 @@ import accelfn as af
 
 
 class GradProbe:
-    """Records the gradient the optimizer would apply (after all grad transforms)."""
-
-    name = "grad_probe"
-    grads_order = 99
+    """Records the fully accumulated gradients (a user transform in the gradients phase)."""
 
     def __init__(self):
         self.grads = None
+        self.transform = af.Transform("grad_probe", af.Hooks(gradients=self.record))
 
-    def __repr__(self):
-        return "grad_probe"
-
-    def on_grads(self, ctx):
+    def record(self, ctx):
         self.grads = [p.grad.detach().clone() for p in ctx.state.model.parameters()]
 
 
@@ -47,7 +42,7 @@ def test_split_equals_reference_loop_bitwise(net, n):
 @pytest.mark.parametrize("n", [3, 7])
 def test_gradient_equals_full_batch(net, n):
     probe = GradProbe()
-    step = af.apply_transform(af.with_accumulation(n)(classify), probe)
+    step = af.apply_transform(af.with_accumulation(n)(classify), probe.transform)
     ref_model = copy.deepcopy(net)
     batch = make_batch(n=10)
     expected = full_batch_grads(ref_model, as_dict(batch), classify)
@@ -62,7 +57,7 @@ def test_gradient_equals_full_batch(net, n):
 
 def test_token_weighted_equals_full_batch_token_mean(net):
     probe = GradProbe()
-    step = af.apply_transform(af.with_accumulation(3)(token_loss), probe)
+    step = af.apply_transform(af.with_accumulation(3)(token_loss), probe.transform)
     ref_model = copy.deepcopy(net)
     batch = make_batch(n=11, seed=3)
     expected = full_batch_grads(ref_model, as_dict(batch), token_loss)
@@ -75,7 +70,7 @@ def test_token_weighted_equals_full_batch_token_mean(net):
     # and it differs from plain sample weighting, so the weight is really used
     sample_probe = GradProbe()
     plain = af.apply_transform(af.with_accumulation(3)(lambda m, b: token_loss(m, b)["loss"]),
-                               sample_probe)
+                               sample_probe.transform)
     plain(af.TrainState(ref_model, torch.optim.SGD(ref_model.parameters(), lr=0.0)), batch)
     assert not torch.allclose(sample_probe.grads[0], expected[0], atol=1e-6)
 
@@ -103,7 +98,7 @@ def test_hand_computed_uneven_split():
 
     x = torch.tensor([[1.0], [2.0], [3.0], [4.0], [5.0]])
     y = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0])
-    step = af.apply_transform(af.with_accumulation(2)(mse), probe)  # split 3 + 2
+    step = af.apply_transform(af.with_accumulation(2)(mse), probe.transform)  # split 3 + 2
     step(af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.0)),
          TensorDict({"x": x, "y": y}, batch_size=[5]))
     # d/dw mean((w x - 1)^2) at w=0 = mean(-2 x) = -2 * 3 = -6
@@ -112,7 +107,7 @@ def test_hand_computed_uneven_split():
 
 def test_calls_mode_equals_one_big_batch(net):
     probe = GradProbe()
-    step = af.apply_transform(af.with_accumulation(3, mode="calls")(classify), probe)
+    step = af.apply_transform(af.with_accumulation(3, mode="calls")(classify), probe.transform)
     ref_model = copy.deepcopy(net)
     batches = [make_batch(n=n, seed=i) for i, n in enumerate([4, 5, 3])]
     state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.0))
@@ -128,7 +123,7 @@ def test_calls_mode_equals_one_big_batch(net):
 
 def test_calls_mode_short_final_window_via_flush(net):
     probe = GradProbe()
-    step = af.apply_transform(af.with_accumulation(4, mode="calls")(token_loss), probe)
+    step = af.apply_transform(af.with_accumulation(4, mode="calls")(token_loss), probe.transform)
     ref_model = copy.deepcopy(net)
     batches = [make_batch(n=n, seed=10 + i) for i, n in enumerate([4, 4, 4, 4, 5, 2])]
     state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.0))
@@ -163,7 +158,7 @@ def test_calls_mode_failures_refused_input_keeps_window_failed_call_discards_it(
             raise RuntimeError("boom")
         return classify(model, batch)
 
-    step = af.apply_transform(af.with_accumulation(2, mode="calls")(fn), probe)
+    step = af.apply_transform(af.with_accumulation(2, mode="calls")(fn), probe.transform)
     ref_model = copy.deepcopy(net)
     state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.0))
     first, second = make_batch(n=4, seed=1), make_batch(n=6, seed=2)

@@ -13,7 +13,7 @@ from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import accelfn as af
-from accelfn.observe.diagnostics import SyncProbe
+from accelfn.observe.sync_probe import SyncProbe
 from accelfn.transforms.ema import ema_state_dict, ema_weights, with_ema
 
 

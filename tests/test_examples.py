@@ -14,6 +14,7 @@ from conftest import Net, as_dict, classify, make_batch
 
 import accelfn as af
 from accelfn import checkpointing
+from accelfn.testing import check_transform, plain_update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,15 +48,39 @@ def test_custom_transform_equals_noise_written_by_hand():
         batch = make_batch(seed=i)
         step(state, batch)
         classify(m2, as_dict(batch))["loss"].backward()
-        torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.5)
-        for p in m2.parameters():
+        for p in m2.parameters():  # user gradient transforms run before clipping
             p.grad.add_(torch.randn(p.grad.shape, generator=gen), alpha=0.05)
+        torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.5)
         o2.step()
         o2.zero_grad(set_to_none=True)
     for a, b in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="std"):
         example.with_gradient_noise(std=0)
+
+
+def test_custom_transform_passes_the_contract_kit():
+    example = load_example("custom_transform")
+
+    def by_hand(model, optimizer, batch):
+        gen = by_hand.generator
+
+        def noise(m):
+            for p in m.parameters():
+                p.grad.add_(torch.randn(p.grad.shape, generator=gen), alpha=0.05)
+
+        plain_update(model, optimizer, batch, classify, edit_grads=noise)
+
+    def reference(model, optimizer, batch):
+        if not any(optimizer.state.values()):  # a fresh run: a fresh generator
+            by_hand.generator = torch.Generator().manual_seed(3)
+        by_hand(model, optimizer, batch)
+
+    report = check_transform(example.with_gradient_noise(std=0.05, seed=3),
+                             reference=reference, loss_fn=classify,
+                             make_model=lambda: (torch.manual_seed(0), Net())[1],
+                             make_batch=lambda i: make_batch(seed=i))
+    assert report.passed[0] == "reference" and report.orders == 24
 
 
 def test_custom_transform_resumes_with_the_same_noise(tmp_path):

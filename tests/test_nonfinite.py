@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
-from conftest import Net, classify, make_batch
+from conftest import Net, as_dict, assert_params_equal, classify, make_batch
 
 import accelfn as af
 
@@ -119,6 +121,8 @@ def test_guard_reads_the_host_once_per_update_and_off_never(net, monkeypatch):
     step(state, make_batch())
     assert reads == ["tolist"]
     reads.clear()
+    other = copy.deepcopy(net)
+    state = af.TrainState(other, torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9))
     af.with_nonfinite(policy="off")(af.with_accumulation(2)(af.with_clipping(classify)))(
         state, make_batch())
     assert reads == []
@@ -201,7 +205,7 @@ def test_fused_divergence_raises_one_update_later_with_state_intact(net):
 
 
 def test_sync_probe_finds_no_host_sync_in_a_fused_step_and_the_guard_read_otherwise(net):
-    from accelfn.observe.diagnostics import SyncProbe
+    from accelfn.observe.sync_probe import SyncProbe
 
     fused = _fused_setup(net)
     step = af.with_amp(af.with_accumulation(2)(af.with_clipping(classify)))
@@ -215,12 +219,28 @@ def test_sync_probe_finds_no_host_sync_in_a_fused_step_and_the_guard_read_otherw
     with SyncProbe(mode="emulate") as probe:
         step(plain, make_batch(seed=1))
     assert [(s.op, s.location.split(":")[0]) for s in probe.syncs] == [
-        ("Tensor.tolist", "accelfn/core/engine.py")]
+        ("Tensor.tolist", "accelfn/core/guard.py")]
 
 
-def test_policy_off_with_fp16_loss_scaling_is_refused_in_any_order():
-    with pytest.raises(ValueError, match="fp16 loss scaling must skip"):
-        af.with_nonfinite(policy="off")(af.with_amp(dtype=torch.float16)(classify))
-    with pytest.raises(ValueError, match="fp16 loss scaling must skip"):
-        af.with_amp(dtype=torch.float16)(af.with_nonfinite(policy="off")(classify))
-    af.with_nonfinite(policy="off")(af.with_amp(classify))  # bf16 needs no loss scaling
+def test_policy_off_with_fp16_still_skips_loss_scale_overflows_as_grad_scaler_does(net):
+    """``off`` adds no check of its own, but an fp16 overflow is skipped as scaler.step does."""
+    ref_net = copy.deepcopy(net)
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    step = af.with_nonfinite(policy="off")(af.with_amp(dtype=torch.float16, init_scale=2.0**40)(
+        classify))
+    ref_opt = torch.optim.SGD(ref_net.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    skipped = []
+    for i in range(40):  # the huge scale overflows until it has backed off enough
+        batch = make_batch(seed=i)
+        metrics = step(state, batch)
+        assert metrics["loss_scale"].item() == scaler.get_scale()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = classify(ref_net, as_dict(batch))["loss"]
+        scaler.scale(loss).backward()
+        scaler.step(ref_opt)
+        scaler.update()
+        ref_opt.zero_grad(set_to_none=True)
+        skipped.append(metrics["skipped"].item())
+    assert 0 < sum(skipped) < len(skipped)  # some overflowed and were skipped, then it trained
+    assert_params_equal(net, ref_net)

@@ -63,21 +63,21 @@ def test_stack_equals_hand_written_amp_accumulation_clipping_loop():
     assert_params_equal(model, ref)
 
 
-class Spy:
-    def __init__(self, name, order, log):
-        self.name, self.prepare_order, self.log = name, order, log
+def spy(name, phase, log):
+    """A user transform recording when its prepare hook runs."""
 
-    def __repr__(self):
-        return self.name
+    def hook(prepared, state):
+        log.append(name)
+        return prepared
 
-    def prepare(self, prepared, state):
-        self.log.append(self.name)
+    return af.Transform(name, af.Hooks(**{phase: hook}))
 
 
 @pytest.mark.parametrize("order", list(itertools.permutations([0, 1, 2])))
 def test_preparation_happens_once_in_canonical_order(order):
     log = []
-    spies = [Spy("wrap", 10, log), Spy("shard", 30, log), Spy("compile", 40, log)]
+    spies = [spy("wrap", "checkpoint", log), spy("shard", "shard", log),
+             spy("compile", "compile", log)]
     step = af.lift(classify)
     for i in order:
         step = step.with_transform(spies[i])
@@ -90,14 +90,11 @@ def test_preparation_happens_once_in_canonical_order(order):
     assert log == ["wrap", "shard", "compile"]
 
 
-def test_builtin_prepare_order_is_checkpoint_then_distribute_then_compile():
-    orders = {t: REGISTRY_T[t].prepare_order for t in REGISTRY_T}
-    assert orders["with_amp"] < orders["checkpointed"] < orders["distributed"] \
-        < orders["compiled"]
-
-
-REGISTRY_T = {
-    s.transforms[0].name: s.transforms[0]
-    for s in (af.with_amp(classify), af.checkpointed(classify), af.distributed(classify),
-              af.compiled(classify))
-}
+def test_builtin_prepare_phases_are_islands_checkpoint_shard_compile_average():
+    phases = [name for name, when, _ in af.PHASES if when == "prepare"]
+    assert phases == ["convert", "islands", "checkpoint", "shard", "compile", "average"]
+    built = {t.name: t for t in (af.with_amp(), af.checkpointed(), af.distributed(),
+                                 af.compiled(), af.with_ema())}
+    filled = {name: [p for p in phases if p in t.hooks] for name, t in built.items()}
+    assert filled == {"with_amp": ["islands"], "checkpointed": ["checkpoint"],
+                      "distributed": ["shard"], "compiled": ["compile"], "with_ema": ["average"]}

@@ -114,43 +114,36 @@ def test_options_are_keyword_only_and_checked_at_build():
         af.with_nonfinite(policy="ignore")
 
 
-class GradNoise:
-    """A user transform: Gaussian gradient noise after clipping (the protocol's worked example)."""
+def grad_noise(std: float, seed: int = 0) -> af.Transform:
+    """A user transform: Gaussian gradient noise (the protocol's worked example)."""
 
-    name = "gradient_noise"
-    grads_order = 40
-
-    def __init__(self, std: float, seed: int = 0) -> None:
-        self.std = std
-        self.seed = seed
-
-    def __repr__(self) -> str:
-        return f"gradient_noise({self.std})"
-
-    def on_grads(self, ctx):
-        gen = ctx.state.slot(self.name, lambda: torch.Generator().manual_seed(self.seed))
+    def add_noise(ctx):
+        gen = ctx.state.slot("gradient_noise", lambda: torch.Generator().manual_seed(seed))
         for g in ctx.grads():
-            g.add_(torch.randn(g.shape, generator=gen) * self.std)
+            g.add_(torch.randn(g.shape, generator=gen) * std)
+
+    return af.Transform("gradient_noise", af.Hooks(gradients=add_noise),
+                        options=(("std", std), ("seed", seed)), label=f"gradient_noise({std})")
 
 
 def test_user_transform_composes_with_builtins(net):
     (m1, o1), (m2, o2) = clone_setup(net)
-    step = af.with_clipping(max_norm=0.5)(af.apply_transform(classify, GradNoise(0.01)))
+    step = af.with_clipping(max_norm=0.5)(grad_noise(0.01)(classify))
     assert "gradient_noise(0.01)" in repr(step)
     state = af.TrainState(m1, o1)
     gen = torch.Generator().manual_seed(0)
     batch = make_batch()
     step(state, batch)
-    # by hand: backward, clip, then noise, then step
+    # by hand: backward, user gradient transforms, then clipping, then step
     out = classify(m2, as_dict(batch))
     out["loss"].backward()
-    torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.5)
     for p in m2.parameters():
         p.grad.add_(torch.randn(p.grad.shape, generator=gen) * 0.01)
+    torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.5)
     o2.step()
     o2.zero_grad(set_to_none=True)
     assert_params_equal(m1, m2)
-    assert isinstance(GradNoise(0.1), af.Transform)
+    assert isinstance(grad_noise(0.1), af.Transform)
 
 
 def test_not_a_transform_is_refused():

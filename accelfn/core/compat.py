@@ -8,20 +8,26 @@ stated in ``pyproject.toml``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 __all__ = [
+    "aten_observer",
     "compile_backends",
     "compile_modes",
     "foreach_copy_",
     "foreach_div_",
     "foreach_lerp_",
     "foreach_norm",
+    "module_apply",
     "non_finite_check_and_unscale_",
+    "scaler_forget_step",
+    "scaler_found_inf",
+    "scaler_scale",
     "set_nested_element",
     "step_supports_amp_scaling",
     "unwrap_compiled",
@@ -86,6 +92,58 @@ def compile_backends() -> list[str]:
 def set_nested_element(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
     """``torch.distributed.checkpoint._nested_dict.set_element``: put ``value`` at ``path``
     of a nested state dict, creating the containers on the way."""
-    from torch.distributed.checkpoint._nested_dict import set_element
+    from torch.distributed.checkpoint._nested_dict import (  # type: ignore[attr-defined]
+        set_element,
+    )
 
-    set_element(root, path, value)  # type: ignore[arg-type]
+    set_element(root, path, value)
+
+
+def scaler_scale(scaler: torch.amp.GradScaler) -> Tensor:
+    """The loss scale as a device tensor, without a host read (``GradScaler._get_scale_async``)."""
+    scale = scaler._get_scale_async()
+    assert scale is not None, "the scaler has not scaled a loss yet"
+    return scale
+
+
+def scaler_found_inf(scaler: torch.amp.GradScaler,
+                     optimizer: torch.optim.Optimizer) -> list[Tensor]:
+    """The per-device NaN/Inf flags ``unscale_`` recorded for ``optimizer``
+    (``GradScaler._found_inf_per_device``)."""
+    return list(scaler._found_inf_per_device(optimizer).values())
+
+
+def scaler_forget_step(scaler: torch.amp.GradScaler) -> None:
+    """Forget what ``unscale_`` recorded this iteration, as ``update()`` does at its end, but
+    leave the scale and its growth tracker as they are (``GradScaler._per_optimizer_states``):
+    an aborted update must not wedge the next one."""
+    from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def aten_observer(
+        on_op: Callable[[str, tuple[Any, ...], dict[str, Any]], None],
+) -> contextlib.AbstractContextManager[Any]:
+    """A ``torch.utils._python_dispatch.TorchDispatchMode`` that calls ``on_op(name, args,
+    kwargs)`` before every aten operator run inside it (``name``: the overload packet's, e.g.
+    ``"nonzero"``), then runs it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Observer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            on_op(func.overloadpacket.__name__, tuple(args), kwargs)
+            return func(*args, **kwargs)
+
+    return _Observer()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__
+
+
+def module_apply(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> nn.Module:
+    """``nn.Module._apply``: replace every parameter and buffer ``t`` by ``fn(t)`` in place
+    (the parameters stay the same objects, so optimizers built on them still hold them)."""
+    applied: nn.Module = module._apply(fn)  # type: ignore[no-untyped-call]  # unannotated
+    return applied

@@ -16,8 +16,8 @@ Wrapper = Callable[..., Any]  # wrapper(module, inner_forward, *args, **kwargs)
 
 
 def _wrapped_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    call = self._accelfn_inner
-    for wrapper in self._accelfn_wrappers:  # innermost first
+    call: Callable[..., Any] = self.__dict__["_accelfn_inner"]
+    for wrapper in self.__dict__["_accelfn_wrappers"]:  # innermost first
         call = functools.partial(wrapper, self, call)
     return call(*args, **kwargs)
 
@@ -34,12 +34,13 @@ def wrap_forward(module: nn.Module, tag: str, wrapper: Wrapper) -> bool:
     tags = module.__dict__.get("_accelfn_tags", ())
     if tag in tags:
         return False
+    state = module.__dict__  # plain attributes: not parameters, buffers or submodules
     if not tags:
-        module._accelfn_inner = module.forward
-        module._accelfn_wrappers = ()
-        module.forward = types.MethodType(_wrapped_forward, module)
-    module._accelfn_wrappers = (*module._accelfn_wrappers, wrapper)
-    module._accelfn_tags = (*tags, tag)
+        state["_accelfn_inner"] = module.forward
+        state["_accelfn_wrappers"] = ()
+        state["forward"] = types.MethodType(_wrapped_forward, module)
+    state["_accelfn_wrappers"] = (*state["_accelfn_wrappers"], wrapper)
+    state["_accelfn_tags"] = (*tags, tag)
     return True
 
 

@@ -56,7 +56,8 @@ def init_distributed(backend: str | None = None) -> torch.device:
     from torch.distributed.rendezvous import rendezvous
 
     store, rank, world = next(rendezvous("env://"))
-    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"restart-{restart}/", store),
+    prefixed = dist.PrefixStore(f"restart-{restart}/", store)  # type: ignore[attr-defined]
+    dist.init_process_group(backend=backend, store=prefixed,
                             rank=rank, world_size=world, device_id=device_id)
     return device
 

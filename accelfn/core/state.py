@@ -67,12 +67,46 @@ class TrainState:
             )
         if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
             raise ValueError("the scheduler was built for another optimizer than this state's")
-        self.model = model
-        self.optimizer = optimizer
+        self._model = model
+        self._optimizer = optimizer
         self.scheduler = scheduler
         self.step = 0  # optimizer updates attempted (skipped ones included)
         self._slots: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
+        self._preparations: list[tuple[Any, Any, str]] = []
+
+    @property
+    def model(self) -> nn.Module:
+        """The model this state trains (fixed: a state is built for one model)."""
+        return self._model
+
+    @model.setter
+    def model(self, value: nn.Module) -> None:
+        raise AttributeError(
+            "TrainState.model cannot be replaced: steps prepare the model once (wrapping, "
+            "sharding, compiling) and keep training what they prepared. Build a new "
+            "TrainState(model, optimizer) for another model")
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The optimizer of :attr:`model` (fixed, like the model)."""
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: torch.optim.Optimizer) -> None:
+        raise AttributeError(
+            "TrainState.optimizer cannot be replaced: it holds the prepared model's parameters. "
+            "Build a new TrainState(model, optimizer); to change hyper-parameters, edit "
+            "optimizer.param_groups")
+
+    @property
+    def preparations(self) -> tuple[tuple[Any, Any, str], ...]:
+        """(key, prepared, description) of each stack that prepared this state so far."""
+        return tuple(self._preparations)
+
+    def add_preparation(self, key: Any, prepared: Any, description: str) -> None:
+        """Record the preparation a step made of this state (the engine calls it)."""
+        self._preparations.append((key, prepared, description))
 
     def slot(self, name: str, factory: Callable[[], Any]) -> Any:
         """The state object a transform keeps under ``name``, created by ``factory`` once.

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from ..core.protocol import Hooks, Transform, UpdateContext
 from .findings import Finding, format_findings
 from .gradients import gradient_findings, group_norms, layer_groups
 from .initialisation import check_init
@@ -34,28 +35,6 @@ __all__ = [
     "DiagnosticsReport",
     "SyncProbe",  # re-exported: accelfn/__init__.py and tests import it from here
 ]
-
-
-class _DiagnosticsTransform:
-    """The accelfn step-transform form of :class:`Diagnostics` (see ``Diagnostics.transform``).
-
-    It reads gradients in the step's ``on_grads`` phase, after loss-scale unscaling and
-    micro-batch weighting (orders 0 and 10) and before clipping (30), so the norms are the
-    true, unclipped gradients of the update.
-    """
-
-    name = "diagnostics"
-    grads_order = 20
-
-    def __init__(self, diag: Diagnostics) -> None:
-        self.diag = diag
-
-    def on_grads(self, ctx: Any) -> None:
-        if self.diag._armed:
-            self.diag._capture_from_grads()
-
-    def __repr__(self) -> str:
-        return f"diagnostics(every={self.diag.every})"
 
 
 @dataclass
@@ -155,9 +134,21 @@ class Diagnostics:
         self._arm()
 
     @property
-    def transform(self) -> _DiagnosticsTransform:
-        """A step transform (accelfn protocol: ``on_grads`` at ``grads_order`` 20)."""
-        return _DiagnosticsTransform(self)
+    def transform(self) -> Transform:
+        """This diagnostics as a step transform.
+
+        Its hook reads the gradients in the ``gradients`` phase: after loss-scale unscaling
+        and micro-batch weighting, before clipping, so the norms are the true, unclipped
+        gradients of the update. It only reads, so it commutes with any other hook there.
+        """
+
+        def capture(ctx: UpdateContext) -> None:
+            if self._armed:
+                self._capture_from_grads()
+
+        return Transform("diagnostics", Hooks(gradients=capture),
+                         label=f"diagnostics(every={self.every})", commutes=True,
+                         preserves_finite=True)
 
     # -- sampling -----------------------------------------------------------------------------
 

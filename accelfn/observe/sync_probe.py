@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any, Literal
@@ -26,6 +26,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from ..core import compat
 from ..core.syncs import in_deferred_read
 from .findings import Finding
 
@@ -33,7 +34,8 @@ __all__ = ["SyncPoint", "SyncProbe"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _THIS_FILE = os.path.abspath(__file__)
-_SKIP_FILES = (_THIS_FILE, contextlib.__file__, threading.__file__)
+_SKIP_FILES = (_THIS_FILE, os.path.abspath(compat.__file__), contextlib.__file__,
+               threading.__file__)
 
 
 @dataclass(frozen=True)
@@ -155,23 +157,6 @@ def _emulated_sync(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 
 # compat: torch.utils._python_dispatch.TorchDispatchMode is a private torch API; this
 # function belongs in accelfn.core.compat (as ``aten_observer``) and lives here until then.
-def _aten_observer(
-        on_op: Callable[[str, tuple[Any, ...], dict[str, Any]], None],
-) -> contextlib.AbstractContextManager[Any]:
-    """A context manager that calls ``on_op(name, args, kwargs)`` before every aten operator
-    run inside it (``name``: the overload packet's, e.g. ``"nonzero"``), then runs it."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Observer(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                               kwargs: Any = None) -> Any:
-            kwargs = kwargs or {}
-            on_op(func.overloadpacket.__name__, tuple(args), kwargs)
-            return func(*args, **kwargs)
-
-    return _Observer()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__
-
-
 # Emulation cannot tell a tensor that would live on the GPU from one that stays on the CPU
 # by design. torch's optimizers keep their step counters on the CPU and read them with
 # ``.item()``: not a sync on a GPU, so not reported.
@@ -281,7 +266,7 @@ class SyncProbe:
             for name, op in (("cpu", "Tensor.cpu"), ("numpy", "Tensor.numpy"),
                              ("tolist", "Tensor.tolist")):
                 self._patch(stack, name, op)
-            stack.enter_context(_aten_observer(self._on_aten))
+            stack.enter_context(compat.aten_observer(self._on_aten))
         self._stack = stack
         return self
 

@@ -7,13 +7,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TypeVar, overload
 
 import torch
 from tensordict import TensorDictBase
 from torch import Tensor, nn
 
+from ..core import compat
 from ..data.gpu import ChannelsLast
 
 __all__ = ["channels_last", "is_channels_last"]
@@ -23,13 +23,6 @@ M = TypeVar("M", bound=nn.Module)
 
 def _to_channels_last(t: Tensor) -> Tensor:
     return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t
-
-
-def _module_apply(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> None:  # compat:
-    """``nn.Module._apply``: replace every parameter's and buffer's data (and gradient) by
-    ``fn`` of it, in place, the ``Parameter`` objects kept (what ``Module.to`` does, for any
-    ``fn``). To move to ``accelfn.core.compat`` as ``module_apply``."""
-    module._apply(fn)  # type: ignore[no-untyped-call]  # torch leaves _apply unannotated
 
 
 @overload
@@ -66,7 +59,7 @@ def channels_last(obj: nn.Module | Tensor | TensorDictBase
         tensors = [*obj.parameters(), *obj.buffers()]
         if not any(t.dim() == 4 for t in tensors):
             return obj
-        _module_apply(obj, _to_channels_last)
+        compat.module_apply(obj, _to_channels_last)
         return obj
     if isinstance(obj, Tensor):
         return _to_channels_last(obj)

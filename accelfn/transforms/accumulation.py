@@ -2,34 +2,76 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Any
 
-from ..core.engine import LossFn, Step, apply_transform
+from ..core.batch import Batch, split_batch
+from ..core.protocol import CallContext, Hooks, Plan, Sums, Transform
 
 __all__ = ["with_accumulation"]
 
 _MODES = ("split", "calls")
+_SLOT = "accumulation"
 
 
-class _Accumulation:
-    name = "with_accumulation"
+class _Window:
+    """State of ``mode='calls'``: calls and running sums of the open window."""
 
-    def __init__(self, n: int, mode: str) -> None:
-        self.accumulation = (n, mode)  # read by the step engine, which owns the micro-loop
+    def __init__(self) -> None:
+        self.calls = 0
+        self.sums = Sums()
 
-    def __repr__(self) -> str:
-        n, mode = self.accumulation
-        return f"with_accumulation({n})" if mode == "split" else f"with_accumulation({n}, calls)"
+    def close(self) -> Sums:
+        sums, self.calls, self.sums = self.sums, 0, Sums()
+        return sums
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.calls:
+            raise RuntimeError(
+                f"an accumulation window is open ({self.calls} call(s) with gradients not yet "
+                "applied); call step.flush(state) or save at a window boundary")
+        return {"calls": 0}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.calls = int(saved["calls"])
+        self.sums = Sums()
 
 
-def with_accumulation(n: int, *, mode: str = "split") -> Callable[[LossFn | Step], Step]:
+def _split_mode(n: int) -> Hooks:
+    def split(ctx: CallContext, batch: Batch) -> Plan:
+        return Plan(split_batch(batch, n) if n > 1 else (batch,))
+
+    return Hooks(split=split)
+
+
+def _calls_mode(n: int) -> Hooks:
+    def split(ctx: CallContext, batch: Batch) -> Plan:
+        if not ctx.training:
+            return Plan((batch,), absolute=True)
+        window = ctx.state.slot(_SLOT, _Window)
+        window.calls += 1
+        if window.calls >= n:
+            return Plan((batch,), update=True, sums=window.close(), absolute=True)
+        return Plan((batch,), update=False, sums=window.sums, absolute=True)
+
+    def flush(ctx: CallContext) -> Sums | None:
+        window = ctx.state.slot(_SLOT, _Window)
+        return window.close() if window.calls else None
+
+    def abort(ctx: CallContext) -> None:
+        window = ctx.state.get_slot(_SLOT)
+        if window is not None:
+            window.close()  # a failed call discards the open window
+
+    return Hooks(split=split, flush=flush, abort=abort)
+
+
+def with_accumulation(n: int, *, mode: str = "split") -> Transform:
     """Equivalent to one optimizer update on the whole batch, computed in ``n`` pieces.
 
     ``mode="split"`` splits each batch into ``n`` contiguous micro-batches (sizes may differ
     by one) and runs forward and backward on each; the micro-batch losses are weighted by
     their share of the samples, or by the ``"weight"`` the step function returns (e.g. valid
-    tokens), so the gradient equals the full-batch gradient. It is the seeds' loop written
-    exactly::
+    tokens), so the gradient equals the full-batch gradient. It is this loop, exactly::
 
         for micro in batch.split(sizes):
             (fn(model, micro) * len(micro) / len(batch)).backward()
@@ -40,16 +82,17 @@ def with_accumulation(n: int, *, mode: str = "split") -> Callable[[LossFn | Step
     ``mode="calls"`` is for streaming loaders: each call does forward and backward on its
     batch, and every ``n``-th call applies the update, weighting calls by samples (or
     ``"weight"``). ``step.flush(state)`` applies a short final window with the same
-    weighting. Non-update calls return the window's running metrics.
+    weighting. Non-update calls return the window's running metrics. A call that fails
+    discards the open window (its gradients are cleared).
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(
             f"with_accumulation(n) takes the number of micro-batches as an int, got {n!r}; "
-            "write with_accumulation(4)(my_step)"
-        )
+            "write with_accumulation(4)(my_step)")
     if n < 1:
         raise ValueError(f"with_accumulation(n) needs n >= 1, got {n}")
     if mode not in _MODES:
         raise ValueError(f"with_accumulation(mode={mode!r}) is unknown; use one of {_MODES}")
-    transform = _Accumulation(n, mode)
-    return lambda fn: apply_transform(fn, transform)
+    label = f"with_accumulation({n})" if mode == "split" else f"with_accumulation({n}, calls)"
+    return Transform("with_accumulation", _split_mode(n) if mode == "split" else _calls_mode(n),
+                     options=(("n", n), ("mode", mode)), label=label)

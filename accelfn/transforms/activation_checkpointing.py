@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
-    checkpoint,
     create_selective_checkpoint_contexts,
 )
+from torch.utils.checkpoint import (
+    checkpoint as torch_checkpoint,
+)
 
-from ..core.engine import Prepared, configurable
+from ..core.engine import LossFn, Step
 from ..core.modules import find_blocks, wrap_forward
+from ..core.protocol import Hooks, Prepared, Transform, configure
 from ..core.state import TrainState
 
 __all__ = ["checkpointed"]
+
+_SLOT = "checkpointed"
 
 BlockSpec = str | tuple[type, ...] | type | Callable[[str, nn.Module], bool]
 
@@ -38,12 +43,16 @@ COMPUTE_INTENSIVE_OPS = (
 def _select(model: nn.Module, blocks: BlockSpec) -> list[tuple[str, nn.Module]]:
     if blocks == "auto":
         return find_blocks(model)
-    if isinstance(blocks, type):
-        blocks = (blocks,)
-    if isinstance(blocks, tuple):
-        chosen = [(n, m) for n, m in model.named_modules() if n and isinstance(m, blocks)]
+    chosen: list[tuple[str, nn.Module]]
+    if isinstance(blocks, (type, tuple)):
+        types_ = blocks if isinstance(blocks, tuple) else (blocks,)
+        chosen = [(n, m) for n, m in model.named_modules()
+                  if n and any(isinstance(m, t) for t in types_)]
+    elif callable(blocks):
+        predicate: Callable[[str, nn.Module], bool] = blocks
+        chosen = [(n, m) for n, m in model.named_modules() if n and predicate(n, m)]
     else:
-        chosen = [(n, m) for n, m in model.named_modules() if n and blocks(n, m)]
+        raise ValueError(f"checkpointed(blocks={blocks!r}) is not understood")
     names = [n for n, _ in chosen]
     return [(n, m) for n, m in chosen if not any(n.startswith(o + ".") for o in names if o != n)]
 
@@ -61,53 +70,55 @@ def _run_checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any
                       **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    save = module._accelfn_ckpt_save
-    context_fn = (
-        (lambda: create_selective_checkpoint_contexts(_policy(save))) if save is not None
-        else None
-    )
-    extra = {} if context_fn is None else {"context_fn": context_fn}
-    return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+    save: tuple[Any, ...] | None = module.__dict__["_accelfn_ckpt_save"]
+    if save is None:
+        return torch_checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    def context_fn() -> Any:
+        return create_selective_checkpoint_contexts(_policy(save))  # type: ignore[no-untyped-call]
+
+    return torch_checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn,
+                            **kwargs)
 
 
-class _Checkpointed:
-    name = "checkpointed"
-    prepare_order = 10
-
-    def __init__(self, blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -> None:
-        self.blocks = blocks
-        self.every = every
-        self.save = save
-
-    def __repr__(self) -> str:
-        blocks = self.blocks if isinstance(self.blocks, str) else "custom"
-        parts = [f"blocks={blocks}"]
-        if self.every != 1:
-            parts.append(f"every={self.every}")
-        if self.save is not None:
-            parts.append(f"selective={len(self.save)} ops")
-        return f"checkpointed({', '.join(parts)})"
-
-    def prepare(self, prepared: Prepared, state: TrainState) -> None:
-        chosen = _select(state.model, self.blocks)
+def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -> Transform:
+    def checkpoint(prepared: Prepared, state: TrainState) -> Prepared:
+        chosen = _select(state.model, blocks)
         if not chosen:
             raise ValueError(
-                f"checkpointed(blocks={self.blocks!r}) found no block to checkpoint in "
+                f"checkpointed(blocks={blocks!r}) found no block to checkpoint in "
                 f"{type(state.model).__name__}; pass blocks=(MyBlock,) or a "
-                "predicate(name, module)"
-            )
-        for _, module in chosen[:: self.every]:
-            module._accelfn_ckpt_save = self.save
+                "predicate(name, module)")
+        for _, module in chosen[::every]:
+            module.__dict__["_accelfn_ckpt_save"] = save
             wrap_forward(module, "checkpoint", _run_checkpointed)
-        state.slot(self.name, lambda: {"blocks": len(chosen[:: self.every])})
+        state.slot(_SLOT, lambda: {"blocks": len(chosen[::every])})
+        return prepared
+
+    parts = [f"blocks={blocks if isinstance(blocks, str) else 'custom'}"]
+    if every != 1:
+        parts.append(f"every={every}")
+    if save is not None:
+        parts.append(f"selective={len(save)} ops")
+    return Transform(
+        _SLOT, Hooks(checkpoint=checkpoint),
+        options=(("blocks", blocks), ("every", every), ("save", save)),
+        label=f"checkpointed({', '.join(parts)})")
 
 
-def _build_checkpointed(
+@overload
+def checkpointed(fn: LossFn | Step, /) -> Step: ...
+@overload
+def checkpointed(*, blocks: BlockSpec = "auto", every: int = 1,
+                 selective: bool | Iterable[Any] = False) -> Transform: ...
+def checkpointed(
+    fn: LossFn | Step | None = None,
+    /,
     *,
     blocks: BlockSpec = "auto",
     every: int = 1,
     selective: bool | Iterable[Any] = False,
-) -> _Checkpointed:
+) -> Step | Transform:
     """Equivalent to replacing each chosen block's ``forward(x)`` by
     ``torch.utils.checkpoint.checkpoint(block.forward, x, use_reentrant=False)``.
 
@@ -134,7 +145,4 @@ def _build_checkpointed(
         save = None
     else:
         save = tuple(selective)
-    return _Checkpointed(blocks, every, save)
-
-
-checkpointed = configurable("checkpointed", _build_checkpointed)
+    return configure("checkpointed", fn, _checkpointed(blocks, every, save))

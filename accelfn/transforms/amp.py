@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
 
-from ..core.engine import Prepared, StepContext, configurable
+from ..core import compat
+from ..core.engine import LossFn, Step
 from ..core.modules import wrap_forward
+from ..core.protocol import CallContext, Hooks, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
 
 __all__ = ["with_amp"]
 
 ModuleSpec = type | str | Callable[[str, nn.Module], bool]
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+_SLOT = "with_amp"
 
 
 def _to_fp32(value: Any) -> Any:
@@ -38,78 +42,78 @@ def _matches(spec: ModuleSpec, name: str, module: nn.Module) -> bool:
     return bool(spec(name, module))
 
 
-class _Amp:
-    name = "with_amp"
-    prepare_order = 5
-    grads_order = 0
+def _resolve(dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is not None:
+        return dtype
+    if device.type == "cuda" and not _cuda_bf16():
+        return torch.float16
+    return torch.bfloat16
 
-    def __init__(self, dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...],
-                 init_scale: float, growth_interval: int) -> None:
-        self.dtype = dtype
-        self.fp32 = fp32
-        self.init_scale = init_scale
-        self.growth_interval = growth_interval
 
-    def __repr__(self) -> str:
-        dtype = "auto" if self.dtype is None else _DTYPES[self.dtype]
-        extra = f", fp32={len(self.fp32)} module spec(s)" if self.fp32 else ""
-        return f"with_amp({dtype}{extra})"
+def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: float,
+         growth_interval: int) -> Transform:
+    def islands(prepared: Prepared, state: TrainState) -> Prepared:
+        resolved = _resolve(dtype, prepared.device)
+        if resolved == torch.float16:
+            state.slot(_SLOT, lambda: torch.amp.GradScaler(
+                prepared.device.type, init_scale=init_scale, growth_interval=growth_interval))
+        if fp32:
+            found = 0
+            for name, module in state.model.named_modules():
+                if any(_matches(spec, name, module) for spec in fp32):
+                    wrap_forward(module, "fp32", _run_in_fp32)
+                    found += 1
+            if not found:
+                raise ValueError(
+                    f"with_amp(fp32={fp32!r}) matched no module of the model; give module "
+                    "types (nn.LSTM), qualified names ('encoder.rnn') or a "
+                    "predicate(name, module)")
+        return dataclasses.replace(prepared, compute_dtype=resolved)
 
-    def _dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype is not None:
-            return self.dtype
-        if device.type == "cuda" and not _cuda_bf16():
-            return torch.float16
-        return torch.bfloat16
+    def forward_context(ctx: CallContext) -> contextlib.AbstractContextManager[Any]:
+        return torch.autocast(ctx.device.type, dtype=ctx.prepared.compute_dtype)
 
-    def prepare(self, prepared: Prepared, state: TrainState) -> None:
-        if self._dtype(state.device) == torch.float16:
-            state.slot(self.name, lambda: torch.amp.GradScaler(
-                state.device.type, init_scale=self.init_scale,
-                growth_interval=self.growth_interval))
-        if not self.fp32:
-            return
-        found = 0
-        for name, module in state.model.named_modules():
-            if any(_matches(spec, name, module) for spec in self.fp32):
-                wrap_forward(module, "fp32", _run_in_fp32)
-                found += 1
-        if not found:
-            raise ValueError(
-                f"with_amp(fp32={self.fp32!r}) matched no module of the model; give module "
-                "types (nn.LSTM), qualified names ('encoder.rnn') or a predicate(name, module)"
-            )
-
-    def forward_context(self, ctx: StepContext) -> contextlib.AbstractContextManager[Any]:
-        return torch.autocast(ctx.device.type, dtype=self._dtype(ctx.device))
-
-    def _scaler(self, ctx: StepContext) -> torch.amp.GradScaler | None:
-        return ctx.state.get_slot(self.name)
-
-    def scale_loss(self, loss: Tensor, ctx: StepContext) -> Tensor:
-        scaler = self._scaler(ctx)
+    def scale_loss(ctx: CallContext, loss: Tensor) -> Tensor:
+        scaler = ctx.state.get_slot(_SLOT)
         return loss if scaler is None else scaler.scale(loss)
 
-    def on_grads(self, ctx: StepContext) -> None:
-        scaler = self._scaler(ctx)
+    def unscale(ctx: UpdateContext) -> None:
+        scaler = ctx.state.get_slot(_SLOT)
         if scaler is None:
             return
-        ctx.metrics["loss_scale"] = scaler._get_scale_async().detach().clone()
+        ctx.metrics["loss_scale"] = compat.scaler_scale(scaler).detach().clone()
         scaler.unscale_(ctx.optimizer)
-        found = scaler._found_inf_per_device(ctx.optimizer)
-        flags = [f.to(ctx.device) for f in found.values()]
-        ctx.grads_nonfinite = (torch.stack(flags).sum() > 0 if flags
-                               else torch.zeros((), dtype=torch.bool, device=ctx.device))
+        flags = [f.to(ctx.device) for f in compat.scaler_found_inf(scaler, ctx.optimizer)]
+        ctx.report_overflow(torch.stack(flags).sum() > 0 if flags
+                            else torch.zeros((), dtype=torch.bool, device=ctx.device))
 
-    def on_update(self, ctx: StepContext, skipped: Tensor) -> None:
-        scaler = self._scaler(ctx)
+    def after_update(ctx: UpdateContext, skipped: Tensor) -> None:
+        scaler = ctx.state.get_slot(_SLOT)
         if scaler is not None:
             scaler.update()
+
+    def abort(ctx: CallContext) -> None:
+        scaler = ctx.state.get_slot(_SLOT)
+        if scaler is not None:
+            compat.scaler_forget_step(scaler)
+
+    label = "auto" if dtype is None else _DTYPES[dtype]
+    extra = f", fp32={len(fp32)} module spec(s)" if fp32 else ""
+    return Transform(
+        _SLOT,
+        Hooks(islands=islands, forward_context=forward_context, scale_loss=scale_loss,
+              unscale=unscale, after_update=after_update, abort=abort),
+        options=(("dtype", dtype), ("fp32", fp32), ("init_scale", init_scale),
+                 ("growth_interval", growth_interval)),
+        label=f"with_amp({label}{extra})",
+        commutes=True,  # its hooks touch only autocast and its own loss scaler
+        preserves_finite=True,  # unscaling divides by a finite scale and reports overflow
+    )
 
 
 @functools.cache
 def _cuda_bf16() -> bool:
-    return torch.cuda.is_bf16_supported()
+    return bool(torch.cuda.is_bf16_supported())
 
 
 def _run_in_fp32(module: nn.Module, forward: Callable[..., Any], *args: Any,
@@ -119,13 +123,21 @@ def _run_in_fp32(module: nn.Module, forward: Callable[..., Any], *args: Any,
         return forward(*_to_fp32(args), **_to_fp32(kwargs))
 
 
-def _build_amp(
+@overload
+def with_amp(fn: LossFn | Step, /) -> Step: ...
+@overload
+def with_amp(*, dtype: torch.dtype | None = None,
+             fp32: ModuleSpec | tuple[ModuleSpec, ...] | list[ModuleSpec] = (),
+             init_scale: float = 2.0**16, growth_interval: int = 2000) -> Transform: ...
+def with_amp(
+    fn: LossFn | Step | None = None,
+    /,
     *,
     dtype: torch.dtype | None = None,
     fp32: ModuleSpec | tuple[ModuleSpec, ...] | list[ModuleSpec] = (),
     init_scale: float = 2.0**16,
     growth_interval: int = 2000,
-) -> _Amp:
+) -> Step | Transform:
     """Equivalent to running the forward under ``torch.autocast(device, dtype)``.
 
     With ``dtype=torch.float16`` the loss is also scaled by a ``torch.amp.GradScaler``
@@ -147,7 +159,4 @@ def _build_amp(
                             "predicate(name, module)")
     if init_scale <= 0 or growth_interval < 1:
         raise ValueError("with_amp needs init_scale > 0 and growth_interval >= 1")
-    return _Amp(dtype, specs, float(init_scale), int(growth_interval))
-
-
-with_amp = configurable("with_amp", _build_amp)
+    return configure("with_amp", fn, _amp(dtype, specs, float(init_scale), int(growth_interval)))

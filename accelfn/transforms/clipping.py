@@ -3,67 +3,77 @@
 from __future__ import annotations
 
 import math
+from typing import overload
 
 import torch
 
-from ..core.engine import StepContext, configurable
+from ..core.engine import LossFn, Step
+from ..core.protocol import Hooks, Transform, UpdateContext, configure
 
 __all__ = ["with_clipping"]
 
 
-class _Clipping:
-    name = "with_clipping"
-    grads_order = 30
-
-    def __init__(self, max_norm: float | None, norm_type: float, max_value: float | None) -> None:
-        self.max_norm = max_norm
-        self.norm_type = norm_type
-        self.max_value = max_value
-
-    def __repr__(self) -> str:
-        if self.max_value is not None:
-            return f"with_clipping(max_value={self.max_value:g})"
-        norm = "" if self.norm_type == 2.0 else f", norm_type={self.norm_type:g}"
-        return f"with_clipping(max_norm={self.max_norm:g}{norm})"
-
-    def on_grads(self, ctx: StepContext) -> None:
-        params = [p for g in ctx.optimizer.param_groups for p in g["params"] if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], self.norm_type)
-        if hasattr(norm, "full_tensor"):  # FSDP2 shards: the norm over all processes
-            norm = norm.full_tensor()
-        if self.max_value is None:
-            torch.nn.utils.clip_grads_with_norm_(params, self.max_norm, norm)
+def _clipping(max_norm: float | None, norm_type: float, max_value: float | None) -> Transform:
+    def clip(ctx: UpdateContext) -> None:
+        # the model's parameter order, as clip_grad_norm_(model.parameters()) sums the norm
+        params = [p for p in ctx.state.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],
+                                             norm_type)
+        full_tensor = getattr(norm, "full_tensor", None)
+        if callable(full_tensor):  # FSDP2 shards: the norm over all processes
+            norm = full_tensor()
+        if max_value is None:
+            assert max_norm is not None
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            ctx.report_norm(norm)  # scaled by a finite factor: still says if any is NaN/Inf
         else:
-            torch.nn.utils.clip_grad_value_(params, self.max_value)
-        ctx.grad_norm = norm
+            torch.nn.utils.clip_grad_value_(params, max_value)
         ctx.metrics["grad_norm"] = norm.detach()
 
+    if max_value is not None:
+        label = f"with_clipping(max_value={max_value:g})"
+    else:
+        assert max_norm is not None
+        norm = "" if norm_type == 2.0 else f", norm_type={norm_type:g}"
+        label = f"with_clipping(max_norm={max_norm:g}{norm})"
+    return Transform(
+        "with_clipping", Hooks(clip=clip),
+        options=(("max_norm", max_norm), ("norm_type", norm_type), ("max_value", max_value)),
+        label=label, preserves_finite=True)
 
-def _build_clipping(
+
+@overload
+def with_clipping(fn: LossFn | Step, /) -> Step: ...
+@overload
+def with_clipping(*, max_norm: float | None = None, norm_type: float = 2.0,
+                  max_value: float | None = None) -> Transform: ...
+def with_clipping(
+    fn: LossFn | Step | None = None,
+    /,
     *,
     max_norm: float | None = None,
     norm_type: float = 2.0,
     max_value: float | None = None,
-) -> _Clipping:
-    """Equivalent to ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` before
-    ``optimizer.step()`` (or ``clip_grad_value_(params, max_value)``).
+) -> Step | Transform:
+    """Equivalent to ``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm,
+    norm_type)`` before ``optimizer.step()`` (or ``clip_grad_value_(model.parameters(),
+    max_value)``), bitwise: the norm is summed in the model's parameter order.
 
     Always applied to unscaled, fully accumulated (and, across processes, reduced) gradients,
-    whatever the stacking order. Bare ``with_clipping(f)`` clips to global L2 norm 1.0.
-    Metric ``grad_norm``: the total norm before clipping, a device tensor.
+    after user gradient transforms, whatever the stacking order. Bare ``with_clipping(f)``
+    clips to global L2 norm 1.0. Metric ``grad_norm``: the total norm before clipping, a
+    device tensor.
     """
     if max_norm is not None and max_value is not None:
         raise ValueError("with_clipping takes max_norm or max_value, not both")
     if max_norm is None and max_value is None:
         max_norm = 1.0
     for label, value in (("max_norm", max_norm), ("max_value", max_value)):
-        if value is not None and (not isinstance(value, (int, float)) or not value > 0
-                                  or math.isinf(value)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not value > 0 or math.isinf(value)):
             raise ValueError(f"with_clipping({label}={value!r}) must be a finite number > 0")
     if not (norm_type == math.inf or (isinstance(norm_type, (int, float)) and norm_type > 0)):
         raise ValueError(f"with_clipping(norm_type={norm_type!r}) must be > 0 or math.inf")
-    return _Clipping(None if max_norm is None else float(max_norm), float(norm_type),
-                     None if max_value is None else float(max_value))
-
-
-with_clipping = configurable("with_clipping", _build_clipping)
+    return configure("with_clipping", fn, _clipping(
+        None if max_norm is None else float(max_norm), float(norm_type),
+        None if max_value is None else float(max_value)))

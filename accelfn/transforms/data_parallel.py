@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import dataclasses
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..core.engine import Prepared, StepContext, configurable
+from ..core import compat
+from ..core.engine import LossFn, Step
 from ..core.modules import find_blocks
 from ..core.processes import init_distributed, world_size
+from ..core.protocol import CallContext, Hooks, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
 
 __all__ = ["distributed"]
@@ -20,135 +23,134 @@ _STRATEGIES = ("ddp", "fsdp")
 _COMPRESSION = (None, "fp16", "bf16", "powersgd")
 
 
-class _Distributed:
-    name = "distributed"
-    prepare_order = 30
-    grads_order = 5
+def _ddp(model: nn.Module, device: torch.device, static_graph: bool,
+         compression: str | None, bucket_cap_mb: float | None,
+         find_unused_parameters: bool) -> nn.Module:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel
 
-    def __init__(self, strategy: str, static_graph: bool, compression: str | None,
+    kwargs: dict[str, Any] = {"gradient_as_bucket_view": True, "static_graph": static_graph,
+                              "find_unused_parameters": find_unused_parameters}
+    if device.type == "cuda":
+        kwargs["device_ids"] = [device.index]
+    if bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
+    ddp = DistributedDataParallel(model, **kwargs)
+    if compression == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif compression == "bf16":
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif compression == "powersgd":
+        hook_state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                start_powerSGD_iter=2)
+        ddp.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
+    return ddp
+
+
+def _fsdp(model: nn.Module, state: TrainState, param_dtype: torch.dtype | None) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    before = {id(p): name for name, p in model.named_parameters()}
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for _, block in find_blocks(model):
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    after = dict(model.named_parameters())
+    # fully_shard swaps parameters for DTensor ones: point the optimizer at them.
+    optimizer = state.optimizer
+    if optimizer.state:
+        raise ValueError("distributed(strategy='fsdp') must shard the model before the "
+                         "optimizer has state; build the step before loading a checkpoint")
+    for group in optimizer.param_groups:
+        group["params"] = [after[before[id(p)]] for p in group["params"]]
+
+
+def _distributed(strategy: str, static_graph: bool, compression: str | None,
                  sync_batchnorm: bool, bucket_cap_mb: float | None, fsdp_sync: str,
-                 find_unused_parameters: bool) -> None:
-        self.strategy = strategy
-        self.static_graph = static_graph
-        self.compression = compression
-        self.sync_batchnorm = sync_batchnorm
-        self.bucket_cap_mb = bucket_cap_mb
-        self.fsdp_sync = fsdp_sync
-        self.find_unused_parameters = find_unused_parameters
-        self._amp_dtype: torch.dtype | None = None
-
-    def __repr__(self) -> str:
-        parts = [self.strategy]
-        if self.compression:
-            parts.append(f"compression={self.compression}")
-        if self.static_graph:
-            parts.append("static_graph")
-        if self.sync_batchnorm:
-            parts.append("sync_batchnorm")
-        return f"distributed({', '.join(parts)})"
-
-    def validate(self, transforms: tuple[Any, ...]) -> None:
-        for t in transforms:
-            if getattr(t, "name", None) == "with_amp":
-                self._amp_dtype = getattr(t, "dtype", None) or torch.bfloat16
-
-    def prepare(self, prepared: Prepared, state: TrainState) -> None:
+                 find_unused_parameters: bool) -> Transform:
+    def shard(prepared: Prepared, state: TrainState) -> Prepared:
         init_distributed()
         if world_size() == 1:
-            return
-        device = state.device
-        expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+            return prepared
+        device = prepared.device
+        expected = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
         if device.type != expected.type or (device.type == "cuda" and device != expected):
             raise ValueError(
                 f"the model is on {device} but this process trains on {expected}; move it "
-                "with model.to(accelfn.init_distributed()) before building the TrainState"
-            )
+                "with model.to(accelfn.init_distributed()) before building the TrainState")
         model = prepared.model
-        if self.sync_batchnorm:
+        if sync_batchnorm:
             if device.type != "cuda":
                 raise ValueError(
                     "distributed(sync_batchnorm=True) needs CUDA devices: SyncBatchNorm has no "
-                    "CPU implementation; leave it off when training on CPUs"
-                )
-            converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+                    "CPU implementation; leave it off when training on CPUs")
+            converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
             if converted is not model:
-                raise ValueError("sync_batchnorm cannot convert a model that is itself a BatchNorm")
-        if self.strategy == "ddp":
-            prepared.model = self._ddp(model, device)
-        else:
-            self._fsdp(model, state)
-        prepared.process_group = dist.group.WORLD
+                raise ValueError("sync_batchnorm cannot convert a model that is itself a "
+                                 "BatchNorm")
+        if strategy == "ddp":
+            model = _ddp(model, device, static_graph, compression, bucket_cap_mb,
+                         find_unused_parameters)
+        else:  # the islands phase (with_amp) set the compute dtype: FSDP's parameter dtype
+            _fsdp(model, state, prepared.compute_dtype)
+        return dataclasses.replace(prepared, model=model, process_group=dist.group.WORLD)
 
-    def _ddp(self, model: nn.Module, device: torch.device) -> nn.Module:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
-        from torch.nn.parallel import DistributedDataParallel
-
-        kwargs: dict[str, Any] = {"gradient_as_bucket_view": True,
-                                  "static_graph": self.static_graph,
-                                  "find_unused_parameters": self.find_unused_parameters}
-        if device.type == "cuda":
-            kwargs["device_ids"] = [device.index]
-        if self.bucket_cap_mb is not None:
-            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
-        ddp = DistributedDataParallel(model, **kwargs)
-        if self.compression == "fp16":
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-        elif self.compression == "bf16":
-            ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
-        elif self.compression == "powersgd":
-            hook_state = powerSGD_hook.PowerSGDState(process_group=None,
-                                                    matrix_approximation_rank=1,
-                                                    start_powerSGD_iter=2)
-            ddp.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
-        return ddp
-
-    def _fsdp(self, model: nn.Module, state: TrainState) -> None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        before = {id(p): name for name, p in model.named_parameters()}
-        policy = MixedPrecisionPolicy(param_dtype=self._amp_dtype, reduce_dtype=torch.float32)
-        for _, block in find_blocks(model):
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
-        after = dict(model.named_parameters())
-        # fully_shard swaps parameters for DTensor ones: point the optimizer at them.
-        optimizer = state.optimizer
-        if optimizer.state:
-            raise ValueError("distributed(strategy='fsdp') must shard the model before the "
-                             "optimizer has state; build the step before loading a checkpoint")
-        for group in optimizer.param_groups:
-            group["params"] = [after[before[id(p)]] for p in group["params"]]
-
-    def micro_context(self, ctx: StepContext, index: int, sync: bool) -> Any:
+    def micro_context(ctx: CallContext, index: int,
+                      sync: bool) -> contextlib.AbstractContextManager[Any]:
         model = ctx.model
         if sync or ctx.distributed is None:
-            if self.strategy == "fsdp" and ctx.distributed is not None:
+            if strategy == "fsdp" and ctx.distributed is not None:
                 _root(model).set_requires_gradient_sync(True)
             return contextlib.nullcontext()
-        if self.strategy == "ddp":
-            return model.no_sync()
-        if self.fsdp_sync == "once":
+        if strategy == "ddp":
+            no_sync: contextlib.AbstractContextManager[Any] = getattr(model, "no_sync")()  # noqa: B009
+            return no_sync
+        if fsdp_sync == "once":
             _root(model).set_requires_gradient_sync(False)
         return contextlib.nullcontext()
 
-    def on_grads(self, ctx: StepContext) -> None:
+    def reduce(ctx: UpdateContext) -> None:
         # Processes averaged sum(coef * grad) over the world; the engine divides by the local
         # weight. Make the divisor global weight / world, so the result is the exact
         # full-batch gradient over all processes' samples (or tokens).
-        if ctx.distributed is None or ctx.grad_divisor is None:
+        if ctx.distributed is None or ctx.divisor is None:
             return
-        total = ctx.grad_divisor.clone()
+        total = ctx.divisor.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.distributed)
         ctx.weight_total = total
-        ctx.grad_divisor = total / world_size()
+        ctx.divisor = total / world_size()
+
+    parts = [strategy]
+    if compression:
+        parts.append(f"compression={compression}")
+    if static_graph:
+        parts.append("static_graph")
+    if sync_batchnorm:
+        parts.append("sync_batchnorm")
+    return Transform(
+        "distributed", Hooks(shard=shard, micro_context=micro_context, reduce=reduce),
+        options=(("strategy", strategy), ("static_graph", static_graph),
+                 ("compression", compression), ("sync_batchnorm", sync_batchnorm),
+                 ("bucket_cap_mb", bucket_cap_mb), ("fsdp_sync", fsdp_sync),
+                 ("find_unused_parameters", find_unused_parameters)),
+        label=f"distributed({', '.join(parts)})", preserves_finite=True)
 
 
 def _root(model: nn.Module) -> Any:
-    return getattr(model, "_orig_mod", model)
+    return compat.unwrap_compiled(model)
 
 
-def _build_distributed(
+@overload
+def distributed(fn: LossFn | Step, /) -> Step: ...
+@overload
+def distributed(*, strategy: str = "ddp", static_graph: bool = False,
+                compression: str | None = None, sync_batchnorm: bool = False,
+                bucket_cap_mb: float | None = None, fsdp_sync: str = "every",
+                find_unused_parameters: bool = False) -> Transform: ...
+def distributed(
+    fn: LossFn | Step | None = None,
+    /,
     *,
     strategy: str = "ddp",
     static_graph: bool = False,
@@ -157,7 +159,7 @@ def _build_distributed(
     bucket_cap_mb: float | None = None,
     fsdp_sync: str = "every",
     find_unused_parameters: bool = False,
-) -> _Distributed:
+) -> Step | Transform:
     """Equivalent to ``DistributedDataParallel(model, gradient_as_bucket_view=True)`` (or
     FSDP2 ``fully_shard`` on each repeated block and on the root) under torchrun, with
     ``no_sync()`` on every micro-batch but the last; a no-op in a single process.
@@ -182,8 +184,6 @@ def _build_distributed(
         raise ValueError("compression and static_graph are DDP options; FSDP2 takes neither")
     if bucket_cap_mb is not None and bucket_cap_mb <= 0:
         raise ValueError("distributed(bucket_cap_mb=...) must be > 0")
-    return _Distributed(strategy, static_graph, compression, sync_batchnorm, bucket_cap_mb,
-                        fsdp_sync, find_unused_parameters)
-
-
-distributed = configurable("distributed", _build_distributed)
+    return configure("distributed", fn, _distributed(
+        strategy, static_graph, compression, sync_batchnorm, bucket_cap_mb, fsdp_sync,
+        find_unused_parameters))

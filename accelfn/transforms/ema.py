@@ -13,13 +13,15 @@ weights (no host sync, skipped updates leave it untouched), and is saved in the 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, overload
 
 import torch
 from torch import Tensor, nn
 
-from ..core.engine import Prepared, StepContext, configurable
+from ..core import compat
+from ..core.engine import LossFn, Step
+from ..core.protocol import CallContext, Hooks, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
 
 __all__ = ["ema_state_dict", "ema_weights", "with_ema"]
@@ -60,7 +62,7 @@ class _EmaWeights:
     # ----------------------------------------------------------------- model side
     def sources(self, model: nn.Module) -> list[Tensor]:
         """The model's tensors in the order of :attr:`values`."""
-        found = [p for _, p in model.named_parameters()]
+        found: list[Tensor] = [p for _, p in model.named_parameters()]
         if self.average_buffers:
             found += [b for _, b in model.named_buffers()]
         if len(found) != len(self.values):
@@ -93,7 +95,7 @@ class _EmaWeights:
         sources = self.sources(model)
         for (device, _), index in self.groups.items():
             w = weight.to(device)
-            torch._foreach_lerp_([self.values[i] for i in index],
+            compat.foreach_lerp_([self.values[i] for i in index],
                                  [sources[i].detach() for i in index], [w] * len(index))
         for i in self.copied:
             v = self.values[i]
@@ -125,55 +127,57 @@ class _EmaWeights:
             self.updates.copy_(saved["updates"])
 
 
-class _Ema:
-    name = _SLOT
-    prepare_order = 60  # after DDP/FSDP (30) and compile (40): average the final parameters
-
-    def __init__(self, decay: float, every: int, warmup: bool, buffers: str) -> None:
-        self.decay = decay
-        self.every = every
-        self.warmup = warmup
-        self.buffers = buffers
-
-    def __repr__(self) -> str:
-        extra = "".join([
-            f", every={self.every}" if self.every != 1 else "",
-            ", warmup" if self.warmup else "",
-            ", buffers='copy'" if self.buffers != "average" else "",
-        ])
-        return f"with_ema({self.decay:g}{extra})"
-
-    def _slot(self, state: TrainState) -> _EmaWeights:
-        slot = state.slot(_SLOT, lambda: _EmaWeights(state.model, self.buffers == "average"))
-        if slot.average_buffers != (self.buffers == "average"):
+def _ema(decay: float, every: int, warmup: bool, buffers: str) -> Transform:
+    def slot(state: TrainState) -> _EmaWeights:
+        weights = state.slot(_SLOT, lambda: _EmaWeights(state.model, buffers == "average"))
+        if weights.average_buffers != (buffers == "average"):
             raise ValueError("the state's EMA was built with another buffers= option than "
                              "this step's with_ema")
-        return slot
+        return weights  # type: ignore[no-any-return]
 
-    def prepare(self, prepared: Prepared, state: TrainState) -> None:
-        self._slot(state)
+    def average(prepared: Prepared, state: TrainState) -> Prepared:
+        slot(state)
+        return prepared
 
-    def on_update(self, ctx: StepContext, skipped: Tensor) -> None:
-        self._slot(ctx.state).update(ctx.state.model, skipped, self.decay, self.every,
-                                     self.warmup)
+    def after_update(ctx: UpdateContext, skipped: Tensor) -> None:
+        slot(ctx.state).update(ctx.state.model, skipped, decay, every, warmup)
 
-    evaluate_options = ("weights",)
-
-    def evaluate_context(self, ctx: StepContext,
-                         weights: str = "model") -> contextlib.AbstractContextManager[Any]:
+    def evaluate_context(ctx: CallContext, options: Mapping[str, Any]
+                         ) -> contextlib.AbstractContextManager[Any]:
         """``step.evaluate(state, batch, weights="ema")`` evaluates the EMA weights."""
+        weights = options.get("weights", "model")
         if weights not in ("model", "ema"):
             raise ValueError(f"evaluate(weights={weights!r}): use 'model' or 'ema'")
         return ema_weights(ctx.state) if weights == "ema" else contextlib.nullcontext()
 
+    extra = "".join([
+        f", every={every}" if every != 1 else "",
+        ", warmup" if warmup else "",
+        ", buffers='copy'" if buffers != "average" else "",
+    ])
+    return Transform(
+        _SLOT, Hooks(average=average, after_update=after_update,
+                     evaluate_context=evaluate_context),
+        options=(("decay", decay), ("every", every), ("warmup", warmup), ("buffers", buffers)),
+        label=f"with_ema({decay:g}{extra})",
+        commutes=frozenset({"with_amp"}),  # its after_update reads the weights amp leaves be
+        evaluate_options=("weights",))
 
-def _build_ema(
+
+@overload
+def with_ema(fn: LossFn | Step, /) -> Step: ...
+@overload
+def with_ema(*, decay: float = 0.999, every: int = 1, warmup: bool = False,
+             buffers: str = "average") -> Transform: ...
+def with_ema(
+    fn: LossFn | Step | None = None,
+    /,
     *,
     decay: float = 0.999,
     every: int = 1,
     warmup: bool = False,
     buffers: str = "average",
-) -> _Ema:
+) -> Step | Transform:
     """Equivalent to ``ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay),
     use_buffers=True)`` and ``ema.update_parameters(model)`` after every real optimizer update.
 
@@ -199,10 +203,7 @@ def _build_ema(
         raise TypeError(f"with_ema(warmup={warmup!r}) takes True or False")
     if buffers not in _BUFFERS:
         raise ValueError(f"with_ema(buffers={buffers!r}) must be one of {_BUFFERS}")
-    return _Ema(float(decay), every, warmup, buffers)
-
-
-with_ema = configurable("with_ema", _build_ema)
+    return configure("with_ema", fn, _ema(float(decay), every, warmup, buffers))
 
 
 def _ema_slot(state: TrainState) -> _EmaWeights:
@@ -214,6 +215,7 @@ def _ema_slot(state: TrainState) -> _EmaWeights:
             "this state has no EMA weights: build the step with af.with_ema(...) and call it "
             "(or step.prepare(state) after loading a checkpoint) first"
         )
+    assert isinstance(slot, _EmaWeights)
     return slot
 
 
@@ -234,11 +236,11 @@ def ema_weights(state: TrainState) -> Iterator[nn.Module]:
     targets = [t.detach() for t in slot.sources(state.model)]
     with torch.no_grad():
         own = [t.clone() for t in targets]
-        torch._foreach_copy_(targets, slot.values)
+        compat.foreach_copy_(targets, slot.values)
         try:
             yield state.model
         finally:
-            torch._foreach_copy_(targets, own)
+            compat.foreach_copy_(targets, own)
 
 
 def ema_state_dict(state: TrainState) -> dict[str, Tensor]:

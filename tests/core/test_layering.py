@@ -17,7 +17,7 @@ ALLOWED: dict[str, set[str]] = {
     "observe": {"core"},
     "checkpointing": {"core"},
     "recipes": {"core", "data"},
-    "testing": {"core", "transforms"},
+    "testing": {"core", "transforms", "observe"},
     "cli": {"core", "transforms", "data", "observe", "checkpointing", "recipes", "__init__"},
     "assets": set(),
 }

@@ -227,14 +227,14 @@ def test_skipped_update_does_not_advance_the_schedule(net):
     assert metrics["lr"].item() == pytest.approx(0.1 * 2 / 4)  # update 1's rate, not 2's
 
 
-class TensorLR:
-    """What compiled(optimizer=True) does to the optimizer, without compiling."""
+def _tensor_lr(prepared, state):
+    for group in state.optimizer.param_groups:
+        group["lr"] = torch.tensor(float(group["lr"]))
+    return prepared
 
-    name = "tensor_lr"
 
-    def prepare(self, prepared, state):
-        for group in state.optimizer.param_groups:
-            group["lr"] = torch.tensor(float(group["lr"]))
+# What compiled(optimizer=True) does to the optimizer, without compiling.
+TensorLR = af.Transform("tensor_lr", af.Hooks(compile=_tensor_lr))
 
 
 @pytest.mark.parametrize("make", [
@@ -248,7 +248,7 @@ def test_tensor_learning_rates_are_updated_in_place(net, make):
     ref = make(opt_f)
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     state = af.TrainState(net, opt, scheduler=make(opt))  # built before the lr is a tensor
-    step = af.lift(classify).with_transform(TensorLR())
+    step = af.lift(classify).with_transform(TensorLR)
     step(state, make_batch(seed=0))
     lr = opt.param_groups[0]["lr"]
     assert isinstance(lr, torch.Tensor)

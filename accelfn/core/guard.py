@@ -1,0 +1,167 @@
+"""The non-finite guard: the ``decide`` phase that skips updates with NaN/Inf loss or gradients.
+
+Every step has one: :func:`nonfinite` with ``policy="skip", max_consecutive=10`` unless the
+stack holds another transform filling the ``decide`` phase (``accelfn.with_nonfinite``
+builds one with other options; users may write their own). It lives in the core because the
+engine needs a default; it is an ordinary transform on the public protocol.
+
+The decision is taken on the gradients the optimizer will apply: it reuses a norm or an
+overflow flag only when no hook wrote the gradients after it was reported, and checks the
+gradients itself otherwise. With a fused optimizer the skip happens on the device and the
+flags are read one update later (:meth:`Guard.settle`); otherwise they are read before the
+optimizer step (one host read per update).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import compat
+from .protocol import Decision, Hooks, Transform, UpdateContext
+from .state import TrainState
+from .syncs import deferred_read
+
+__all__ = ["POLICIES", "Guard", "NonFiniteError", "nonfinite"]
+
+POLICIES = ("skip", "raise", "off")
+SLOT = "nonfinite"
+
+
+class NonFiniteError(FloatingPointError):
+    """Raised when the non-finite policy says a NaN/Inf loss or gradient must stop training."""
+
+
+class Guard:
+    """State of the non-finite guard: skipped updates in total and in a row."""
+
+    def __init__(self) -> None:
+        self.skipped = 0
+        self.consecutive = 0
+        self._pending: tuple[Any, ...] | None = None
+
+    def decide(self, flags: Tensor, update: int, policy: str, limit: int) -> bool:
+        loss_bad, grads_bad, overflow = flags.tolist()  # the host read of a non-fused update
+        return self._account(loss_bad, grads_bad, overflow, update, policy, limit)
+
+    def defer(self, flags: Tensor, update: int, policy: str, limit: int) -> None:
+        event = None
+        if flags.is_cuda:
+            host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+            host.copy_(flags, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+        else:
+            host = flags
+        self._pending = (host, event, update, policy, limit)
+
+    def settle(self, state: TrainState) -> None:
+        """Apply a deferred decision: count it, step the scheduler if the update was real."""
+        if self._pending is None:
+            return
+        host, event, update, policy, limit = self._pending
+        self._pending = None
+        with deferred_read():  # copied to pinned memory one update ago: no device wait
+            if event is not None:
+                event.synchronize()
+            loss_bad, grads_bad, overflow = host.tolist()
+        skipped = self._account(loss_bad, grads_bad, overflow, update, policy, limit)
+        if not skipped and state.scheduler is not None:
+            state.scheduler.step()
+
+    def _account(self, loss_bad: bool, grads_bad: bool, overflow: bool, update: int,
+                 policy: str, limit: int) -> bool:
+        if not (loss_bad or grads_bad or overflow):
+            self.consecutive = 0
+            return False
+        self.skipped += 1
+        if overflow and not loss_bad:
+            return True  # an fp16 overflow: the loss scale backs off, it is not divergence
+        if policy == "off":
+            return True
+        what = "loss" if loss_bad else "gradients"
+        if policy == "raise":
+            raise NonFiniteError(
+                f"non-finite {what} at update {update}; no state was changed. Lower the "
+                "learning rate, clip gradients, or use with_nonfinite(policy='skip') to skip "
+                "such updates")
+        self.consecutive += 1
+        if self.consecutive >= limit:
+            raise NonFiniteError(
+                f"{self.consecutive} updates in a row had a non-finite {what} (last at update "
+                f"{update}); training diverged. Lower the learning rate or check the data")
+        return True
+
+    def state_dict(self) -> dict[str, int]:
+        if self._pending is not None:
+            raise RuntimeError("call state.sync() before saving (a decision is pending)")
+        return {"skipped": self.skipped, "consecutive": self.consecutive}
+
+    def load_state_dict(self, saved: dict[str, int]) -> None:
+        self.skipped, self.consecutive = int(saved["skipped"]), int(saved["consecutive"])
+        self._pending = None
+
+
+def grads_nonfinite(grads: list[Tensor], device: torch.device) -> Tensor:
+    """A device flag: does any gradient hold NaN or Inf (one fused pass, values unchanged)."""
+    found = torch.zeros((), dtype=torch.float32, device=device)
+    if not grads:
+        return found.bool()
+    one = torch.ones((), dtype=torch.float32, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    for (dev, _), group in groups.items():
+        flag = found if dev == device else torch.zeros((), device=dev)
+        compat.non_finite_check_and_unscale_(group, flag, one.to(dev))
+        if flag is not found:
+            found += flag.to(device)
+    return found > 0
+
+
+def _flags(ctx: UpdateContext, check: bool) -> Tensor:
+    """Device flags [loss non-finite, gradients non-finite, loss-scale overflow]."""
+    overflow = ctx.fact("overflow", current=False)
+    no = torch.zeros((), dtype=torch.bool, device=ctx.device)
+    overflow = no if overflow is None else overflow.to(ctx.device)
+    if not check:
+        return torch.stack([no, no, overflow])
+    # x * 0 is NaN exactly when x is NaN or +-Inf: two kernels where isfinite takes four
+    norm = ctx.fact("norm")
+    if ctx.fact("overflow") is not None:  # unscaling checked the gradients as they are
+        return torch.stack([ctx.loss.float().mul(0).ne(0), overflow, overflow])
+    if norm is not None:  # a NaN/Inf gradient makes the total norm NaN/Inf
+        bad = torch.stack([ctx.loss.float(), norm.float()]).mul_(0).ne_(0)
+        return torch.cat([bad, overflow.reshape(1)])
+    grads_bad = grads_nonfinite(ctx.local_grads(), ctx.device)
+    return torch.stack([ctx.loss.float().mul(0).ne(0), grads_bad, overflow])
+
+
+def nonfinite(policy: str = "skip", max_consecutive: int = 10) -> Transform:
+    """The guard as a transform (see the module docstring); options checked by the caller."""
+
+    def decide(ctx: UpdateContext) -> Decision:
+        guard = ctx.state.slot(SLOT, Guard)
+        guard.settle(ctx.state)  # the previous update's deferred decision
+        if policy == "off" and ctx.fact("overflow", current=False) is None:
+            return Decision(None)
+        flags = _flags(ctx, check=policy != "off")
+        if ctx.distributed is not None:  # every process takes the same decision
+            reduced = flags.to(torch.int32)
+            dist.all_reduce(reduced, dist.ReduceOp.MAX, group=ctx.distributed)
+            flags = reduced.bool()
+        if ctx.prepared.skips_on_device and policy != "raise":
+            guard.defer(flags, ctx.state.step, policy, max_consecutive)
+            return Decision(flags, skip=None)
+        return Decision(flags, guard.decide(flags, ctx.state.step, policy, max_consecutive))
+
+    if policy == "skip":
+        label = f"with_nonfinite({policy}, max_consecutive={max_consecutive})"
+    else:
+        label = f"with_nonfinite({policy})"
+    return Transform(
+        "with_nonfinite", Hooks(decide=decide),
+        options=(("policy", policy), ("max_consecutive", max_consecutive)), label=label)

@@ -1,0 +1,245 @@
+"""The contract kit: test a transform, yours or a built-in, the way accelfn tests its own.
+
+    from accelfn.testing import check_transform, plain_update
+
+    def by_hand(model, optimizer, batch):          # what the transform is equivalent to
+        plain_update(model, optimizer, batch, loss_fn, edit_grads=my_gradient_edit)
+
+    check_transform(with_my_thing(), reference=by_hand)
+
+:func:`plain_update` is one update of the plain PyTorch loop (forward, backward, an optional
+edit of the gradients, ``optimizer.step()``, ``zero_grad(set_to_none=True)``); it uses torch
+only. :func:`check_transform` runs the contract on a transform: equivalence to the reference
+you give, every stacking order with the built-ins, ``state_dict`` round trip and exact
+resume, purity (reuse in two stacks and two states), no host sync in a step, and a refused
+bad input leaving every piece of state intact. Each check raises ``AssertionError`` saying
+what differed.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import Tensor, nn
+
+from .core.engine import Step, apply_transform
+from .core.protocol import Transform
+from .core.state import TrainState
+from .observe.sync_probe import SyncProbe
+from .transforms.accumulation import with_accumulation
+from .transforms.amp import with_amp
+from .transforms.clipping import with_clipping
+
+__all__ = ["ContractReport", "check_transform", "plain_update"]
+
+LossFn = Callable[[nn.Module, Any], Any]
+Reference = Callable[[nn.Module, torch.optim.Optimizer, Any], None]
+
+
+def plain_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, Tensor],
+                 loss_fn: LossFn, *,
+                 edit_grads: Callable[[nn.Module], None] | None = None) -> Tensor:
+    """One update of the plain loop; returns the detached loss. Uses torch only::
+
+        loss = loss_fn(model, batch); loss.backward(); edit_grads(model)
+        optimizer.step(); optimizer.zero_grad(set_to_none=True)
+    """
+    out = loss_fn(model, batch)
+    loss = out["loss"] if isinstance(out, Mapping) else out
+    loss.backward()
+    if edit_grads is not None:
+        edit_grads(model)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    detached: Tensor = loss.detach()
+    return detached
+
+
+# ------------------------------------------------------------------------ the default problem
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.blocks = nn.Sequential(*(nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16),
+                                                    nn.GELU()) for _ in range(2)))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(self.inp(x)))  # type: ignore[no-any-return]
+
+
+def _make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return _Net()
+
+
+def _make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _make_batch(seed: int) -> TensorDict:
+    g = torch.Generator().manual_seed(seed)
+    return TensorDict({"x": torch.randn(12, 6, generator=g),
+                       "y": torch.randint(0, 4, (12,), generator=g)}, batch_size=[12])
+
+
+def _loss(model: nn.Module, batch: Any) -> dict[str, Tensor]:
+    logits = model(batch["x"])
+    return {"loss": F.cross_entropy(logits, batch["y"])}
+
+
+@dataclass
+class ContractReport:
+    """What :func:`check_transform` ran: the checks passed and the orders compared."""
+
+    transform: str
+    passed: list[str] = field(default_factory=list)
+    orders: int = 0
+
+
+def _params(model: nn.Module) -> list[Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _assert_same(a: Sequence[Tensor], b: Sequence[Tensor], what: str) -> None:
+    for i, (x, y) in enumerate(zip(a, b, strict=True)):
+        if not torch.equal(x, y):
+            raise AssertionError(f"{what}: tensor {i} differs (max {(x - y).abs().max():.3g})")
+
+
+def _train(step: Step, make_model: Callable[[], nn.Module],
+           make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+           batches: Sequence[Any]) -> tuple[TrainState, list[Tensor]]:
+    model = make_model()
+    state = TrainState(model, make_optimizer(model))
+    for batch in batches:
+        step(state, batch)
+    state.sync()
+    return state, _params(model)
+
+
+def check_transform(
+    transform: Transform,
+    *,
+    reference: Reference | None = None,
+    loss_fn: LossFn = _loss,
+    make_model: Callable[[], nn.Module] = _make_model,
+    make_optimizer: Callable[[nn.Module], torch.optim.Optimizer] = _make_optimizer,
+    make_batch: Callable[[int], Any] = _make_batch,
+    steps: int = 3,
+    builtins: Sequence[Transform] | None = None,
+) -> ContractReport:
+    """Run accelfn's contract on ``transform``; raises ``AssertionError`` on the first breach.
+
+    ``reference(model, optimizer, batch)`` is one update written by hand (plain PyTorch,
+    e.g. with :func:`plain_update`); the transform's step must give the same parameters
+    bitwise. ``builtins`` are the transforms it is stacked with in every order (default:
+    bf16 ``with_amp``, ``with_accumulation(2)``, ``with_clipping``): every order must give
+    the same parameters, or be refused when built. ``make_model`` must return the same
+    initial weights on every call (seed inside it).
+    """
+    if not isinstance(transform, Transform):
+        raise TypeError(f"check_transform takes an accelfn.Transform, got {transform!r}")
+    report = ContractReport(repr(transform))
+    batches = [make_batch(i) for i in range(steps)]
+    step = apply_transform(loss_fn, transform)
+
+    # 1. equivalence to the hand-written reference
+    _, params = _train(step, make_model, make_optimizer, batches)
+    if reference is not None:
+        model = make_model()
+        optimizer = make_optimizer(model)
+        for batch in batches:
+            reference(model, optimizer, batch)
+        _assert_same(params, _params(model), f"{transform!r} against the reference")
+        report.passed.append("reference")
+
+    # 2. purity: the same transform and step in two stacks and two states, as if built alone
+    wrapped = with_clipping(max_norm=1e9)(step)
+    _, again = _train(step, make_model, make_optimizer, batches)
+    _, fresh = _train(with_clipping(max_norm=1e9)(apply_transform(loss_fn, transform)),
+                      make_model, make_optimizer, batches)
+    _, reused = _train(wrapped, make_model, make_optimizer, batches)
+    _assert_same(params, again, "the same step trained twice on fresh states")
+    _assert_same(fresh, reused, "a step reused inside another stack")
+    report.passed.append("purity")
+
+    # 3. every order with the built-ins, or a refusal
+    others = list(builtins) if builtins is not None else [
+        with_amp(dtype=torch.bfloat16), with_accumulation(2), with_clipping(max_norm=0.5)]
+    outcome: list[Tensor] | None = None
+    refusal: str | None = None
+    for order in itertools.permutations([transform, *others]):
+        try:
+            stacked: Step | LossFn = loss_fn
+            for t in order:
+                stacked = t(stacked)
+        except ValueError as error:
+            refusal = refusal or str(error)
+            if outcome is not None:
+                raise AssertionError(f"order {order} is refused ({error}) where another "
+                                     "order was accepted") from error
+            continue
+        if refusal is not None:
+            raise AssertionError(f"order {order} builds where another was refused: {refusal}")
+        assert isinstance(stacked, Step)
+        _, got = _train(stacked, make_model, make_optimizer, batches)
+        if outcome is None:
+            outcome = got
+        _assert_same(outcome, got, f"stacking order {order}")
+        report.orders += 1
+    report.passed.append("orders")
+
+    # 4. state_dict round trip and exact resume
+    half = steps // 2 or 1
+    first, _ = _train(step, make_model, make_optimizer, batches[:half])
+    saved = copy.deepcopy(first.state_dict())
+    model = make_model()
+    resumed = TrainState(model, make_optimizer(model))
+    resumed.load_state_dict(saved)
+    for batch in batches[half:]:
+        step(resumed, batch)
+        step(first, batch)
+    resumed.sync()
+    first.sync()
+    _assert_same(_params(first.model), _params(resumed.model), "resume from state_dict()")
+    report.passed.append("resume")
+
+    # 5. no host sync in a step (emulated: every would-be device sync is reported)
+    with SyncProbe(mode="emulate", allow=("guard.py",)) as probe:
+        step(first, batches[0])
+    if probe.syncs:
+        raise AssertionError(f"{transform!r} adds host syncs: {probe.syncs}")
+    report.passed.append("no host sync")
+
+    # 6. a refused bad input leaves everything intact, and the next step works
+    before = copy.deepcopy(first.state_dict())
+    try:
+        step(first, [1, 2, 3])
+    except (TypeError, ValueError):
+        pass
+    else:
+        raise AssertionError("a list batch was accepted")
+    after = first.state_dict()
+    _assert_same(list(_flat(before)), list(_flat(after)), "state after a refused batch")
+    step(first, batches[-1])
+    report.passed.append("bad input")
+    return report
+
+
+def _flat(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for key in sorted(value, key=str):
+            yield from _flat(value[key])
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _flat(item)

@@ -1,0 +1,109 @@
+"""Every private torch API accelfn uses, each checked against what it must do.
+
+When torch changes one of them, the failing test names the function in accelfn.core.compat
+to update: nothing else of accelfn touches torch's private names.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from accelfn.core import compat
+
+ROOT = Path(__file__).resolve().parents[2] / "accelfn"
+
+
+def test_non_finite_check_and_unscale_scales_and_flags():
+    grads = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf")])]
+    found = torch.zeros(())
+    compat.non_finite_check_and_unscale_(grads, found, torch.tensor(0.5))
+    assert torch.equal(grads[0], torch.tensor([1.0, 2.0])) and found.item() == 1.0
+
+
+def test_foreach_ops():
+    a, b = [torch.ones(3), torch.full((2,), 4.0)], [torch.zeros(3), torch.zeros(2)]
+    compat.foreach_div_(a, torch.tensor(2.0))
+    assert torch.equal(a[1], torch.full((2,), 2.0))
+    compat.foreach_lerp_(b, a, [torch.tensor(0.5)] * 2)
+    assert torch.equal(b[1], torch.ones(2))
+    compat.foreach_copy_(b, a)
+    assert torch.equal(b[0], a[0])
+    assert [n.item() for n in compat.foreach_norm([torch.tensor([3.0, 4.0])])] == [5.0]
+
+
+def test_step_supports_amp_scaling_is_true_for_fused_adam_only():
+    p = [nn.Parameter(torch.ones(1))]
+    assert compat.step_supports_amp_scaling(torch.optim.AdamW(p, fused=True))
+    assert not compat.step_supports_amp_scaling(torch.optim.SGD(p, lr=0.1))
+
+
+def test_unwrap_compiled_returns_the_original_module():
+    model = nn.Linear(2, 2)
+    assert compat.unwrap_compiled(torch.compile(model)) is model  # wrapping does not compile
+    assert compat.unwrap_compiled(model) is model
+
+
+def test_compile_modes_and_backends():
+    assert "max-autotune" in compat.compile_modes()
+    assert "inductor" in compat.compile_backends() and "eager" in compat.compile_backends()
+
+
+def test_set_nested_element():
+    root: dict = {}
+    compat.set_nested_element(root, ("a", "b"), 1)
+    assert root == {"a": {"b": 1}}
+
+
+def test_grad_scaler_internals():
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    assert compat.scaler_scale(scaler).item() == 4.0
+    scaler.unscale_(opt)
+    assert [f.item() for f in compat.scaler_found_inf(scaler, opt)] == [0.0]
+    with pytest.raises(RuntimeError, match="unscale_"):
+        scaler.unscale_(opt)  # the wedge compat.scaler_forget_step undoes
+    compat.scaler_forget_step(scaler)
+    scaler.unscale_(opt)  # no error: the iteration was forgotten
+    assert scaler.get_scale() == 4.0
+
+
+def test_aten_observer_sees_operators():
+    seen = []
+    with compat.aten_observer(lambda name, args, kwargs: seen.append(name)):
+        torch.ones(2).nonzero()
+    assert "nonzero" in seen
+
+
+def test_module_apply_keeps_parameter_objects():
+    model = nn.Linear(2, 2)
+    weight = model.weight
+    compat.module_apply(model, lambda t: t * 0)
+    assert model.weight is weight and torch.equal(weight, torch.zeros(2, 2))
+
+
+def test_no_module_outside_compat_names_a_private_torch_attribute():
+    offenders = []
+    for path in ROOT.rglob("*.py"):
+        if path.name == "compat.py" and path.parent.name == "core":
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+                    "torch") and any(part.startswith("_") for part in node.module.split(".")):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.module}")
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__"):
+                base = node.value
+                while isinstance(base, ast.Attribute):
+                    base = base.value
+                if isinstance(base, ast.Name) and base.id in ("torch", "dist", "F"):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert not offenders, "private torch APIs outside accelfn/core/compat.py:\n" + "\n".join(
+        offenders)
