@@ -10,14 +10,16 @@
             checkpointing.save("runs/x", state, loader=train, step=step, keep=3)
 
 The package by concern: ``format`` (names, errors, plain data), ``files`` (atomic files,
-digests, listing and rotation), ``checks`` (what a checkpoint must match), ``dcp`` (sharded
-state through torch.distributed.checkpoint), ``rng`` (RNG states), ``collective`` (agreeing
-across processes), ``saving`` and ``loading`` (the two calls), ``preemption``.
+digests, listing and rotation), ``lock`` (one writer per folder), ``checks`` (what a
+checkpoint must match), ``dcp`` (sharded state through torch.distributed.checkpoint), ``rng``
+(RNG states), ``collective`` (agreeing across processes), ``saving`` and ``loading`` (the two
+calls), ``preemption``.
 """
 
 from .files import checkpoints, latest
 from .format import CheckpointError, CheckpointInfo
 from .loading import load
+from .lock import CheckpointLockedError
 from .preemption import EXIT_PREEMPTED, PreemptionGuard
 from .rng import rng_state, set_rng_state
 from .saving import save
@@ -26,6 +28,7 @@ __all__ = [
     "EXIT_PREEMPTED",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointLockedError",
     "PreemptionGuard",
     "checkpoints",
     "latest",

@@ -52,12 +52,14 @@ def from_rank0(value: T) -> T:
     return result
 
 
-def agree(error: BaseException | None, what: str) -> None:
-    """Raise on every process if any process failed ``what`` (its own error where it failed)."""
+def agree(error: BaseException | None, what: str,
+          kind: type[Exception] = CheckpointError) -> None:
+    """Raise on every process if any process failed ``what``: its own error where it failed,
+    a ``kind`` saying so on the others."""
     if anyone(error is not None):
         if error is not None:
             raise error
-        raise CheckpointError(f"{what} failed on another process; see that process' error")
+        raise kind(f"{what} failed on another process; see that process' error")
 
 
 def gather(value: Any) -> list[Any]:

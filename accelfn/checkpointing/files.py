@@ -13,6 +13,7 @@ import io
 import json
 import os
 import shutil
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,14 @@ __all__ = [
     "read_verified",
     "remove_checkpoint",
     "rotate",
+    "verify_written",
     "write_bytes",
     "write_json",
     "write_torch",
 ]
 
 Digest = dict[str, Any]
+Digests = dict[str, Digest]
 
 
 def fsync_dir(path: Path) -> None:
@@ -88,6 +91,29 @@ def write_json(path: Path, obj: Any) -> Digest:
     data = json.dumps(obj, indent=1, sort_keys=True).encode()
     write_bytes(path, data)
     return digest(data)
+
+
+def verify_written(root: Path, listed: Mapping[str, Digest]) -> None:
+    """Raise OSError unless every file in ``listed`` is in ``root`` as written: a regular file
+    (not a link) of the recorded size and SHA-256. What a save checks before it commits."""
+    for rel, expected in sorted(listed.items()):
+        file = root / rel
+        try:
+            info = os.lstat(file)
+            problem = None
+            if not stat.S_ISREG(info.st_mode):
+                problem = "is no longer a regular file"
+            elif info.st_size != expected["size"]:
+                problem = f"has {info.st_size} bytes, {expected['size']} were written"
+            elif digest_file(file) != expected:
+                problem = "does not match the checksum of what was written"
+        except FileNotFoundError:
+            problem = "disappeared"
+        if problem is not None:
+            raise OSError(
+                f"{rel} in {root} {problem} after this save wrote it (another process writing "
+                "into this folder, or a failing disk); nothing was committed"
+            )
 
 
 def read_verified(root: Path, rel: str, files: Mapping[str, Any]) -> bytes:
