@@ -1,5 +1,6 @@
 """The ``accelfn`` command line.
 
+``accelfn`` alone prints the help; ``accelfn --version`` the installed version.
 ``accelfn doctor [--json] [--num-workers N]`` checks the machine (see
 :mod:`accelfn.observe.environment`); ``accelfn bench`` runs the staged case study (see
 :mod:`accelfn.cli.bench`).
@@ -16,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .. import __version__
 from .bench import add_bench
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="accelfn", description="accelfn: composable transforms that make a pure "
                                     "PyTorch step function train fast.")
+    parser.add_argument("--version", action="version", version=f"accelfn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for add in COMMANDS:
         add(sub)
@@ -57,12 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``accelfn`` console script; returns the exit status."""
+    """Entry point of the ``accelfn`` console script; returns the exit status.
+
+    Without a subcommand it prints the help (to stdout) and returns 0.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "func", None) is None:
-        parser.print_help(sys.stderr)
-        return 2
+        parser.print_help()
+        return 0
     return int(args.func(args))
 
 

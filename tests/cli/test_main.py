@@ -1,0 +1,52 @@
+"""The ``accelfn`` command itself: help, version, and the console script installed for it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import accelfn
+from accelfn.cli.main import COMMANDS, build_parser, main
+
+
+def test_bare_command_prints_help_and_succeeds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: accelfn") and err == ""
+    for command in ("doctor", "bench"):
+        assert command in out
+    assert "--version" in out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"accelfn {accelfn.__version__}"
+
+
+def test_module_entry_point_runs_the_same_command() -> None:
+    proc = subprocess.run([sys.executable, "-m", "accelfn", "--version"], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == f"accelfn {accelfn.__version__}"
+    proc = subprocess.run([sys.executable, "-m", "accelfn"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: accelfn"), proc.stderr
+
+
+def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["nope"])
+    assert exit_.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_every_listed_command_has_help() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert len(sub.choices) == len(COMMANDS)  # type: ignore[arg-type]
+    for name, p in sub.choices.items():  # type: ignore[union-attr]
+        assert p.description, name
