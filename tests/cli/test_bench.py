@@ -5,6 +5,9 @@ Benchmarks measure; nothing here asserts a timing or a speedup.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import math
 import os
@@ -28,15 +31,85 @@ def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+BUSY_LOAD = (os.cpu_count() or 1) + 1.5  # the load average the quick run is given
+
+
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, str]:
+    """``accelfn bench --quick`` with its default outputs, in an empty folder, on a machine
+    whose load average exceeds its cores; returns the folder, stdout and stderr."""
     tmp = tmp_path_factory.mktemp("bench")
-    out = tmp / "bench.json"
-    plot = tmp / "bench.png"
-    code = main(["bench", "--quick", "--steps", "3", "--overhead-steps", "6",
-                 "--json", str(out), "--plot", str(plot)])
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(tmp)
+        mp.setattr(os, "getloadavg", lambda: (BUSY_LOAD, 1.0, 1.0))
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["bench", "--quick", "--steps", "3", "--overhead-steps", "6"])
+    assert code == 0, err.getvalue()[-3000:]
+    return tmp, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def quick(quick_run: tuple[Path, str, str]) -> tuple[dict, Path, str]:
+    tmp = quick_run[0]
+    result = json.loads((tmp / "runs" / "bench" / "bench.json").read_text())
+    return result, tmp / "runs" / "bench" / "bench.png", bench.format_table(result)
+
+
+def test_quick_writes_the_json_and_png_it_prints(quick_run: tuple[Path, str, str]) -> None:
+    tmp, out, _ = quick_run
+    assert "JSON: runs/bench/bench.json" in out.splitlines()
+    assert json.loads((tmp / "runs" / "bench" / "bench.json").read_text())["complete"] is True
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not (tmp / "runs" / "bench" / "bench.png").exists()
+    else:
+        assert "plot: runs/bench/bench.png" in out.splitlines()
+
+
+def test_quick_warns_when_the_load_exceeds_the_cores(quick_run: tuple[Path, str, str],
+                                                    quick: tuple[dict, Path, str]) -> None:
+    _, out, err = quick_run
+    cores = os.cpu_count()
+    said = f"the load average ({BUSY_LOAD:.2f} over the last minute) exceeds the {cores} CPU cores"
+    assert said in err.splitlines()[0]  # before anything is measured
+    assert any(line.startswith("warning: ") and said in line for line in out.splitlines())
+    result = quick[0]
+    assert len(result["warnings"]) == 1 and said in result["warnings"][0]
+    assert "--repeats" in result["warnings"][0]  # and how to get steadier figures
+
+
+def test_no_load_warning_on_an_idle_machine() -> None:
+    assert bench.busy_machine_warning(1.9, 2) is None
+    assert bench.busy_machine_warning(2.0, 2) is None
+    assert "exceeds the 2 CPU cores" in (bench.busy_machine_warning(2.01, 2) or "")
+    assert bench.busy_machine_warning(3.0, 0) is None  # cores unknown: nothing to compare
+
+
+def test_output_options(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_bench(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--out", str(tmp_path / "o"), "--no-plot"])
+    assert (args.out, args.json, args.plot) == (str(tmp_path / "o"), None, "")
+    args = parser.parse_args(["bench", "--json", "-", "--plot", "x.png"])
+    assert (args.out, args.json, args.plot) == ("runs/bench", "-", "x.png")
+
+
+def test_the_png_goes_next_to_a_json_given_elsewhere(tmp_path: Path) -> None:
+    out = tmp_path / "runs" / "small.json"
+    code = main(["bench", "--quick", "--device", "cpu", "--stages", "baseline,accelfn_data",
+                 "--steps", "1", "--warmup", "1", "--batch-size", "8", "--samples", "16",
+                 "--overhead-steps", "0", "--json", str(out)])
     assert code == 0
-    return json.loads(out.read_text()), plot, bench.format_table(json.loads(out.read_text()))
+    assert [s["status"] for s in json.loads(out.read_text())["stages"]
+            if s["name"] in ("baseline", "accelfn_data")] == ["ok", "ok"]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert not out.with_suffix(".png").exists()
+    else:
+        assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_quick_has_every_stage_with_numbers(quick: tuple[dict, Path, str]) -> None:

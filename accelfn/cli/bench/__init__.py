@@ -30,7 +30,12 @@ interleaved on fixed device batches (medians).
 
     accelfn bench                          # ResNet-50: 224 px on a GPU, 32 px on a CPU
     accelfn bench --quick                  # a tiny CNN, a few steps, no compile (CI)
-    accelfn bench --model resnet18 --json bench.json --plot bench.png
+    accelfn bench --model resnet18 --out runs/resnet18
+
+Every run prints the table and writes ``runs/bench/bench.json`` and ``runs/bench/bench.png``
+(``--out DIR`` moves both; ``--json PATH`` moves the JSON and the PNG beside it, ``--json -``
+prints the JSON instead; ``--plot PATH`` and ``--no-plot`` choose the PNG). A run warns when
+the machine's load average exceeds its CPU cores (the figures then vary from run to run).
 
 Also ``python -m accelfn.cli.bench``. The package, in the order a run goes through it:
 
@@ -64,7 +69,7 @@ from ...observe.timing import (
 )
 from .command import add_bench, main
 from .config import SEED_CASE_STUDY, STAGES, BenchConfig, Stage
-from .report import format_table, plot_bench
+from .report import busy_machine_warning, format_table, plot_bench
 from .stages import run_bench
 
 __all__ = [
@@ -76,6 +81,7 @@ __all__ = [
     "Stage",
     "StepTiming",
     "add_bench",
+    "busy_machine_warning",
     "environment",
     "format_table",
     "interleaved",

@@ -17,12 +17,41 @@ import torch
 
 from .config import SEED_CASE_STUDY, BenchConfig, cli_args
 
-__all__ = ["assemble", "combine_repeats", "format_table", "plot_bench", "round_or_none"]
+__all__ = [
+    "assemble",
+    "busy_machine_warning",
+    "combine_repeats",
+    "format_table",
+    "plot_bench",
+    "round_or_none",
+]
 
 
 def round_or_none(x: float | None, digits: int = 3) -> float | None:
     """``x`` rounded to ``digits`` decimals, ``None`` kept."""
     return None if x is None else round(float(x), digits)
+
+
+def busy_machine_warning(load_average: float | None = None,
+                         cores: int | None = None) -> str | None:
+    """The warning for a machine whose 1-minute load average (``os.getloadavg()[0]``) exceeds its
+    CPU cores (``os.cpu_count()``), or ``None`` when it does not (or the load is unknown).
+
+    Timings taken while other processes want more CPU than there is vary from run to run by
+    large factors, so the warning says how to get figures worth comparing.
+    """
+    if load_average is None:
+        try:
+            load_average = os.getloadavg()[0]
+        except (OSError, AttributeError):  # not every platform has a load average
+            return None
+    cores = os.cpu_count() if cores is None else cores
+    if not cores or load_average <= cores:
+        return None
+    return (f"the load average ({load_average:.2f} over the last minute) exceeds the {cores} CPU "
+            f"cores: other processes compete for the CPU, so the figures (speedups included) "
+            f"will vary from run to run; rerun on an idle machine, or add --repeats 5 to report "
+            f"each stage's median")
 
 
 def combine_repeats(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -92,6 +121,7 @@ def assemble(info: dict[str, Any], stages: list[dict[str, Any]],
         "stages": [_rounded(s) for s in stages],
         "summary": _rounded(summary),
         "overhead": None if overhead is None else _rounded(overhead),
+        "warnings": list(info.get("warnings", ())),
         "notes": [*cfg.notes, *_notes(cfg, info["device"])],
         "seconds": round(time.perf_counter() - info["t_all"], 1),
     }
@@ -175,6 +205,7 @@ def format_table(result: dict[str, Any]) -> str:
             f"single device: x{sm['single_device_speedup']:.2f} over the baseline "
             f"(seeds on a V100: x{sm['seed_v100_single_gpu_speedup']:.2f})")
     m = result["machine"]
+    lines += [f"warning: {w}" for w in result.get("warnings", ())]
     lines.append(f"{m['device_name']} ({m['device']}), torch {m['torch']}, "
                  f"{m['cpu_cores']} CPU cores, load {m.get('load_average')}, "
                  f"{result['seconds']} s")

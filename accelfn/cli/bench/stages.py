@@ -33,7 +33,7 @@ from ...observe.timing import (
     time_steps,
 )
 from .config import SEED_CASE_STUDY, STAGES, BenchConfig, Stage, cli_args
-from .report import assemble, combine_repeats, round_or_none
+from .report import assemble, busy_machine_warning, combine_repeats, round_or_none
 from .workload import (
     accelfn_loader,
     amp_dtype,
@@ -326,6 +326,9 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None,
     device = resolve_device(cfg.device)
     assert cfg.model and cfg.image_size and cfg.samples and cfg.batch_size
     env = environment(device)
+    busy = busy_machine_warning()  # before the run's own processes add to the load
+    if busy is not None:
+        log(f"accelfn bench: warning: {busy}")
     log(f"accelfn bench: {cfg.model}, {cfg.image_size}px, batch {cfg.batch_size}, "
         f"{cfg.steps} steps (+{cfg.warmup} warm-up) per stage on {env['device_name']}")
     t_all = time.perf_counter()
@@ -335,7 +338,7 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None,
     dtype = amp_dtype(cfg, device)
     peak = _peak(device, dtype)
     info = {"cfg": cfg, "env": env, "flops": flops, "peak": peak, "dtype": dtype,
-            "t_all": t_all, "device": device}
+            "t_all": t_all, "device": device, "warnings": [] if busy is None else [busy]}
 
     _warm_up(cfg, init, device)
     stages: list[dict[str, Any]] = []
