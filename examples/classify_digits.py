@@ -7,7 +7,9 @@
 The step function is pure; speed comes from the transforms stacked on it. Batches come from
 an accelfn.data pipeline that augments them on the device (random crop with padding,
 normalisation). A progress bar runs while training; the final report gives held-out accuracy,
-samples/s and the monitor's bottleneck verdict.
+samples/s and the monitor's bottleneck verdict. The run folder gets one JSON line per update
+(metrics.jsonl, continued by --resume) and a plot of loss, learning rate, throughput, data
+wait and memory (run.png, needs matplotlib), whose path is printed at the end.
 """
 
 from __future__ import annotations
@@ -123,7 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
     stop = min(total, args.stop_at or total)
     monitor = Monitor(total=stop - state.step, progress=not args.quiet, desc="digits",
                       samples_per_step=args.batch_size * af.world_size(), log_every=10,
-                      sync_check_step=3)  # one step runs under the host-sync probe
+                      sync_check_step=3,  # one step runs under the host-sync probe
+                      state=state,  # rows numbered by state.step: a resumed run continues
+                      jsonl=f"{args.out}/metrics.jsonl", plot=f"{args.out}/run.png")
     start = time.perf_counter()
     with monitor, PreemptionGuard() as guard:  # SIGTERM: checkpoint at the next step, exit 75
         while state.step < stop:
@@ -157,9 +161,13 @@ def main(argv: list[str] | None = None) -> dict:
         "device": str(device),
     }
     checkpointing.save(args.out, state, loader=train, step=step, keep=2)  # every process
+    if monitor.plot_file is not None:
+        report["plot"] = str(monitor.plot_file)
     if main_process:
         print(monitor.report())
         print(json.dumps(report, indent=2))
+        if monitor.plot_file is not None:
+            print(f"plot: {monitor.plot_file}")
     train.close()  # stop background threads before the process group goes
     test.close()
     if af.world_size() > 1:

@@ -20,14 +20,17 @@ Per step it keeps, without ever making the host wait for the device:
   ``non_blocking=True`` right after the step and read when their boundary event completed;
 * GPU utilisation, memory and power sampled by pynvml in a background thread.
 
-Every ``log_every`` steps the completed records go to a progress bar, JSONL, CSV and
-TensorBoard. :meth:`Monitor.report` ends with a bottleneck verdict against the seeds'
-checklist: data loading under 20% of an iteration, GPU busy over 85%, no unnecessary host
-syncs (one step is probed with :class:`~accelfn.observe.sync_probe.SyncProbe`), and the fix
-for each.
+Every ``log_every`` steps the completed records go to a progress bar and the sinks: JSONL,
+CSV, TensorBoard, or any :class:`~accelfn.observe.sinks.Sink` (Weights & Biases and MLflow in
+:mod:`.trackers`). Given the :class:`~accelfn.core.state.TrainState`, rows are numbered by its
+``step``, so a resumed run continues its history. :meth:`Monitor.report` ends with a
+bottleneck verdict against the performance checklist: data loading under 20% of an
+iteration, GPU busy over 85%, no unnecessary host syncs (one step is probed with
+:class:`~accelfn.observe.sync_probe.SyncProbe`), and the fix for each.
 
 The parts live by concern: :mod:`.flops` (FLOP counting, datasheet peaks), :mod:`.records`
-(per-step records), :mod:`.sinks` (JSONL, CSV, TensorBoard), :mod:`.gpu_sampler` (pynvml),
+(per-step records), :mod:`.sinks` (the sink protocol; JSONL, CSV, TensorBoard),
+:mod:`.trackers` (W&B, MLflow), :mod:`.gpu_sampler` (pynvml),
 :mod:`.progress_bars`, :mod:`.report` (the report and its thresholds) and :mod:`.verdict`
 (the checklist); this module holds the :class:`Monitor` that drives them.
 """
@@ -47,6 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.processes import is_main_process
+from ..core.state import TrainState
 from .diagnostics import Diagnostics
 from .findings import Finding
 from .flops import peak_flops, training_flops
@@ -99,9 +103,19 @@ class Monitor:
         warmup: leading steps left out of the summary (compilation, autotuning, start-up).
         total: expected steps, for the progress bar.
         progress: show a console progress bar (rank 0 only); ``desc`` labels it.
-        jsonl / csv: files for one row per step (rank 0 only).
+        state: the run's :class:`~accelfn.core.state.TrainState`. A row's ``step`` is then
+            ``state.step`` before the update it measured (so calls of one accumulation
+            window in ``mode="calls"`` share it), and on a resumed run the files and
+            trackers continue from the checkpoint's step instead of starting again at 0.
+            Without it rows count from 0. Create the monitor after loading the checkpoint.
+        jsonl / csv: files for one row per step (rank 0 only); rows an earlier run wrote
+            at the starting step or later are dropped, the rest kept.
         tensorboard: a log dir for ``SummaryWriter`` (needs the ``tensorboard`` extra).
-        plot: write :meth:`MonitorReport.plot` here when the monitor closes.
+        sinks: more destinations for the rows: any :class:`~accelfn.observe.sinks.Sink`,
+            e.g. :class:`~accelfn.observe.trackers.WandbSink`,
+            :class:`~accelfn.observe.trackers.MlflowSink` (rank 0 only).
+        plot: write :meth:`MonitorReport.plot` here when the monitor closes (its path is
+            then :attr:`plot_file`).
         samples_per_step / tokens_per_step: defaults when a step does not say.
         flops_per_step: FLOPs of one step (see :func:`training_flops`, :meth:`count_flops`).
         peak_flops: the device's peak FLOP/s; looked up by GPU name when not given.
@@ -123,7 +137,8 @@ class Monitor:
     def __init__(self, *, log_every: int = 50, warmup: int = 2, total: int | None = None,
                  progress: bool = True, desc: str = "train",
                  jsonl: str | Path | None = None, csv: str | Path | None = None,
-                 tensorboard: str | Path | None = None, plot: str | Path | None = None,
+                 tensorboard: str | Path | None = None, sinks: Iterable[Sink] = (),
+                 state: TrainState | None = None, plot: str | Path | None = None,
                  samples_per_step: float | None = None, tokens_per_step: float | None = None,
                  flops_per_step: float | None = None, peak_flops: float | None = None,
                  peak_dtype: torch.dtype | str = torch.bfloat16,
@@ -151,7 +166,17 @@ class Monitor:
         self._main = is_main_process()
         self._want_progress, self._desc, self._file = progress, desc, file
         self._paths = {"jsonl": jsonl, "csv": csv, "tensorboard": tensorboard}
+        self._extra_sinks = list(sinks)
+        for sink in self._extra_sinks:
+            if not isinstance(sink, Sink):
+                raise TypeError(
+                    f"Monitor(sinks=[...]): {type(sink).__name__} is not a sink: it needs "
+                    "open(start_step), write(rows) and close(report) methods (see "
+                    "accelfn.observe.sinks.Sink)")
+        self.state = state
         self._plot_path = plot
+        #: where :meth:`close` wrote the plot (``None``: not asked for, or not written)
+        self.plot_file: Path | None = None
         self._gpu = GPUSampler(gpu_index, interval=gpu_interval) \
             if (self._cuda or gpu_index is not None) else None
         self._gpu_note: str | None = None if self._gpu else "no GPU in use"
@@ -163,6 +188,7 @@ class Monitor:
         self._closed = False
         self._report: MonitorReport | None = None
         self._n = 0
+        self._next_step = 0  # the step number of the next row
         self._t0 = self._t_last = time.perf_counter()
         self._ev_last: torch.cuda.Event | None = None
         self._wait_acc = 0.0
@@ -188,6 +214,7 @@ class Monitor:
         if self._gpu is not None and not self._gpu.start(self._t0):
             self._gpu_note = self._gpu.error
             self._gpu = None
+        self._next_step = self.state.step if self.state is not None else 0
         if self._main:
             if self._paths["jsonl"]:
                 self._sinks.append(JsonlSink(self._paths["jsonl"]))
@@ -195,6 +222,9 @@ class Monitor:
                 self._sinks.append(CsvSink(self._paths["csv"]))
             if self._paths["tensorboard"]:
                 self._sinks.append(TensorBoardSink(self._paths["tensorboard"]))
+            self._sinks += self._extra_sinks
+            for sink in self._sinks:
+                sink.open(self._next_step)
             if self._want_progress:
                 self._bar = make_bar(self.total, self._desc, self._file)
         if self.profiler is not None and not self.profiler.running and not self.profiler.done:
@@ -222,16 +252,22 @@ class Monitor:
         report = self._build_report()
         self._report = report
         text = str(report)
-        for sink in self._sinks:
-            sink.close(text)
+        failed: BaseException | None = None
+        for sink in self._sinks:  # every sink is closed, even after one fails
+            try:
+                sink.close(text)
+            except Exception as exc:
+                failed = failed or exc
         if self._bar is not None:
             self._bar.close()
             self._bar = None
         if self._plot_path is not None and self._main and report.rows:
             try:
-                report.plot(self._plot_path)
+                self.plot_file = report.plot(self._plot_path)
             except ImportError as exc:
                 warnings.warn(f"Monitor(plot=...): {exc}; no plot written", stacklevel=2)
+        if failed is not None:
+            raise failed
         return report
 
     def report(self) -> MonitorReport:
@@ -346,9 +382,10 @@ class Monitor:
         wait = self._wait_acc if data_wait is None else float(data_wait)
         mem = (torch.cuda.memory_allocated(self.device) / 2**30 if self._cuda else rss_gib())
         self._pending.append(PendingStep(
-            step=self._n, time_s=now - self._t0, iter_s=now - self._t_last, data_wait_s=wait,
-            samples=samples, tokens=tokens, mem_gib=mem, event=event, prev_event=self._ev_last,
-            snaps=snaps, py_metrics=py, probed=probed or self._probe_step == self._n))
+            step=self._next_step, time_s=now - self._t0, iter_s=now - self._t_last,
+            data_wait_s=wait, samples=samples, tokens=tokens, mem_gib=mem, event=event,
+            prev_event=self._ev_last, snaps=snaps, py_metrics=py,
+            probed=probed or self._probe_step == self._n))
         if self.diagnostics is not None:
             self.diagnostics.step(metrics if isinstance(metrics, Mapping) or hasattr(
                 metrics, "get") else None, self._last_batch if self._awaiting_step else None)
@@ -359,6 +396,7 @@ class Monitor:
         self._wait_acc = 0.0
         self._awaiting_step = False
         self._n += 1
+        self._next_step = self.state.step if self.state is not None else self._next_step + 1
         if self._bar is not None:
             self._bar.update(1)
         if self._n % self.log_every == 0:
@@ -428,4 +466,5 @@ class Monitor:
             flops_per_step=self.flops_per_step, peak=peak, peak_memory_gib=peak_mem,
             gpu_samples=self._gpu.samples if self._gpu is not None else [],
             gpu_note=gpu_note, syncs=self._probe_result, probe_mode=self._probe_mode,
-            th=self.thresholds, more_findings=more)
+            sync_check=self.sync_check_step is not None, th=self.thresholds,
+            more_findings=more)

@@ -1,10 +1,16 @@
-"""Console progress bars for long work: tqdm when installed, else a built-in one.
+"""Console progress bars for long work: a redrawn bar in a terminal, plain lines elsewhere.
 
-Bars show on rank 0 only when ``torch.distributed`` is initialised.
+In a terminal (``file.isatty()``) the bar is tqdm when installed, else a built-in one-line
+bar redrawn with ``\\r``. Anywhere else (a log file, a pipe, CI, a notebook's captured
+stream) redrawing would pile every update into one endless line, so the bar writes a plain
+line each ``every`` of the way (10% by default; every ``interval`` seconds when the total is
+unknown) and its last line once, when it closes. Bars show on rank 0 only when
+``torch.distributed`` is initialised.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Iterable, Iterator, Sized
@@ -12,7 +18,7 @@ from typing import IO, Protocol, TypeVar
 
 from ..core.processes import is_main_process
 
-__all__ = ["Bar", "make_bar", "progress"]
+__all__ = ["Bar", "is_terminal", "make_bar", "progress"]
 
 T = TypeVar("T")
 
@@ -27,8 +33,29 @@ class Bar(Protocol):
     def close(self) -> object: ...
 
 
+def is_terminal(file: IO[str]) -> bool:
+    """Whether ``file`` is an interactive terminal (where ``\\r`` redraws a line)."""
+    try:
+        return bool(file.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+def _line(desc: str, n: int, total: int | None, elapsed: float, postfix: str) -> str:
+    """``desc 30/100 [######..............]  30% 12.0 it/s 2.5s loss=0.3``."""
+    rate = n / max(elapsed, 1e-9)
+    if total:
+        frac = min(n / total, 1.0)
+        bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
+        head = f"{desc} {n}/{total} [{bar}] {100 * frac:3.0f}%"
+    else:
+        head = f"{desc} {n}"
+    tail = f" {postfix}" if postfix else ""
+    return f"{head} {rate:.1f} it/s {elapsed:.1f}s{tail}"
+
+
 class _SimpleBar:
-    """A one-line progress bar for when tqdm is not installed."""
+    """A one-line bar redrawn with ``\\r``, for terminals when tqdm is not installed."""
 
     def __init__(self, total: int | None, desc: str, file: IO[str],
                  interval: float = 0.2) -> None:
@@ -49,15 +76,8 @@ class _SimpleBar:
         self.postfix = s
 
     def _draw(self, now: float) -> None:
-        rate = self.n / max(now - self._t0, 1e-9)
-        if self.total:
-            frac = min(self.n / self.total, 1.0)
-            bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
-            head = f"{self.desc} {self.n}/{self.total} [{bar}] {100 * frac:3.0f}%"
-        else:
-            head = f"{self.desc} {self.n}"
-        tail = f" {self.postfix}" if self.postfix else ""
-        self.file.write(f"\r{head} {rate:.1f} it/s{tail}")
+        self.file.write("\r" + _line(self.desc, self.n, self.total, now - self._t0,
+                                     self.postfix))
         self.file.flush()
 
     def close(self) -> None:
@@ -66,10 +86,68 @@ class _SimpleBar:
         self.file.flush()
 
 
-def make_bar(total: int | None, desc: str, file: IO[str] | None) -> Bar:
-    """A console progress bar on ``file`` (default ``sys.stderr``): tqdm when installed,
-    else a built-in one-line bar."""
+class LineBar:
+    """Progress as plain lines, for streams that are not terminals: no ``\\r``.
+
+    With a ``total``, one line each time another ``every`` of it is done (``every=0.1``:
+    10%, 20%, ... 90%); without one, a line every ``interval`` seconds. The last line is
+    written by :meth:`close` (after the caller has set the final postfix), once: not when it
+    would repeat the last line written.
+    """
+
+    def __init__(self, total: int | None, desc: str, file: IO[str], *, every: float = 0.1,
+                 interval: float = 10.0) -> None:
+        if not 0 < every <= 1:
+            raise ValueError(f"progress bar every={every}: a fraction of the total in (0, 1]")
+        self.total, self.desc, self.file = total, desc, file
+        self.every, self.interval = every, interval
+        self.n = 0
+        self.postfix = ""
+        self._t0 = self._last = time.perf_counter()
+        self._mark = 1  # the next multiple of every * total to report
+        self._written: int | None = None  # n of the last line written
+        self._closed = False
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if self.total:
+            reached = math.floor(self.n / (self.every * self.total) + 1e-9)
+            if reached >= self._mark:
+                self._mark = reached + 1
+                if self.n < self.total:  # the end is written by close()
+                    self._write(now)
+        elif now - self._last >= self.interval:
+            self._write(now)
+
+    def set_postfix_str(self, s: str) -> None:
+        self.postfix = s
+
+    def _write(self, now: float) -> None:
+        self._last = now
+        self._written = self.n
+        self.file.write(_line(self.desc, self.n, self.total, now - self._t0, self.postfix)
+                        + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._written != self.n:
+            self._write(time.perf_counter())
+
+
+def make_bar(total: int | None, desc: str, file: IO[str] | None, *,
+             every: float = 0.1) -> Bar:
+    """A console progress bar on ``file`` (default ``sys.stderr``).
+
+    In a terminal: tqdm when installed, else a built-in one-line bar. Elsewhere: a
+    :class:`LineBar` writing a plain line each ``every`` of ``total``.
+    """
     file = file if file is not None else sys.stderr
+    if not is_terminal(file):
+        return LineBar(total, desc, file, every=every)
     try:
         from tqdm import tqdm
     except ImportError:
@@ -79,11 +157,13 @@ def make_bar(total: int | None, desc: str, file: IO[str] | None) -> Bar:
 
 
 def progress(iterable: Iterable[T], *, total: int | None = None, desc: str = "",
-             disable: bool | None = None, file: IO[str] | None = None) -> Iterator[T]:
-    """Iterate with a console progress bar (tqdm if installed, else a built-in one).
+             disable: bool | None = None, file: IO[str] | None = None,
+             every: float = 0.1) -> Iterator[T]:
+    """Iterate with a console progress bar (see :func:`make_bar`).
 
     Shown on rank 0 only when ``torch.distributed`` is initialised; ``disable=True`` hides
-    it. ``total`` defaults to ``len(iterable)`` when it has one.
+    it. ``total`` defaults to ``len(iterable)`` when it has one. Outside a terminal a plain
+    line is written each ``every`` of the total.
     """
     if disable is None:
         disable = not is_main_process()
@@ -92,11 +172,10 @@ def progress(iterable: Iterable[T], *, total: int | None = None, desc: str = "",
         return
     if total is None and isinstance(iterable, Sized):
         total = len(iterable)
-    bar = make_bar(total, desc, file)
+    bar = make_bar(total, desc, file, every=every)
     try:
         for item in iterable:
             yield item
             bar.update(1)
     finally:
         bar.close()
-

@@ -3,7 +3,6 @@ a plot; and the checklist's :class:`Thresholds` it is judged against."""
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +17,7 @@ __all__ = ["MonitorReport", "Thresholds"]
 
 @dataclass(frozen=True)
 class Thresholds:
-    """The seeds' checklist: data wait under 20% of an iteration, GPU busy over 85%.
+    """The performance checklist: data wait under 20% of an iteration, GPU busy over 85%.
 
     ``mfu_low`` is the MFU under which a busy GPU is called compute-inefficient.
     """
@@ -131,91 +130,13 @@ class MonitorReport:
         return "\n".join(lines)
 
     def plot(self, path: str | Path, *, title: str | None = None) -> Path:
-        """Write a PNG of the run: throughput, data wait, memory (and GPU busy) per step.
+        """Write a PNG of the run and return its path: training loss (with a moving mean),
+        learning rate (when the steps report ``lr``), throughput, iteration time against
+        data wait, memory, and GPU busy when pynvml sampled it, per step.
 
         Needs matplotlib (``pip install 'accelfn[plot]'``); raises ``ImportError`` saying
         so when it is absent.
         """
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-        except ImportError as exc:
-            raise ImportError("MonitorReport.plot needs matplotlib: "
-                              "pip install 'accelfn[plot]'") from exc
-        rows = self.rows
-        if not rows:
-            raise ValueError("MonitorReport.plot: no steps recorded")
-        steps = [r["step"] for r in rows]
-        has_gpu = bool(self.gpu_samples)
-        n = 4 if has_gpu else 3
-        fig = Figure(figsize=(9, 2.3 * n + 0.6), constrained_layout=True)
-        FigureCanvasAgg(fig)
-        axes = fig.subplots(n, 1, sharex=True)
-        warm = [r["step"] for r in rows if r["step"] < self.warmup]
-        probed = [r["step"] for r in rows if r.get("probed")]
+        from .plots import plot_report
 
-        def shade(ax: Any) -> None:
-            if warm:
-                ax.axvspan(min(steps) - 0.5, max(warm) + 0.5, color="0.9", lw=0)
-            for s in probed:
-                ax.axvspan(s - 0.5, s + 0.5, color="#fde0c5", lw=0)
-
-        ax = axes[0]
-        shade(ax)
-        if self.tokens_per_s:
-            ax.plot(steps, [r.get("tokens_per_s") for r in rows], color="C0")
-            ax.set_ylabel("tokens/s")
-        else:
-            ax.plot(steps, [r.get("samples_per_s") for r in rows], color="C0")
-            ax.set_ylabel("samples/s")
-        ax.set_ylim(bottom=0)
-        ax.set_title("throughput per step")
-        ax = axes[1]
-        shade(ax)
-        ax.plot(steps, [1e3 * r["step_s"] for r in rows], color="C1", label="iteration")
-        ax.plot(steps, [1e3 * r["data_wait_s"] for r in rows], color="C3", label="data wait")
-        ax.set_ylabel("ms")
-        ax.set_ylim(bottom=0)
-        ax.set_title(f"iteration time and data wait (share {100 * (self.data_wait_share or 0):.0f}"
-                     f"%, target < {100 * Thresholds().data_wait_share:.0f}%)")
-        ax.legend(loc="upper right", fontsize=8)
-        ax = axes[2]
-        shade(ax)
-        mem = [r.get("mem_gib") for r in rows]
-        ax.plot(steps, mem, color="C2", label="allocated" if self.device.startswith("cuda")
-                else "resident (RSS)")
-        if has_gpu:
-            t_to_step = [(r["time_s"], r["step"]) for r in rows]
-            gs = [_interp(t, t_to_step) for t, *_ in self.gpu_samples]
-            ax.plot(gs, [s[2] for s in self.gpu_samples], color="C4", ls="--",
-                    label="GPU used (nvml)")
-        ax.set_ylabel("GiB")
-        ax.set_ylim(bottom=0)
-        ax.set_title("memory")
-        ax.legend(loc="upper right", fontsize=8)
-        if has_gpu:
-            ax = axes[3]
-            shade(ax)
-            ax.plot(gs, [s[1] for s in self.gpu_samples], color="C5")
-            ax.axhline(100 * Thresholds().gpu_busy, color="k", ls=":", lw=1)
-            ax.set_ylim(0, 105)
-            ax.set_ylabel("%")
-            ax.set_title("GPU busy (pynvml)")
-        axes[-1].set_xlabel("step (grey: warm-up, orange: sync probe; neither in the summary)")
-        fig.suptitle(title or f"verdict: {self.verdict}", fontsize=10)
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out, dpi=100)
-        return out
-
-
-def _interp(t: float, pairs: list[tuple[float, int]]) -> float:
-    """Step coordinate of time ``t`` from (time, step) pairs (boundary times)."""
-    if not pairs:
-        return 0.0
-    if t <= pairs[0][0]:
-        return pairs[0][1] - 1 + t / max(pairs[0][0], 1e-9)
-    for (t0, s0), (t1, s1) in itertools.pairwise(pairs):
-        if t0 <= t <= t1:
-            return s0 + (s1 - s0) * (t - t0) / max(t1 - t0, 1e-9)
-    return float(pairs[-1][1])
+        return plot_report(self, path, title=title)

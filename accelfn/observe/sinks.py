@@ -1,45 +1,199 @@
-"""Where the monitor writes its per-step rows: JSONL, CSV and TensorBoard.
+"""Where the monitor writes its per-step rows: the :class:`Sink` protocol, and JSONL, CSV and
+TensorBoard sinks on it (Weights & Biases and MLflow are in :mod:`.trackers`).
 
-Each sink takes lists of rows (``{field: value}``, one per step) as they complete, and is
-closed once with the report's text.
+A row is one step's record, ``{field: value}``: ``step``, ``time_s``, ``iter_s``, ``step_s``,
+``data_wait_s``, ``data_share``, ``samples``, ``tokens``, ``samples_per_s``,
+``tokens_per_s``, ``mem_gib`` and every scalar metric the step returned (``loss``, ``lr``,
+...). Values are ``int``, ``float``, ``bool`` or ``None``.
+
+A resumed run continues its history: the monitor opens each sink with the step it starts
+at (``TrainState.step`` when it is given the state), and a sink drops what an earlier run
+left at that step or later (the steps run again after the checkpoint) before new rows come.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Protocol, runtime_checkable
 
-__all__ = ["CsvSink", "JsonlSink", "Sink", "TensorBoardSink"]
+__all__ = ["CsvSink", "JsonlSink", "Row", "Sink", "TensorBoardSink", "scalars"]
+
+#: One step's record: field name to an ``int``, ``float``, ``bool`` or ``None``.
+Row = Mapping[str, Any]
 
 
+@runtime_checkable
 class Sink(Protocol):
-    """A destination for the monitor's rows."""
+    """A destination for the monitor's rows: ``open`` once, ``write`` many times, ``close``.
 
-    def write(self, rows: list[dict[str, Any]]) -> None:
+    Any object with these three methods is a sink; pass it as ``Monitor(sinks=[...])``. The
+    monitor calls them on rank 0 only, from the training thread:
+
+    * ``open(start_step)`` when the monitor starts. ``start_step`` is the step of the first
+      row to come (``TrainState.step`` on a resumed run, else 0); rows an earlier run wrote
+      at this step or later belong to steps that run again, and should not be kept twice.
+    * ``write(rows)`` every ``log_every`` steps with the rows of newly completed steps, in
+      step order.
+    * ``close(report)`` once at the end, with the monitor's report as text.
+
+    A sink that prints the loss every time rows arrive::
+
+        class PrintLoss:
+            def open(self, start_step: int) -> None:
+                print(f"logging from step {start_step}")
+
+            def write(self, rows: Sequence[Row]) -> None:
+                for row in rows:
+                    print(row["step"], row.get("loss"))
+
+            def close(self, report: str | None = None) -> None:
+                pass
+
+        Monitor(sinks=[PrintLoss()], state=state)
+    """
+
+    def open(self, start_step: int) -> None:
+        """Get ready for rows from ``start_step`` on; drop stale rows at or past it."""
+
+    def write(self, rows: Sequence[Row]) -> None:
         """Write the rows of newly completed steps."""
 
     def close(self, report: str | None = None) -> None:
         """Flush and close; ``report`` is the final report as text (kept where it fits)."""
 
 
-def _open(path: str | Path) -> IO[str]:
+def scalars(row: Row, prefix: str = "") -> dict[str, float]:
+    """The numeric fields of ``row`` but ``step``, as floats named ``prefix + field``.
+
+    ``None`` and booleans (``probed``) are left out: what trackers plot against the step.
+    """
+    return {f"{prefix}{k}": float(v) for k, v in row.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _keep_before(path: Path, start_step: int, step_of: Callable[[bytes], int | None], *,
+                 header: bool = False) -> int:
+    """Cut ``path`` at its first row whose step is ``>= start_step``; return the rows kept.
+
+    ``step_of`` reads a line's step (``None``: not a row, cut there too). A last line
+    without its newline (a write the crash interrupted) is cut as well. With ``header``,
+    the first line is kept when any row is, and the file is emptied otherwise.
+    """
+    if not path.exists():
+        return 0
+    kept, end = 0, 0
+    with open(path, "r+b") as f:
+        lines = iter(f)
+        if header:
+            first = next(lines, b"")
+            if not first.endswith(b"\n"):
+                f.truncate(0)
+                return 0
+            end = len(first)
+        for line in lines:
+            step = step_of(line) if line.endswith(b"\n") else None
+            if step is None or step >= start_step:
+                break
+            kept += 1
+            end += len(line)
+        f.truncate(end if kept or not header else 0)
+    return kept
+
+
+def _open_append(path: str | Path, start_step: int, step_of: Callable[[bytes], int | None],
+                 *, header: bool = False) -> tuple[IO[str], int]:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    return open(p, "w", newline="")
+    kept = _keep_before(p, start_step, step_of, header=header)
+    return open(p, "a", newline=""), kept
+
+
+def _not_open(sink: object) -> RuntimeError:
+    return RuntimeError(f"{type(sink).__name__}.write before open(): the Monitor opens its "
+                        "sinks when it starts; call sink.open(start_step) first when using "
+                        "one on its own")
+
+
+def _jsonl_step(line: bytes) -> int | None:
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return int(step) if isinstance(step, (int, float)) else None
+
+
+class JsonlSink:
+    """One JSON object per step and line, appended to ``path``.
+
+    Equivalent to ``f.write(json.dumps(row) + "\\n")`` for each row; ``open(k)`` first cuts
+    the file at its first row with ``step >= k`` (all of it when ``k`` is 0).
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.file: IO[str] | None = None
+
+    def open(self, start_step: int) -> None:
+        self.file, _ = _open_append(self.path, start_step, _jsonl_step)
+
+    def write(self, rows: Sequence[Row]) -> None:
+        if self.file is None:
+            raise _not_open(self)
+        for r in rows:
+            self.file.write(json.dumps(dict(r)) + "\n")
+        self.file.flush()
+
+    def close(self, report: str | None = None) -> None:
+        if self.file is not None:
+            self.file.close()
 
 
 class CsvSink:
-    """One row per step in a CSV file; its columns are those of the first rows written."""
+    """One row per step in a CSV file; its columns are those of the first rows written.
+
+    Equivalent to ``csv.DictWriter(f, fieldnames).writerows(rows)``. ``open(k)`` cuts the
+    file at its first row with ``step >= k``; when rows are left, the new ones go under the
+    existing header (its columns), else the file starts again with a new header.
+    """
 
     def __init__(self, path: str | Path) -> None:
-        self.file = _open(path)
+        self.path = Path(path)
+        self.file: IO[str] | None = None
         self.writer: csv.DictWriter[str] | None = None
         self.warned = False
 
-    def write(self, rows: list[dict[str, Any]]) -> None:
+    def open(self, start_step: int) -> None:
+        fields = self._header()
+        column = fields.index("step") if "step" in fields else None
+
+        def step_of(line: bytes) -> int | None:
+            if column is None:
+                return None
+            try:
+                return int(float(next(csv.reader([line.decode()]))[column]))
+            except (ValueError, IndexError, UnicodeDecodeError, StopIteration):
+                return None
+
+        self.file, kept = _open_append(self.path, start_step, step_of, header=True)
+        self.writer = (csv.DictWriter(self.file, fieldnames=fields, extrasaction="ignore")
+                       if kept else None)
+
+    def _header(self) -> list[str]:
+        try:
+            with open(self.path, newline="") as f:
+                line = f.readline()
+        except OSError:
+            return []
+        return next(csv.reader(io.StringIO(line)), []) if line.endswith("\n") else []
+
+    def write(self, rows: Sequence[Row]) -> None:
+        if self.file is None:
+            raise _not_open(self)
         if not rows:
             return
         if self.writer is None:
@@ -55,43 +209,41 @@ class CsvSink:
         self.file.flush()
 
     def close(self, report: str | None = None) -> None:
-        self.file.close()
-
-
-class JsonlSink:
-    """One JSON object per step and line."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.file = _open(path)
-
-    def write(self, rows: list[dict[str, Any]]) -> None:
-        for r in rows:
-            self.file.write(json.dumps(r) + "\n")
-        self.file.flush()
-
-    def close(self, report: str | None = None) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
 
 
 class TensorBoardSink:
-    """Every numeric field as a scalar ``accelfn/<field>`` at its step; the report as text."""
+    """Every numeric field as a scalar ``<prefix><field>`` at its step; the report as text.
 
-    def __init__(self, log_dir: str | Path) -> None:
+    Equivalent to ``SummaryWriter(log_dir, purge_step=k).add_scalar(name, value, step)``:
+    opened at step ``k``, TensorBoard hides what earlier runs logged at ``k`` or later.
+    """
+
+    def __init__(self, log_dir: str | Path, *, prefix: str = "accelfn/") -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise ImportError(
                 "Monitor(tensorboard=...) needs the tensorboard package: "
                 "pip install 'accelfn[tensorboard]' (or leave tensorboard=None)") from exc
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self._make = SummaryWriter
+        self.log_dir, self.prefix = str(log_dir), prefix
+        self.writer: Any = None
 
-    def write(self, rows: list[dict[str, Any]]) -> None:
+    def open(self, start_step: int) -> None:
+        self.writer = self._make(log_dir=self.log_dir, purge_step=start_step)
+
+    def write(self, rows: Sequence[Row]) -> None:
+        if self.writer is None:
+            raise _not_open(self)
         for r in rows:
-            for k, v in r.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.writer.add_scalar(f"accelfn/{k}", v, r["step"])
+            for k, v in scalars(r, self.prefix).items():
+                self.writer.add_scalar(k, v, int(r["step"]))
 
     def close(self, report: str | None = None) -> None:
+        if self.writer is None:
+            return
         if report:
-            self.writer.add_text("accelfn/report", f"```\n{report}\n```")
+            self.writer.add_text(f"{self.prefix}report", f"```\n{report}\n```")
         self.writer.close()

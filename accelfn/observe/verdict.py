@@ -1,4 +1,4 @@
-"""The verdict: a run's rows summarised and judged against the seeds' checklist.
+"""The verdict: a run's rows summarised and judged against the performance checklist.
 
 Data loading under 20% of an iteration, GPU busy over 85%, no unnecessary host syncs; for
 each miss a finding says what to do, and one line says what limits the run (input-bound,
@@ -25,14 +25,16 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
               device_name: str | None, flops_per_step: float | None, peak: float | None,
               peak_memory_gib: float | None, gpu_samples: Sequence[GPUSample],
               gpu_note: str | None, syncs: list[SyncPoint] | None, probe_mode: str | None,
-              th: Thresholds, more_findings: Iterable[Finding] = ()) -> MonitorReport:
+              th: Thresholds, more_findings: Iterable[Finding] = (),
+              sync_check: bool = True) -> MonitorReport:
     """The report of a run from its rows (one per step) and what the monitor knows besides.
 
-    Timing statistics skip the first ``warmup`` steps and the probed step, unless nothing
-    else is left; GPU samples count from the first measured step on. ``more_findings`` go
-    after the checklist's.
+    Timing statistics skip the first ``warmup`` rows of the run (whatever step a resumed run
+    starts at) and the probed step, unless nothing else is left; GPU samples count from the
+    first measured step on. ``more_findings`` go after the checklist's. ``sync_check=False``
+    (the check turned off) leaves the host-sync finding out when no step was probed.
     """
-    sel = [r for r in rows if r["step"] >= warmup and not r.get("probed")]
+    sel = [r for r in rows[warmup:] if not r.get("probed")]
     if not sel:
         sel = [r for r in rows if not r.get("probed")] or list(rows)
     n = len(sel)
@@ -71,7 +73,7 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
             metrics[k] = sum(vals) / len(vals)
     findings, line = verdict(share=share, gpu_util=gpu_util, gpu_note=gpu_note, mfu=mfu,
                              syncs=syncs, probe_mode=probe_mode, device_type=device.type,
-                             th=th)
+                             th=th, sync_check=sync_check)
     findings += more_findings
     return MonitorReport(
         steps=len(rows), measured_steps=n, warmup=warmup,
@@ -88,12 +90,14 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
 
 def verdict(*, share: float | None, gpu_util: float | None, gpu_note: str | None,
             mfu: float | None, syncs: list[SyncPoint] | None, probe_mode: str | None,
-            device_type: str, th: Thresholds) -> tuple[list[Finding], str]:
+            device_type: str, th: Thresholds,
+            sync_check: bool = True) -> tuple[list[Finding], str]:
     """The checklist's findings and the one-line verdict of a run.
 
     ``share`` is the data-wait share of an iteration, ``gpu_util`` the mean pynvml busy
     percentage (``gpu_note`` says why it is ``None``), ``syncs`` the probed step's sync
-    points (``None``: no step probed) found in ``probe_mode``.
+    points (``None``: no step probed) found in ``probe_mode``. With ``sync_check=False``
+    an unprobed run gets no host-sync finding (the user turned the check off).
     """
     out: list[Finding] = []
     data_bound = share is not None and share >= th.data_wait_share
@@ -111,15 +115,15 @@ def verdict(*, share: float | None, gpu_util: float | None, gpu_note: str | None
         out.append(Finding("data_wait", "ok",
                            f"data wait {100 * share:.1f}% of an iteration "
                            f"(< {100 * th.data_wait_share:.0f}%)"))
-    if syncs is None:
+    if syncs is None and sync_check:
         out.append(Finding("host_syncs", "info",
                            "no step was probed for host syncs",
                            "use Monitor.iterate/measure (sync_check_step probes one step) "
                            "or `with mon.probe_syncs(): step(state, batch)`"))
-    elif syncs:
+    elif syncs:  # a non-empty list
         for s in syncs:
             out.append(Finding("host_syncs", "warning", f"host sync: {s}", s.fix))
-    else:
+    elif syncs is not None:
         out.append(Finding("host_syncs", "ok",
                            f"no host-device sync points in the probed step "
                            f"({probe_mode})"))

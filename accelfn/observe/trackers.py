@@ -1,0 +1,179 @@
+"""Experiment trackers as monitor sinks: Weights & Biases and MLflow (optional extras).
+
+    mon = Monitor(state=state, sinks=[WandbSink(project="digits", id="run-1")])
+    mon = Monitor(state=state, sinks=[MlflowSink(experiment="digits", run_name="run-1")])
+
+Neither package is imported until a sink is built; without it the sink says which extra to
+install (``pip install 'accelfn[wandb]'``, ``pip install 'accelfn[mlflow]'``).
+
+On a resumed run (the monitor opened at ``TrainState.step = k > 0``) both continue the
+same run: W&B with ``resume="allow"`` on the run's ``id``, MLflow in the run of that
+``run_id`` or ``run_name``. A tracker's history is append-only, so the steps it already
+holds (those run again after the checkpoint) keep their first values and the new rows start
+after them; each step is logged once. ``WandbSink(rewind=True)`` instead rewinds the W&B run
+to step ``k`` (W&B's ``resume_from``, a feature the W&B server must offer) and logs the steps
+again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .sinks import Row, scalars
+
+__all__ = ["MlflowSink", "WandbSink"]
+
+
+class WandbSink:
+    """Rows to a Weights & Biases run: each numeric field at its step.
+
+    Equivalent to ``run = wandb.init(**init)``, then ``run.log(scalars(row), step=row["step"])``
+    for each row, the report in ``run.summary["report"]`` and ``run.finish()``.
+
+    Args:
+        run: an existing run (from your own ``wandb.init``) to log into; it is not finished
+            by the sink. Without it the sink calls ``wandb.init(**init)`` when opened.
+        prefix: put before every field name (``"train/"`` groups the panels).
+        rewind: on a resumed run, rewind the run to the resumed step instead of keeping the
+            steps it holds (needs ``id=`` and a W&B server that offers run rewind).
+        **init: arguments of ``wandb.init`` (``project``, ``id``, ``name``, ``config``,
+            ``dir``, ``mode``...). Give ``id`` so that a resumed run continues the same run.
+    """
+
+    def __init__(self, *, run: Any = None, prefix: str = "", rewind: bool = False,
+                 **init: Any) -> None:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise ImportError("WandbSink needs the wandb package: "
+                              "pip install 'accelfn[wandb]'") from exc
+        if run is not None and init:
+            raise ValueError(f"WandbSink(run=..., {', '.join(sorted(init))}=...): pass an "
+                             "existing run or wandb.init arguments, not both")
+        if rewind and run is None and not init.get("id"):
+            raise ValueError("WandbSink(rewind=True) needs id=...: the run to rewind")
+        self._wandb, self._init, self.prefix, self.rewind = wandb, init, prefix, rewind
+        self.run: Any = run
+        self._owned = run is None
+        self._first = 0
+
+    def open(self, start_step: int) -> None:
+        if self.run is None:
+            init = dict(self._init)
+            if start_step > 0 and self.rewind:
+                init["resume_from"] = f"{init.pop('id')}?_step={start_step}"
+                init.pop("resume", None)
+            elif start_step > 0 and init.get("id"):
+                init.setdefault("resume", "allow")
+            self.run = self._wandb.init(**init)
+        # a resumed online run starts after the steps the server holds: those keep their rows
+        self._first = int(getattr(self.run, "starting_step", 0) or 0)
+
+    def write(self, rows: Sequence[Row]) -> None:
+        if self.run is None:
+            raise RuntimeError("WandbSink.write before open(): the Monitor opens its sinks "
+                               "when it starts")
+        for r in rows:
+            if int(r["step"]) >= self._first:
+                self.run.log(scalars(r, self.prefix), step=int(r["step"]))
+
+    def close(self, report: str | None = None) -> None:
+        if self.run is None:
+            return
+        if report:
+            self.run.summary[f"{self.prefix}report"] = report
+        if self._owned:
+            self.run.finish()
+
+
+class MlflowSink:
+    """Rows to an MLflow run: each numeric field as a metric at its step.
+
+    Equivalent to ``MlflowClient(tracking_uri).log_batch(run_id, [Metric(name, value, t,
+    row["step"]), ...])`` for the rows, the report as the artifact ``accelfn_report.txt``
+    and ``set_terminated(run_id)``.
+
+    Which run: ``run_id`` when given; else, on a resumed run, the newest run named
+    ``run_name`` in the experiment; else the active run of ``mlflow.start_run()`` (left
+    open); else a new run named ``run_name``.
+
+    Args:
+        experiment: experiment name, created when missing (default: MLflow's default one).
+        run_id: continue this run.
+        run_name: the run's name, and how a resumed run finds it again.
+        tracking_uri: where runs are stored (default: ``mlflow.get_tracking_uri()``, e.g.
+            ``MLFLOW_TRACKING_URI``); ``"file:/path/mlruns"`` is a local file store.
+        tags: tags of a new run.
+        prefix: put before every metric name.
+    """
+
+    def __init__(self, *, experiment: str | None = None, run_id: str | None = None,
+                 run_name: str | None = None, tracking_uri: str | None = None,
+                 tags: Mapping[str, str] | None = None, prefix: str = "") -> None:
+        try:
+            import mlflow
+            from mlflow.entities import Metric
+            from mlflow.tracking import MlflowClient
+        except ImportError as exc:
+            raise ImportError("MlflowSink needs MLflow: pip install 'accelfn[mlflow]' "
+                              "(mlflow-skinny is enough)") from exc
+        self._mlflow, self._metric, self._client_type = mlflow, Metric, MlflowClient
+        self.experiment, self.run_name, self.tracking_uri = experiment, run_name, tracking_uri
+        self.tags, self.prefix = dict(tags or {}), prefix
+        self.run_id = run_id
+        self._client: Any = None
+        self._owned = True
+        self._last = -1
+
+    def _experiment_id(self) -> str:
+        if self.experiment is None:
+            return "0"
+        found = self._client.get_experiment_by_name(self.experiment)
+        return str(found.experiment_id if found is not None
+                   else self._client.create_experiment(self.experiment))
+
+    def _find_by_name(self, experiment_id: str) -> str | None:
+        name = str(self.run_name).replace("'", "\\'")
+        runs = self._client.search_runs([experiment_id], f"tags.`mlflow.runName` = '{name}'",
+                                        max_results=1, order_by=["attributes.start_time DESC"])
+        return str(runs[0].info.run_id) if runs else None
+
+    def open(self, start_step: int) -> None:
+        self._client = self._client_type(tracking_uri=self.tracking_uri)
+        run_id = self.run_id
+        if run_id is None and start_step > 0 and self.run_name:
+            run_id = self._find_by_name(self._experiment_id())
+        active = self._mlflow.active_run() if self.tracking_uri is None else None
+        if run_id is None and active is not None:
+            run_id, self._owned = str(active.info.run_id), False
+        if run_id is None:
+            run = self._client.create_run(self._experiment_id(), run_name=self.run_name,
+                                          tags=self.tags)
+            self.run_id = str(run.info.run_id)
+            return
+        self.run_id = run_id
+        if self._owned:
+            self._client.update_run(run_id, status="RUNNING")
+        history = self._client.get_metric_history(run_id, f"{self.prefix}iter_s")
+        self._last = max((int(m.step) for m in history), default=-1)
+
+    def write(self, rows: Sequence[Row]) -> None:
+        if self._client is None or self.run_id is None:
+            raise RuntimeError("MlflowSink.write before open(): the Monitor opens its sinks "
+                               "when it starts")
+        now = int(time.time() * 1000)
+        metrics = [self._metric(k, v, now, int(r["step"])) for r in rows
+                   if int(r["step"]) > self._last
+                   for k, v in scalars(r, self.prefix).items()]
+        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 per batch
+            self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def close(self, report: str | None = None) -> None:
+        if self._client is None or self.run_id is None:
+            return
+        if report:
+            self._client.log_text(self.run_id, report, "accelfn_report.txt")
+        if self._owned:
+            self._client.set_terminated(self.run_id)
