@@ -7,9 +7,9 @@
 
     check_transform(with_my_thing(), reference=by_hand)
 
-:func:`plain_update` is one update of the plain PyTorch loop (forward, backward, an optional
+[`plain_update`][] is one update of the plain PyTorch loop (forward, backward, an optional
 edit of the gradients, ``optimizer.step()``, ``zero_grad(set_to_none=True)``); it uses torch
-only. :func:`check_transform` runs the contract on a transform: equivalence to the reference
+only. [`check_transform`][] runs the contract on a transform: equivalence to the reference
 you give, every stacking order with the built-ins, ``state_dict`` round trip and exact
 resume, purity (reuse in two stacks and two states), no host sync in a step, and a refused
 bad input leaving every piece of state intact. Each check raises ``AssertionError`` saying
@@ -46,7 +46,7 @@ Reference = Callable[[nn.Module, torch.optim.Optimizer, Any], None]
 def plain_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, Tensor],
                  loss_fn: LossFn, *,
                  edit_grads: Callable[[nn.Module], None] | None = None) -> Tensor:
-    """One update of the plain loop; returns the detached loss. Uses torch only::
+    """One update of the plain loop; returns the detached loss. Uses torch only:
 
         loss = loss_fn(model, batch); loss.backward(); edit_grads(model)
         optimizer.step(); optimizer.zero_grad(set_to_none=True)
@@ -97,7 +97,7 @@ def _loss(model: nn.Module, batch: Any) -> dict[str, Tensor]:
 
 @dataclass
 class ContractReport:
-    """What :func:`check_transform` ran: the checks passed and the orders compared."""
+    """What [`check_transform`][] ran: the checks passed and the orders compared."""
 
     transform: str
     passed: list[str] = field(default_factory=list)
@@ -139,7 +139,7 @@ def check_transform(
     """Run accelfn's contract on ``transform``; raises ``AssertionError`` on the first breach.
 
     ``reference(model, optimizer, batch)`` is one update written by hand (plain PyTorch,
-    e.g. with :func:`plain_update`); the transform's step must give the same parameters
+    e.g. with [`plain_update`][]); the transform's step must give the same parameters
     bitwise. ``builtins`` are the transforms it is stacked with in every order (default:
     bf16 ``with_amp``, ``with_accumulation(2)``, ``with_clipping``): every order must give
     the same parameters, or be refused when built. ``make_model`` must return the same

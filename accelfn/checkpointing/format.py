@@ -62,7 +62,7 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What :func:`load` restored, and the checkpoint's metadata."""
+    """What [`load`][] restored, and the checkpoint's metadata."""
 
     path: Path
     step: int

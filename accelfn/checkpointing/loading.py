@@ -166,7 +166,7 @@ def load(
 ) -> CheckpointInfo:
     """Equivalent to ``state.load_state_dict``, ``loader.load_state_dict`` and setting every RNG.
 
-    It restores a checkpoint written by :func:`save` whole or not at all. Everything is
+    It restores a checkpoint written by [`save`][] whole or not at all. Everything is
     checked before anything changes: the files against the commit marker (sizes and
     SHA-256), the model's parameter names, shapes and dtypes, the optimizer and its
     parameters, the scheduler, the transform stack (when ``step`` is given) and the loader's
@@ -175,7 +175,7 @@ def load(
 
     Args:
         path: a checkpoint directory, or a run's folder (then its newest committed one).
-        state: the :class:`~accelfn.TrainState` to restore into, built like the saved one.
+        state: the [`TrainState`][] to restore into, built like the saved one.
         loader: the loader whose position was saved.
         step: the step being trained: its transform stack must be the saved one, and it
             prepares ``state`` first (e.g. FSDP2 shards the model before shards are loaded).
@@ -185,7 +185,7 @@ def load(
             processes that no longer exist); ``loader`` must be None.
 
     Returns:
-        :class:`CheckpointInfo` with the step, ``extra`` and the names of the parts restored.
+        [`CheckpointInfo`][] with the step, ``extra`` and the names of the parts restored.
 
     Raises:
         FileNotFoundError: no committed checkpoint at ``path``.

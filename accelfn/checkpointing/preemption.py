@@ -55,17 +55,17 @@ class PreemptionGuard:
     between steps, with the flag combined across processes.
 
     Use it as a context manager (handlers are installed on entry, the previous ones put back
-    on exit), or call :meth:`install` / :meth:`uninstall`.
+    on exit), or call [`install`][] / [`uninstall`][].
 
     Args:
         signals: the signals that request a stop (default SIGTERM and SIGUSR1).
         check_every: under several processes, combine the flags every ``check_every`` calls
-            of :meth:`should_stop` (one all-reduce and one host read each time). In a single
+            of [`should_stop`][] (one all-reduce and one host read each time). In a single
             process the flag is read at every call, for free. Keep ``check_every`` times the
             step time well under the grace period between the signal and SIGKILL.
-        time_limit_s: also request a stop this many seconds after :meth:`install` (for
+        time_limit_s: also request a stop this many seconds after [`install`][] (for
             clusters that do not signal before the wall-time limit).
-        exit_code: the status :meth:`checkpoint_and_exit` exits with.
+        exit_code: the status [`checkpoint_and_exit`][] exits with.
     """
 
     def __init__(
@@ -112,7 +112,7 @@ class PreemptionGuard:
         return self
 
     def uninstall(self) -> None:
-        """Put back the handlers that were there before :meth:`install`."""
+        """Put back the handlers that were there before [`install`][]."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
@@ -137,9 +137,9 @@ class PreemptionGuard:
 
     @property
     def requested(self) -> bool:
-        """Whether this process was asked to stop (a signal, :meth:`request`, the time limit).
+        """Whether this process was asked to stop (a signal, [`request`][], the time limit).
 
-        Local and free to read; use :meth:`should_stop` at step boundaries so that all
+        Local and free to read; use [`should_stop`][] at step boundaries so that all
         processes stop together.
         """
         if (not self._requested and self.time_limit_s is not None
@@ -156,7 +156,7 @@ class PreemptionGuard:
     def should_stop(self) -> bool:
         """Whether to checkpoint and stop now; call it at every step boundary, on every process.
 
-        Single process: :attr:`requested`. Several processes: every ``check_every``-th call
+        Single process: [`requested`][]. Several processes: every ``check_every``-th call
         all-reduces the flags (MAX), so all processes return True at the same call; other
         calls return False without communicating. Once True, it stays True.
         """
@@ -178,7 +178,7 @@ class PreemptionGuard:
     # ----------------------------------------------------------------- acting on it
     def checkpoint_and_exit(self, directory: str | os.PathLike[str], state: TrainState,
                             **save_options: Any) -> NoReturn:
-        """Save with :func:`accelfn.checkpointing.save` (on every process) and exit.
+        """Save with [`accelfn.checkpointing.save`][] (on every process) and exit.
 
         Equivalent to ``save(directory, state, **save_options); sys.exit(exit_code)``; the
         process group, if any, is destroyed first.

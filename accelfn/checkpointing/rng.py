@@ -85,7 +85,7 @@ def rng_setters(saved: Any, dropped: frozenset[str] = frozenset()) -> list[Sette
 
 
 def set_rng_state(saved: dict[str, Any]) -> None:
-    """Set every RNG from :func:`rng_state`'s result: equivalent to ``random.setstate``,
+    """Set every RNG from [`rng_state`][]'s result: equivalent to ``random.setstate``,
     ``np.random.set_state``, ``torch.set_rng_state`` and ``torch.cuda.set_rng_state_all``."""
     for _, setter in rng_setters(saved):
         setter()

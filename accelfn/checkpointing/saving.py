@@ -69,15 +69,15 @@ def save(
 
     Args:
         directory: the run's checkpoint folder (created if needed).
-        state: the :class:`~accelfn.TrainState` to save (``state.sync()`` is applied).
+        state: the [`TrainState`][] to save (``state.sync()`` is applied).
         loader: anything with ``state_dict()``, e.g. an ``accelfn.data`` loader: its position,
             so that a resumed run continues with the next batch (saved per process).
-        step: the :class:`~accelfn.Step` being trained: its transform stack is recorded and
-            :func:`load` refuses another one.
+        step: the [`Step`][] being trained: its transform stack is recorded and
+            [`load`][] refuses another one.
         keep: keep only the newest ``keep`` checkpoints (older ones are deleted after this one
             is committed); None keeps all.
         extra: plain data to store along (e.g. ``{"epoch": 3, "best": 0.91}``), returned by
-            :func:`load` as ``info.extra``.
+            [`load`][] as ``info.extra``.
         sharded: write model and optimizer with ``torch.distributed.checkpoint``; the default
             when the parameters are DTensors (FSDP2).
 

@@ -84,7 +84,7 @@ def _sharding(key: tuple[Transform, ...]) -> tuple[Transform, ...]:
 class Step:
     """A training step: ``step(state, batch)`` runs exactly one optimizer update.
 
-    Equivalent to the plain PyTorch loop body::
+    Equivalent to the plain PyTorch loop body:
 
         out = fn(model, batch); loss = out if tensor else out["loss"]
         loss.backward()
@@ -94,7 +94,7 @@ class Step:
     with each transform of the stack adding its part in its phase (see the module docstring),
     and returns a TensorDict of detached metrics left on the device. A step is a value: it
     holds the function and the transforms only; everything a call changes lives in the
-    :class:`TrainState`.
+    [`TrainState`][].
     """
 
     def __init__(self, fn: LossFn, transforms: tuple[Transform, ...] = ()) -> None:

@@ -181,7 +181,7 @@ class Transform:
 # ---------------------------------------------------------------------------------- contexts
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """What a :class:`TrainState` looks like to a step after preparation (immutable).
+    """What a [`TrainState`][] looks like to a step after preparation (immutable).
 
     Each prepare phase returns a new one (``dataclasses.replace``). Fields and their owners:
     ``model`` (what ``fn`` receives: every prepare phase may wrap it), ``optimizer_step``
@@ -289,7 +289,7 @@ class UpdateContext(CallContext):
     ``divisor`` (the engine sets the local weight total when micro-batches are weighted
     absolutely; ``reduce`` hooks may replace it, the engine divides the gradients by it after
     the ``reduce`` phase); ``weight_total`` (likewise: the weight summed over processes).
-    Facts about the gradients (:meth:`report_overflow`, :meth:`report_norm`) are kept with
+    Facts about the gradients ([`report_overflow`][], [`report_norm`][]) are kept with
     the gradients' version: any hook not declared ``preserves_finite`` makes them stale.
     """
 
@@ -310,7 +310,7 @@ class UpdateContext(CallContext):
                 if p.grad is not None]
 
     def local_grads(self) -> list[Tensor]:
-        """:meth:`grads` as plain tensors: this process' shard of sharded (DTensor) ones."""
+        """[`grads`][] as plain tensors: this process' shard of sharded (DTensor) ones."""
         out = []
         for g in self.grads():
             to_local = getattr(g, "to_local", None)

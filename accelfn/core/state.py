@@ -89,7 +89,7 @@ class TrainState:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer of :attr:`model` (fixed, like the model)."""
+        """The optimizer of [`model`][] (fixed, like the model)."""
         return self._optimizer
 
     @optimizer.setter
@@ -138,7 +138,7 @@ class TrainState:
 
         With a fused optimizer the non-finite guard reads an update's flags at the next update
         and steps the scheduler then; call this after the loop before reading the scheduler or
-        the guard's counters. :meth:`state_dict` calls it.
+        the guard's counters. [`state_dict`][] calls it.
         """
         for obj in self._slots.values():
             settle = getattr(obj, "settle", None)
@@ -159,7 +159,7 @@ class TrainState:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; refuses a mismatched checkpoint whole."""
+        """Restore what [`state_dict`][] returned; refuses a mismatched checkpoint whole."""
         missing = {"model", "optimizer", "scheduler", "step", "slots"} - set(state_dict)
         if missing:
             raise KeyError(f"not a TrainState checkpoint: missing {sorted(missing)}")

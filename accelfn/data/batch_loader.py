@@ -84,7 +84,7 @@ class BatchLoader(Iterable[TensorDictBase]):
     """A re-iterable loader over a ``torchdata.nodes`` graph of TensorDict batches.
 
     Each ``iter()`` starts the next epoch (or resumes the position given to
-    :meth:`load_state_dict`). Built by :func:`loader`; can also wrap any root node you compose
+    [`load_state_dict`][]). Built by [`loader`][]; can also wrap any root node you compose
     yourself.
 
     Data-wait measurement (read by monitors; the clock is ``time.perf_counter``):
@@ -92,7 +92,7 @@ class BatchLoader(Iterable[TensorDictBase]):
     * ``last_wait_s``: seconds the last ``next()`` blocked before returning its batch (queue
       wait, host-side transfer and transform launch; GPU-side work is asynchronous and not
       included).
-    * ``total_wait_s``: sum of those waits since construction or :meth:`reset_timing`.
+    * ``total_wait_s``: sum of those waits since construction or [`reset_timing`][].
     * ``batches``: batches returned since then.
     * ``total_time_s``: wall time of the loop over those batches: the first wait of each
       epoch, then from each return to the next request's return (or to the end of the epoch),
@@ -104,7 +104,7 @@ class BatchLoader(Iterable[TensorDictBase]):
         root: the graph's root node, yielding TensorDict batches.
         num_batches: batches per epoch, if known (``len(loader)``).
         config: plain description of the pipeline, stored in the state and checked on load.
-        close_fns: called by :meth:`close` (e.g. to stop worker processes).
+        close_fns: called by [`close`][] (e.g. to stop worker processes).
     """
 
     def __init__(
@@ -196,7 +196,7 @@ class BatchLoader(Iterable[TensorDictBase]):
         return {"format": STATE_FORMAT, "config": dict(self.config), "root": root}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from :meth:`state_dict` at the next ``iter()``.
+        """Resume from [`state_dict`][] at the next ``iter()``.
 
         Raises:
             ValueError: the state is not a loader state, or was saved by a loader with a

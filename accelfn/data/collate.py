@@ -205,7 +205,7 @@ class SampleCollator:
 
     For each index: ``dataset[i]``, then ``sample_transform`` (a per-sample CPU function, e.g.
     a torchvision transform), then conversion to ``{key: tensor}`` (see
-    :func:`sample_to_dict`), then a check against the first sample (``dataset[0]``, loaded when
+    `sample_to_dict`), then a check against the first sample (``dataset[0]``, loaded when
     the collator is built) and stacking. Picklable when the dataset and transform are, so it
     can run in worker processes.
 
@@ -213,7 +213,7 @@ class SampleCollator:
         dataset: anything with ``__getitem__(int)`` and ``__len__``.
         keys: names for tuple samples, or keys to select from mapping samples.
         sample_transform: optional per-sample function applied to ``dataset[i]``.
-        ragged_keys: keys holding variable-length 1-D tensors (see :class:`SampleSpec`).
+        ragged_keys: keys holding variable-length 1-D tensors (see [`SampleSpec`][]).
             Defaults to ``dataset.ragged_keys`` when the dataset declares it.
     """
 

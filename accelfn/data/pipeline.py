@@ -99,10 +99,10 @@ def loader(
     Sources:
 
     * a ``TensorDict`` (in memory, memory-mapped with ``TensorDict.load_memmap`` /
-      :func:`accelfn.data.open_preloaded`, or already on the device) or a dict of tensors:
+      [`accelfn.data.open_preloaded`][], or already on the device) or a dict of tensors:
       each batch is one gather per key, no per-sample Python. The fast path.
     * a map-style dataset (``__getitem__`` / ``__len__``, e.g. a torchvision dataset or
-      :class:`accelfn.data.ImageFiles`): samples are loaded one by one in ``num_workers``
+      [`accelfn.data.ImageFiles`][]): samples are loaded one by one in ``num_workers``
       worker threads (default), or worker processes that persist across epochs
       (``worker_type="process"``, for Python-heavy work that holds the GIL), each worker
       producing whole batches. Workers of both kinds persist across epochs.
@@ -125,7 +125,7 @@ def loader(
             stay on the host, ``transform`` also runs on this many batches at once, in threads.
         worker_type: ``"thread"`` or ``"process"`` (map-style datasets only).
         mp_context: start method for worker processes (default: the platform's).
-        transform: batch transform run on ``device`` (see :mod:`accelfn.data.gpu`); it is
+        transform: batch transform run on ``device`` (see [`accelfn.data.gpu`][]); it is
             given a ``generator=`` seeded per batch if it accepts one.
         sample_transform: per-sample function applied in the workers (map-style/iterable).
         keys: keys to load (TensorDict source), or names of tuple fields (other sources).

@@ -49,12 +49,12 @@ def _marker(path: Path) -> dict[str, Any] | None:
 
 
 def open_preloaded(path: str | os.PathLike[str]) -> TensorDict:
-    """Open a dataset written by :func:`preload` as a memory-mapped TensorDict (no copy).
+    """Open a dataset written by [`preload`][] as a memory-mapped TensorDict (no copy).
 
     Raises:
         FileNotFoundError: nothing was preloaded at ``path``.
         ValueError: the preload at ``path`` did not finish (it was interrupted): run
-            :func:`preload` again with ``overwrite=True``.
+            [`preload`][] again with ``overwrite=True``.
     """
     path = Path(path)
     info = _marker(path)
@@ -90,7 +90,7 @@ def preload(
 
     ``source`` is a TensorDict, a dict of tensors, or a map-style dataset whose samples all
     have the same keys, shapes and dtypes (loaded in parallel workers and checked like in
-    :func:`accelfn.data.loader`, in dataset order). If ``path`` already holds a complete
+    [`accelfn.data.loader`][], in dataset order). If ``path`` already holds a complete
     preload of the same number of samples it is opened instead of rewritten ("write once");
     ``overwrite=True`` rewrites it.
 
@@ -104,7 +104,7 @@ def preload(
         worker_type: ``"thread"`` or ``"process"``.
         overwrite: rewrite an existing preload.
         metadata: JSON-serialisable extras stored in the marker (e.g. class names); read them
-            back with :func:`preload_info`.
+            back with [`preload_info`][].
 
     Raises:
         ValueError: ``path`` exists and is not a preload, an existing preload has a different
@@ -218,11 +218,11 @@ class ImageFiles(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
     * ``jpeg=False`` (default): each sample is ``{"image": uint8 (3, H, W), "label": int64}``,
       decoded on the CPU; with ``size``, resized (shorter side, antialiased) and centre-cropped
       to ``size`` so that samples stack. Use it to preload a folder
-      (:func:`preload_image_folder`).
+      ([`preload_image_folder`][]).
     * ``jpeg=True``: each sample is the file's encoded bytes ``{"jpeg": uint8 (n_bytes,),
       "label"}``, declared in ``ragged_keys`` so the loader collates them padded with
       ``"jpeg_lengths"``; decode them on the GPU with
-      :class:`accelfn.data.gpu.DecodeJPEG`. Reading bytes is cheap I/O, so threads suffice.
+      [`accelfn.data.DecodeJPEG`][]. Reading bytes is cheap I/O, so threads suffice.
 
     Args:
         files: image paths.

@@ -29,7 +29,7 @@ class ToDevice(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchdata: un
     On CUDA the copy of the next ``lookahead`` batches is issued on a side stream while the
     current one is being used; the consumer's stream waits for it on the GPU (no host sync)
     and the tensors are marked as used by that stream. Keys in ``keep_on_host`` stay where
-    they are (e.g. encoded bytes for :class:`~accelfn.data.gpu.DecodeJPEG`). Its state is the
+    they are (e.g. encoded bytes for [`DecodeJPEG`][]). Its state is the
     source's state as of the last batch returned, so look-ahead never skips data on resume.
     """
 
@@ -199,7 +199,7 @@ class ApplyTransform(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchda
     ``generator`` parameter are called as ``transform(batch)``.
 
     With ``num_workers > 0`` the transform runs on that many batches at once in worker threads
-    (a :class:`~accelfn.data.PoolMapper`, in order): for host (CPU) batches, whose
+    (a [`PoolMapper`][], in order): for host (CPU) batches, whose
     transforms are real work rather than asynchronous kernel launches. Seeds are assigned in order
     before the workers, so the output does not depend on ``num_workers``.
     """

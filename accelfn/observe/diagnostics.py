@@ -90,7 +90,7 @@ class Diagnostics:
     each gradient (so it also works when the step sets gradients to ``None`` after the
     update). The hooks exist only during sampled steps: other steps run untouched. With
     fp16 loss scaling the hook sees scaled gradients; a ``loss_scale`` metric passed to
-    :meth:`step` is divided out. Alternatively add :attr:`transform` to an accelfn step: it
+    [`step`][] is divided out. Alternatively add [`transform`][] to an accelfn step: it
     reads the unscaled, micro-batch-weighted, unclipped gradients inside the step.
 
     Gradients are sampled before any all-reduce (per-rank values) under DDP.
@@ -101,10 +101,12 @@ class Diagnostics:
         explode: a layer whose gradient norm exceeds this is exploding.
         vanish: a layer whose gradient norm is below this (but not zero) is vanishing.
         ratio: a layer ``ratio`` times above (below) the median layer norm is an outlier.
-        label_key / num_classes: which batch key holds integer labels (found by name
-            ``label(s)``/``target(s)``/``y`` when not given) and how many classes there are.
+        label_key: which batch key holds integer labels (found by name
+            ``label(s)``/``target(s)``/``y`` when not given).
+        num_classes: how many classes there are, so that classes never seen are reported
+            (default: only the classes seen count).
         imbalance: the most/least frequent class ratio above which labels are imbalanced.
-        check_initialisation: run :func:`check_init` now, before training changes weights.
+        check_initialisation: run `check_init` now, before training changes weights.
     """
 
     def __init__(self, model: nn.Module, *, every: int = 100, explode: float = 1e3,

@@ -60,7 +60,7 @@ class GPUInfo:
 
 @dataclass
 class DoctorReport:
-    """The result of :func:`doctor`.
+    """The result of [`doctor`][].
 
     ``versions`` maps package to version (``None`` when absent); ``cuda`` holds what torch
     was built with and can use; ``driver`` what NVML says (or ``error`` with the reason);
@@ -242,7 +242,7 @@ def _cpu(num_workers: int | None) -> dict[str, Any]:
 
 
 def doctor(*, num_workers: int | None = None) -> DoctorReport:
-    """Check this machine for training with accelfn; return a :class:`DoctorReport`.
+    """Check this machine for training with accelfn; return a [`DoctorReport`][].
 
     Args:
         num_workers: the data-loader worker count you plan to use (per process); checked

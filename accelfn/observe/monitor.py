@@ -103,33 +103,35 @@ class Monitor:
         warmup: leading steps left out of the summary (compilation, autotuning, start-up).
         total: expected steps, for the progress bar.
         progress: show a console progress bar (rank 0 only); ``desc`` labels it.
-        state: the run's :class:`~accelfn.core.state.TrainState`. A row's ``step`` is then
+        state: the run's [`TrainState`][]. A row's ``step`` is then
             ``state.step`` before the update it measured (so calls of one accumulation
             window in ``mode="calls"`` share it), and on a resumed run the files and
             trackers continue from the checkpoint's step instead of starting again at 0.
             Without it rows count from 0. Create the monitor after loading the checkpoint.
-        jsonl / csv: files for one row per step (rank 0 only); rows an earlier run wrote
+        jsonl: a file of one JSON row per step (rank 0 only); rows an earlier run wrote
             at the starting step or later are dropped, the rest kept.
+        csv: the same rows in a CSV file, kept the same way.
         tensorboard: a log dir for ``SummaryWriter`` (needs the ``tensorboard`` extra).
-        sinks: more destinations for the rows: any :class:`~accelfn.observe.sinks.Sink`,
-            e.g. :class:`~accelfn.observe.trackers.WandbSink`,
-            :class:`~accelfn.observe.trackers.MlflowSink` (rank 0 only).
-        plot: write :meth:`MonitorReport.plot` here when the monitor closes (its path is
-            then :attr:`plot_file`).
-        samples_per_step / tokens_per_step: defaults when a step does not say.
-        flops_per_step: FLOPs of one step (see :func:`training_flops`, :meth:`count_flops`).
+        sinks: more destinations for the rows: any [`Sink`][],
+            e.g. [`WandbSink`][accelfn.observe.trackers.WandbSink],
+            [`MlflowSink`][accelfn.observe.trackers.MlflowSink] (rank 0 only).
+        plot: write [`MonitorReport.plot`][] here when the monitor closes (its path is
+            then `plot_file`).
+        samples_per_step: samples in one step, when a step does not say.
+        tokens_per_step: tokens in one step, when a step does not say.
+        flops_per_step: FLOPs of one step (see [`training_flops`][], [`count_flops`][]).
         peak_flops: the device's peak FLOP/s; looked up by GPU name when not given.
         peak_dtype: which peak to look up (``torch.bfloat16``, ``"tf32"``, ...).
         device: the training device (default: CUDA when available).
         gpu_index: the NVML index to sample (default: the current CUDA device); sampling is
             on when a GPU is used or ``gpu_index`` is given, and pynvml works.
         gpu_interval: seconds between pynvml samples.
-        sync_check_step: index of the step run under :class:`SyncProbe` (``None``: never);
-            needs :meth:`iterate` or :meth:`measure`, and is left out of timing.
-        sync_allow: substrings of sync locations you accept (see :class:`SyncProbe`).
+        sync_check_step: index of the step run under [`SyncProbe`][] (``None``: never);
+            needs [`iterate`][] or [`measure`][], and is left out of timing.
+        sync_allow: substrings of sync locations you accept (see [`SyncProbe`][]).
         model: optional; checked for BatchNorm under distributed training (SyncBatchNorm).
-        diagnostics: a :class:`Diagnostics` stepped with each step's metrics and batch.
-        profiler: a :class:`Profiler` started with the monitor and stepped with each step.
+        diagnostics: a [`Diagnostics`][] stepped with each step's metrics and batch.
+        profiler: a [`Profiler`][] started with the monitor and stepped with each step.
         thresholds: the checklist's limits.
         file: stream for the progress bar (default ``sys.stderr``).
     """
@@ -271,7 +273,7 @@ class Monitor:
         return report
 
     def report(self) -> MonitorReport:
-        """The report so far (waits for outstanding device work); final after :meth:`close`."""
+        """The report so far (waits for outstanding device work); final after [`close`][]."""
         if self._closed:
             assert self._report is not None
             return self._report
@@ -283,7 +285,7 @@ class Monitor:
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield from ``iterable``, timing each ``next()`` as data wait.
 
-        Call :meth:`step` after each training step; if you do not, each batch counts as one
+        Call [`step`][] after each training step; if you do not, each batch counts as one
         step when the next one is asked for.
         """
         self.start()
@@ -312,7 +314,7 @@ class Monitor:
     def measure(self, *, samples: float | None = None, tokens: float | None = None,
                 data_wait: float | None = None) -> Iterator[StepRecord]:
         """Context manager around one training step; the time since the previous one is the
-        data wait (unless under :meth:`iterate`, which times ``next()`` itself)."""
+        data wait (unless under [`iterate`][], which times ``next()`` itself)."""
         self.start()
         outside = time.perf_counter() - self._t_last
         rec = StepRecord()
@@ -330,7 +332,7 @@ class Monitor:
 
     @contextlib.contextmanager
     def probe_syncs(self) -> Iterator[SyncProbe]:
-        """Run the enclosed step under :class:`SyncProbe`; its result goes into the report."""
+        """Run the enclosed step under [`SyncProbe`][]; its result goes into the report."""
         with SyncProbe(allow=self.sync_allow) as probe:
             yield probe
         self._probe_result = (self._probe_result or []) + probe.syncs
@@ -361,10 +363,11 @@ class Monitor:
         Args:
             metrics: what the step returned (TensorDict / mapping of scalar tensors, a loss
                 tensor, or None); read later, every ``log_every`` steps.
-            samples / tokens: how many this step processed (default: ``samples_per_step`` or
-                the batch's leading dimension under :meth:`iterate`; ``tokens_per_step``).
+            samples: how many samples this step processed (default: ``samples_per_step``, or
+                the batch's leading dimension under [`iterate`][]).
+            tokens: how many tokens this step processed (default: ``tokens_per_step``).
             data_wait: seconds this step waited for data, e.g. ``loader.last_wait_s``
-                (default: what :meth:`iterate` / :meth:`measure` measured).
+                (default: what [`iterate`][] / [`measure`][] measured).
         """
         probed = self._probe is not None
         self._end_probe()

@@ -59,13 +59,15 @@ class Profiler:
     ``skip_first`` steps are ignored entirely (e.g. ``torch.compile`` warm-up), then ``wait``
     steps run unprofiled, ``warmup`` steps are profiled and thrown away (profiler start-up
     cost), and ``active`` steps are recorded; the cycle repeats ``repeat`` times. After the
-    last cycle the profiler stops and :meth:`step` costs nothing.
+    last cycle the profiler stops and [`step`][] costs nothing.
 
     Args:
         dir: folder for the traces (created); one file per recorded cycle.
         activities: ``"cpu"`` and/or ``"cuda"`` (CUDA is skipped where unavailable).
-        record_shapes / profile_memory / with_stack / with_flops: as for
-            ``torch.profiler.profile``.
+        record_shapes: as for ``torch.profiler.profile``.
+        profile_memory: as for ``torch.profiler.profile``.
+        with_stack: as for ``torch.profiler.profile``.
+        with_flops: as for ``torch.profiler.profile``.
         use_gzip: write ``.pt.trace.json.gz`` (Perfetto and TensorBoard read both).
         worker_name: file name prefix (default ``host_pid``); use the rank under torchrun.
     """
@@ -108,7 +110,7 @@ class Profiler:
 
     @property
     def running(self) -> bool:
-        """True between :meth:`start` and :meth:`stop` (or the end of the last cycle)."""
+        """True between [`start`][] and [`stop`][] (or the end of the last cycle)."""
         return self._prof is not None
 
     @property
@@ -185,7 +187,7 @@ class Profiler:
 
 
 def profiled(step: Callable[..., Any] | None = None, /, **options: Any) -> Any:
-    """Wrap a step so that each call advances a :class:`Profiler` window.
+    """Wrap a step so that each call advances a [`Profiler`][] window.
 
     >>> pstep = profiled(step, dir="runs/profile", wait=1, warmup=1, active=3)
     >>> for batch in loader:

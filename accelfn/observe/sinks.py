@@ -41,7 +41,7 @@ class Sink(Protocol):
       step order.
     * ``close(report)`` once at the end, with the monitor's report as text.
 
-    A sink that prints the loss every time rows arrive::
+    A sink that prints the loss every time rows arrive:
 
         class PrintLoss:
             def open(self, start_step: int) -> None:

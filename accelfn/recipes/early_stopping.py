@@ -47,12 +47,12 @@ class EarlyStopping:
     Best weights: a copy of ``model.state_dict()`` (parameters and buffers) taken at each
     improvement, kept on the CPU (``store="cpu"``, the default: no accelerator memory) or on
     the model's device (``store="device"``: faster copies). With ``restore_best=True``,
-    :meth:`update` loads them back into the model when it decides to stop; :meth:`restore`
-    does it on demand (e.g. after the last epoch). For a :class:`TrainState`, only the
+    [`update`][] loads them back into the model when it decides to stop; [`restore`][]
+    does it on demand (e.g. after the last epoch). For a [`TrainState`][], only the
     model's weights are stored and restored (not the optimizer's state).
 
-    To keep the best *EMA* weights, call it inside :func:`accelfn.ema_weights` with
-    ``restore_best=False`` and restore after the block (changes inside it are undone)::
+    To keep the best *EMA* weights, call it inside [`accelfn.ema_weights`][] with
+    ``restore_best=False`` and restore after the block (changes inside it are undone):
 
         with af.ema_weights(state):
             stop = es.update(step.evaluate(state, val)["loss"], state)
@@ -60,7 +60,7 @@ class EarlyStopping:
             es.restore(state)
 
     ``update`` reads the metric on the host (``float``): call it at evaluation time, not in
-    the per-step loop. :meth:`state_dict` covers counters and best weights for checkpoints.
+    the per-step loop. [`state_dict`][] covers counters and best weights for checkpoints.
     """
 
     def __init__(

@@ -49,7 +49,7 @@ def channels_last(obj: nn.Module | Tensor | TensorDictBase
       and before ``compiled``/``distributed`` prepare the model.
     - ``Tensor``: converted when it is 4-D (NCHW images), returned as is otherwise.
     - ``TensorDict`` batch: its 4-D top-level entries converted by
-      :class:`accelfn.data.ChannelsLast`
+      [`accelfn.data.ChannelsLast`][]
       (the data pipeline's transform; use that one inside ``ad.loader(transform=...)``).
 
     Convolutions on NVIDIA tensor cores (fp16/bf16) run faster in this format; the values

@@ -116,11 +116,11 @@ def param_groups(
     ``layer_decay`` (with ``lr``) gives layer-wise learning rates: the parameters of the
     ``i``-th of ``L`` blocks get ``lr * layer_decay ** (L + 1 - i)``, those before the first
     block (stem, embeddings) ``lr * layer_decay ** (L + 1)``, those after the last (final
-    norm, head) ``lr``. Blocks are :func:`accelfn.find_blocks` (a ResNet's residual blocks,
+    norm, head) ``lr``. Blocks are [`accelfn.find_blocks`][] (a ResNet's residual blocks,
     a transformer's layers) unless ``blocks`` lists module paths, shallowest first.
 
     Frozen parameters (``requires_grad=False``) are left out unless ``trainable_only=False``
-    (use that if you will :func:`unfreeze` them later with the same optimizer). With
+    (use that if you will [`unfreeze`][] them later with the same optimizer). With
     ``named=True`` each group holds ``(name, parameter)`` pairs, which ``torch.optim`` keeps
     as the group's ``param_names``. Empty groups are omitted.
     """
@@ -213,7 +213,7 @@ def freeze(model: nn.Module, *paths: str) -> nn.Module:
 
     A path names a submodule (``"backbone.layer1"``, ``"0"`` inside a Sequential) or one
     parameter (``"fc.bias"``). Unknown paths raise, with the closest names. Freeze before
-    building the optimizer with :func:`param_groups` (frozen parameters are left out). Batch
+    building the optimizer with [`param_groups`][] (frozen parameters are left out). Batch
     norm layers of a frozen part still update their running statistics in ``train()`` mode;
     put them in ``eval()`` after each ``model.train()`` if that matters.
     """

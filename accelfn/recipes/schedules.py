@@ -82,7 +82,7 @@ def warmup_cosine(
     warmup_steps), CosineAnnealingLR(optimizer, total_steps - warmup_steps, eta_min=min_lr)],
     milestones=[warmup_steps])``.
 
-    The learning rate of update ``t`` (counting from 0) for a group of base rate ``lr`` is::
+    The learning rate of update ``t`` (counting from 0) for a group of base rate ``lr`` is:
 
         t <  warmup_steps:  lr * (start_factor + (1 - start_factor) * t / warmup_steps)
         t >= warmup_steps:  min_lr + (lr - min_lr) * (1 + cos(pi * (t - warmup_steps)
@@ -119,7 +119,7 @@ def warmup_linear(
 
     Linear warmup to each group's ``lr``, then linear decay to ``lr * end_factor`` at update
     ``total_steps`` (``end_factor`` is relative to each group, as in ``LinearLR``).
-    ``start_factor`` defaults to ``1 / (warmup_steps + 1)`` (see :func:`warmup_cosine`).
+    ``start_factor`` defaults to ``1 / (warmup_steps + 1)`` (see [`warmup_cosine`][]).
     """
     _check_optimizer("warmup_linear", optimizer)
     _check_steps("warmup_linear", warmup_steps, total_steps)
@@ -198,8 +198,8 @@ class WarmupPlateau:
     That is: ``LinearLR(optimizer, start_factor, 1.0, warmup_steps).step()`` after each of
     the first ``warmup_steps`` updates (ending exactly on the base rates), and
     ``ReduceLROnPlateau.step(metric)`` at each evaluation after that. Give it to
-    ``TrainState(scheduler=...)``: the step engine calls :meth:`step` after every update (a
-    no-op once warmup is over); call :meth:`observe` with the validation metric where the
+    ``TrainState(scheduler=...)``: the step engine calls [`step`][] after every update (a
+    no-op once warmup is over); call [`observe`][] with the validation metric where the
     loop evaluates. Metrics observed during warmup are ignored (the warmup owns the learning
     rate then); ``observe`` reads the metric on the host (``float``), which is a sync, so
     call it at evaluation time only.
@@ -286,7 +286,7 @@ def warmup_plateau(
     cooldown, min_lr)`` fed with ``observe(val_metric)`` at each evaluation.
 
     ``patience`` and ``cooldown`` count observations (evaluations), as in torch. See
-    :class:`WarmupPlateau` for the loop.
+    [`WarmupPlateau`][] for the loop.
     """
     _check_optimizer("warmup_plateau", optimizer)
     _check_steps("warmup_plateau", warmup_steps, None)

@@ -71,7 +71,7 @@ def with_accumulation(n: int, *, mode: str = "split") -> Transform:
     ``mode="split"`` splits each batch into ``n`` contiguous micro-batches (sizes may differ
     by one) and runs forward and backward on each; the micro-batch losses are weighted by
     their share of the samples, or by the ``"weight"`` the step function returns (e.g. valid
-    tokens), so the gradient equals the full-batch gradient. It is this loop, exactly::
+    tokens), so the gradient equals the full-batch gradient. It is this loop, exactly:
 
         for micro in batch.split(sizes):
             (fn(model, micro) * len(micro) / len(batch)).backward()

@@ -124,7 +124,7 @@ def checkpointed(
 
     Activations inside a block are recomputed in the backward pass instead of kept, trading
     one extra forward per block for memory; gradients are identical. ``blocks`` is
-    ``"auto"`` (the model's repeated blocks, see :func:`find_blocks`), module types, or a
+    ``"auto"`` (the model's repeated blocks, see [`find_blocks`][]), module types, or a
     ``predicate(name, module)``; ``every=k`` checkpoints every k-th chosen block.
     ``selective=True`` keeps the outputs of compute-intensive ops (matmuls, convolutions,
     attention) and recomputes only the cheap ones; or give the list of ops to keep.

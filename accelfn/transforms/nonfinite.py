@@ -23,7 +23,7 @@ def with_nonfinite(fn: LossFn | Step | None = None, /, *, policy: str = "skip",
     Every step already guards by default with ``policy="skip", max_consecutive=10``: an update
     whose loss or gradients hold NaN/Inf is skipped (parameters, optimizer state and scheduler
     untouched; metric ``skipped`` is 1) and after ``max_consecutive`` such updates in a row the
-    step raises :class:`accelfn.NonFiniteError`. ``policy="raise"`` raises at the first one
+    step raises [`accelfn.NonFiniteError`][]. ``policy="raise"`` raises at the first one
     (state untouched; the next step works). ``policy="off"`` removes the check and its host
     read; fp16 loss-scale overflows are still skipped, as ``GradScaler.step`` does, and never
     count towards the limit.

@@ -9,13 +9,13 @@ with no per-sample Python loop: crops are index arithmetic + one ``gather``, res
 its segmentation mask), they all get the same per-sample parameters.
 
 The same code runs on the CPU (tests) and on CUDA, so both give the same distributions.
-:class:`DecodeJPEG` is the exception to "on the device": it needs the encoded bytes on the
+[`DecodeJPEG`][] is the exception to "on the device": it needs the encoded bytes on the
 host and writes the decoded images to the device; the loader keeps its ``host_keys`` on the
 CPU.
 
-Compose them with :class:`Compose`; any callable ``f(batch) -> batch`` can be mixed in.
+Compose them with [`Compose`][]; any callable ``f(batch) -> batch`` can be mixed in.
 
-Modules: ``base`` (the protocol, :class:`Compose`, shared checks), ``geometry`` (random crops
+Modules: ``base`` (the protocol, [`Compose`][], shared checks), ``geometry`` (random crops
 and flips), ``pixels`` (normalisation, dtype and memory-format casts), ``jpeg`` (decoding).
 """
 

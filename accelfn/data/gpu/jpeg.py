@@ -17,7 +17,7 @@ class DecodeJPEG:
 
     Input: ``batch[key]``, zero-padded encoded bytes ``(batch, max_length)`` uint8, and
     ``batch[lengths_key]`` (int64, the true length of each) — the layout the loader collates
-    for ``ragged_keys`` (e.g. from :class:`accelfn.data.ImageFiles` with ``jpeg=True``). Both
+    for ``ragged_keys`` (e.g. from [`accelfn.data.ImageFiles`][] with ``jpeg=True``). Both
     stay on the host (they are this transform's ``host_keys``); the decoded ``uint8``
     ``(batch, 3, height, width)`` images are written to ``out_key`` on ``device`` (default:
     the device of the batch's other tensors), with nvJPEG's batched decoder on CUDA. The byte
