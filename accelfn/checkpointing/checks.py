@@ -55,9 +55,15 @@ def is_sharded(model: nn.Module) -> bool:
     return any(hasattr(p, "to_local") and hasattr(p, "device_mesh") for p in model.parameters())
 
 
-def optimizer_signature(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_signature(optimizer: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    """The optimizer's class, its parameter groups' sizes, and the model's name of every
+    parameter of every group, in order (what decides where learning rates and moments go)."""
+    names = {id(p): name for name, p in model.named_parameters()}
     return {"class": type(optimizer).__name__,
-            "groups": [len(g["params"]) for g in optimizer.param_groups]}
+            "groups": [len(g["params"]) for g in optimizer.param_groups],
+            "names": [[names.get(id(p), f"<parameter {i} of group {n}, not in the model>")
+                       for i, p in enumerate(g["params"])]
+                      for n, g in enumerate(optimizer.param_groups)]}
 
 
 # ------------------------------------------------------------------------------ comparisons
@@ -96,14 +102,26 @@ def compare_stacks(saved: dict[str, Any] | None, here: dict[str, Any] | None) ->
     )
 
 
-def compare_optimizers(saved: Any, here: dict[str, Any]) -> None:
-    if saved != here:
+def compare_optimizers(saved: dict[str, Any], here: dict[str, Any]) -> None:
+    if (saved["class"], saved["groups"]) != (here["class"], here["groups"]):
         raise CheckpointError(
             f"the checkpoint's optimizer is {saved['class']} with parameter groups of "
             f"sizes {saved['groups']}, this one is {here['class']} with "
             f"{here['groups']}; build the optimizer (and its parameter groups) as the "
             "checkpointed run did"
         )
+    if saved.get("names") is None:
+        return  # written before names were recorded: the sizes are all there is to compare
+    for group, (theirs, ours) in enumerate(zip(saved["names"], here["names"])):
+        for position, (a, b) in enumerate(zip(theirs, ours)):
+            if a != b:
+                raise CheckpointError(
+                    f"the optimizer's parameter group {group} holds {a} in the checkpoint, "
+                    f"{b} here (its parameter {position}): learning rates, weight decay and "
+                    "optimizer state would land on other parameters. Build the parameter "
+                    "groups from the same parameters, in the same order, as the checkpointed "
+                    "run did"
+                )
 
 
 def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer) -> None:
@@ -153,12 +171,53 @@ def check_slots(saved: Any, state: TrainState) -> None:
                                       "stack")
 
 
+def _position_differs(saved: Any, reference: Any, where: str, batches: int | None) -> str | None:
+    """Where and how a loader position differs in form from this loader's own (same keys,
+    same kinds of values), or holds a count out of range; None when it is well formed."""
+    if isinstance(reference, Mapping):
+        if not isinstance(saved, Mapping):
+            return f"{where} is a {type(saved).__name__}, this loader's a mapping"
+        if set(saved) != set(reference):
+            missing = sorted(map(str, set(reference) - set(saved)))
+            unknown = sorted(map(str, set(saved) - set(reference)))
+            return f"{where} lacks {missing} and has unknown {unknown}"
+        if batches is not None and {"epoch", "batches"} <= set(saved) and \
+                isinstance(saved["batches"], int) and saved["batches"] > batches:
+            return f"{where} is at batch {saved['batches']} of an epoch of {batches}"
+        for key in reference:
+            found = _position_differs(saved[key], reference[key], f"{where}[{key!r}]", batches)
+            if found:
+                return found
+        return None
+    if isinstance(reference, (list, tuple)):
+        if not isinstance(saved, (list, tuple)) or len(saved) != len(reference):
+            return f"{where} is not a sequence of {len(reference)}"
+        for i, (a, b) in enumerate(zip(saved, reference)):
+            found = _position_differs(a, b, f"{where}[{i}]", batches)
+            if found:
+                return found
+        return None
+    if type(saved) is not type(reference):
+        return f"{where} is {saved!r}, where this loader has a {type(reference).__name__}"
+    if isinstance(saved, int) and not isinstance(saved, bool) and saved < 0:
+        return f"{where} is {saved}: counts and epochs are never negative"
+    return None
+
+
 def check_loader(saved: Any, loader: Any) -> None:
+    """An accelfn.data loader position fits ``loader``: its configuration, and its form
+    against the loader's own position (keys, kinds of values, counts in range), so that a
+    malformed one is refused here, before anything is restored, not at the next ``iter()``."""
     config = getattr(loader, "config", None)
-    if not (isinstance(saved, Mapping) and saved.get("format") == LOADER_FORMAT
-            and isinstance(config, dict)):
+    if not isinstance(config, dict):
         return  # another kind of loader: its load_state_dict checks (rolled back on failure)
-    theirs = dict(saved.get("config", {}))
+    if not (isinstance(saved, Mapping) and saved.get("format") == LOADER_FORMAT
+            and isinstance(saved.get("config"), Mapping) and "root" in saved):
+        raise CheckpointError(
+            f"the checkpoint's loader position is not an {LOADER_FORMAT} position (it is "
+            f"malformed, or was saved by another kind of loader)"
+        )
+    theirs = dict(saved["config"])
     if theirs != config:
         diff = ", ".join(f"{k}: saved {theirs.get(k)!r}, here {config.get(k)!r}"
                          for k in sorted(set(theirs) | set(config))
@@ -167,3 +226,11 @@ def check_loader(saved: Any, loader: Any) -> None:
             f"the loader position was saved by a loader with another configuration ({diff}); "
             "build the loader with the same settings to resume"
         )
+    reference = loader.state_dict()["root"]  # this loader's own position: a read
+    batches = getattr(loader, "num_batches", None)
+    found = _position_differs(saved["root"], reference, "root",
+                              batches if isinstance(batches, int) else None)
+    if found:
+        raise CheckpointError(f"the checkpoint's loader position is malformed: {found}; it is "
+                              "forged or damaged (load an earlier checkpoint, or pass "
+                              "loader=None and start the loader at a new epoch)")

@@ -24,10 +24,12 @@ import torch.distributed as dist
 from ..core import compat
 from ..core.state import TrainState
 from .files import digest_file, write_bytes
-from .format import SHARDED_DIR, CheckpointError
+from .format import SHARDED_DIR, CheckpointError, is_checkpoint_file
 
-__all__ = ["load_sharded", "read_metadata", "rewrite_metadata", "save_sharded", "shard_owner",
-           "verify_shards"]
+__all__ = ["check_metadata", "load_sharded", "parse_metadata", "rewrite_metadata", "save_sharded",
+           "shard_owner", "verify_shards"]
+
+_ITEM_OVERHEAD = 1 << 20  # torch.save's zip records around a chunk's bytes (about 2 KB)
 
 
 # ------------------------------------------------------------------------------ compat
@@ -77,26 +79,69 @@ def rewrite_metadata(path: Path) -> None:
     os.replace(tmp, meta_path)
 
 
-def read_metadata(path: Path) -> Any:
-    """The DCP metadata in the directory ``path``, read safely, or CheckpointError."""
-    with open(path / ".metadata", "rb") as f:
-        data = f.read()
+def parse_metadata(data: bytes, where: Path) -> Any:
+    """The DCP metadata in ``data`` (the verified bytes of ``where``), read safely."""
     try:
         return _load_metadata(data)
     except Exception as error:
         raise CheckpointError(
-            f"the sharded checkpoint's metadata in {path} is not plain data "
+            f"the sharded checkpoint's metadata {where} is not plain data "
             f"({type(error).__name__}: {error}); refusing to unpickle it"
         ) from error
 
 
-def _reader(path: Path) -> Any:
+def check_metadata(metadata: Any, listed: Mapping[str, Any], where: Path,
+                   memory: int | None) -> None:
+    """Every storage path in the DCP metadata names one of the checkpoint's own shard files
+    (listed, checksummed, in sharded/), every item lies inside its file, every file is
+    exactly what its items fill, and no item is larger than its tensor (or than memory)."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{where} is not DCP metadata")
+    ends: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        rel_path = getattr(info, "relative_path", None)
+        rel = f"{SHARDED_DIR}/{rel_path}"
+        if not isinstance(rel_path, str) or not is_checkpoint_file(rel) or rel not in listed \
+                or rel == f"{SHARDED_DIR}/.metadata":
+            raise CheckpointError(
+                f"{where} names the storage path {rel_path!r} for {index.fqn}, which is not one "
+                "of this checkpoint's shard files: DCP would read a file outside the checkpoint "
+                "that no checksum covers; it is forged or damaged"
+            )
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0
+                and length >= 0 and offset + length <= listed[rel]["size"]):
+            raise CheckpointError(f"{where}: the item {index.fqn} lies outside its storage path "
+                                  f"{rel_path!r}; it is forged or damaged")
+        entry = metadata.state_dict_metadata.get(index.fqn)
+        if isinstance(entry, TensorStorageMetadata):
+            chunk = next((c for c in entry.chunks if c.offsets == index.offset), None)
+            itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
+            bound = None if chunk is None else chunk.sizes.numel() * itemsize + _ITEM_OVERHEAD
+        else:
+            bound = memory
+        if bound is not None and length > bound:
+            raise CheckpointError(f"{where}: the item {index.fqn} has {length} bytes, more "
+                                  f"than it can hold ({bound}); it is forged or damaged")
+        ends[rel] = max(ends.get(rel, 0), offset + length)
+    for rel, entry in listed.items():
+        if rel.startswith(SHARDED_DIR + "/") and rel != f"{SHARDED_DIR}/.metadata" \
+                and entry["size"] != ends.get(rel, 0):
+            raise CheckpointError(
+                f"{where}: {rel} has {entry['size']} bytes, its items fill {ends.get(rel, 0)}; "
+                "it is forged or damaged"
+            )
+
+
+def _reader(path: Path, verified: Any) -> Any:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-            metadata: Metadata = read_metadata(Path(self.path))
+            metadata: Metadata = verified  # what load() read, checked, before anything changed
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             assert metadata.storage_meta is not None
@@ -123,6 +168,22 @@ def _planner() -> Any:
 
 
 # ------------------------------------------------------------------------------ save, load
+def _first_failure(error: Any) -> BaseException | None:
+    for failure in error.failures.values():
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        return exc if isinstance(exc, BaseException) else None
+    return None
+
+
+def _failures(error: Any) -> str:
+    """``rank r: Type: message`` for each process DCP reports a failure of."""
+    parts = []
+    for rank, failure in sorted(error.failures.items()):
+        exc = failure[0] if isinstance(failure, tuple) else failure
+        parts.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+    return "; ".join(parts) or str(error)
+
+
 def _state(state: TrainState, with_optimizer: bool) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -147,23 +208,36 @@ def _group_up() -> bool:
 def save_sharded(path: Path, state: TrainState, with_optimizer: bool) -> None:
     """``dcp.save`` of the model (and optimizer) into the directory ``path`` (collective)."""
     from torch.distributed.checkpoint import state_dict_saver
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-    with _quiet_single_process():
-        state_dict_saver.save(_state(state, with_optimizer),
-                              storage_writer=FileSystemWriter(path, sync_files=True),
-                              no_dist=not _group_up())
+    try:
+        with _quiet_single_process():
+            state_dict_saver.save(_state(state, with_optimizer),
+                                  storage_writer=FileSystemWriter(path, sync_files=True),
+                                  no_dist=not _group_up())
+    except CheckpointException as error:  # a BaseException: never let it escape as one
+        first = _first_failure(error)
+        code = first.errno if isinstance(first, OSError) else None
+        raise OSError(code, f"writing the sharded checkpoint into {path} failed "
+                            f"({_failures(error)})") from error
 
 
-def load_sharded(path: Path, state: TrainState, with_optimizer: bool) -> None:
-    """``dcp.load`` into the model (and optimizer) from the directory ``path`` (collective)."""
+def load_sharded(path: Path, state: TrainState, with_optimizer: bool, metadata: Any) -> None:
+    """``dcp.load`` into the model (and optimizer) from the directory ``path`` (collective),
+    with the ``metadata`` read and checked before."""
     from torch.distributed.checkpoint import state_dict_loader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     target = _state(state, with_optimizer)
-    with _quiet_single_process():
-        state_dict_loader.load(target, storage_reader=_reader(path), planner=_planner(),
-                               no_dist=not _group_up())
+    try:
+        with _quiet_single_process():
+            state_dict_loader.load(target, storage_reader=_reader(path, metadata),
+                                   planner=_planner(), no_dist=not _group_up())
+    except CheckpointException as error:  # a BaseException: never let it escape as one
+        raise CheckpointError(f"torch.distributed.checkpoint could not load {path} "
+                              f"({_failures(error)})") from error
     if with_optimizer:
         set_state_dict(state.model, state.optimizer, model_state_dict=target["model"],
                        optim_state_dict=target["optimizer"])

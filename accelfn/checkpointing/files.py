@@ -20,7 +20,15 @@ from typing import Any
 
 import torch
 
-from .format import FORMAT, MARKER, TMP_PREFIX, CheckpointError, parse_name
+from .format import (
+    MARKER,
+    MAX_JSON_BYTES,
+    TMP_PREFIX,
+    CheckpointError,
+    check_marker,
+    loads_json,
+    parse_name,
+)
 
 __all__ = [
     "check_files",
@@ -31,6 +39,7 @@ __all__ = [
     "fsync_dir",
     "is_committed",
     "latest",
+    "memory_available",
     "read_torch",
     "read_verified",
     "remove_checkpoint",
@@ -42,6 +51,7 @@ __all__ = [
 ]
 
 Digest = dict[str, Any]
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 Digests = dict[str, Digest]
 
 
@@ -71,8 +81,9 @@ def digest(data: bytes) -> Digest:
 
 
 def digest_file(path: Path) -> Digest:
+    """Size and SHA-256 of a file, read in chunks (a symbolic link is not followed)."""
     h, size = hashlib.sha256(), 0
-    with open(path, "rb") as f:
+    with os.fdopen(os.open(path, os.O_RDONLY | _NOFOLLOW), "rb") as f:
         while chunk := f.read(1 << 22):
             h.update(chunk)
             size += len(chunk)
@@ -116,14 +127,76 @@ def verify_written(root: Path, listed: Mapping[str, Digest]) -> None:
             )
 
 
-def read_verified(root: Path, rel: str, files: Mapping[str, Any]) -> bytes:
-    """The bytes of ``root/rel``, checked against the digest the commit marker recorded."""
+def memory_available() -> int | None:
+    """Bytes this machine can still allocate (``MemAvailable``), or None when unknown."""
     try:
-        data = (root / rel).read_bytes()
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _open_own(root: Path, rel: str) -> io.BufferedReader:
+    """``root/rel`` opened for reading, refusing symbolic links (the file's and its folder's)
+    and anything but a regular file: a checkpoint's files are its own."""
+    parts = rel.split("/")
+    for i in range(1, len(parts) + 1):
+        part = "/".join(parts[:i])
+        try:
+            info = os.lstat(root / part)
+        except FileNotFoundError as error:
+            raise CheckpointError(f"{root} is damaged: {rel} is missing; load an earlier "
+                                  "checkpoint") from error
+        except OSError as error:
+            raise CheckpointError(f"{root} is damaged: {rel} cannot be read ({error}); load an "
+                                  "earlier checkpoint") from error
+        if stat.S_ISLNK(info.st_mode):
+            raise CheckpointError(
+                f"{root} is refused: {part} is a symbolic link (to {os.readlink(root / part)}); "
+                "a checkpoint holds only its own files, a link could lead to files that no "
+                "checksum covers"
+            )
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(f"{root} is damaged: {rel} is not a regular file")
+    try:
+        fd = os.open(root / rel, os.O_RDONLY | _NOFOLLOW)
     except OSError as error:
-        raise CheckpointError(f"{root} is damaged: {rel} cannot be read ({error}); load an "
-                              "earlier checkpoint") from error
-    if digest(data) != files.get(rel):
+        raise CheckpointError(f"{root} is refused: {rel} cannot be opened as its own file "
+                              f"({error})") from error
+    return os.fdopen(fd, "rb")
+
+
+def _read_bounded(f: io.BufferedReader, root: Path, rel: str, size: int | None,
+                  limit: int | None, bound: str) -> bytes:
+    actual = os.fstat(f.fileno()).st_size
+    if size is not None and actual != size:
+        raise CheckpointError(f"{root} is damaged: {rel} has {actual} bytes, {size} were "
+                              "written; load an earlier checkpoint")
+    if limit is not None and actual > limit:
+        raise CheckpointError(f"{root} is refused: {rel} has {actual} bytes, more than {bound} "
+                              f"({limit}); it is forged or damaged")
+    return f.read(actual + 1)  # one byte more: a file that grew since is caught
+
+
+def read_verified(root: Path, rel: str, files: Mapping[str, Any]) -> bytes:
+    """The bytes of ``root/rel``, checked against the digest the commit marker recorded, read
+    only when the file is the checkpoint's own (no links) and fits in memory."""
+    expected = files.get(rel)
+    size = expected.get("size") if isinstance(expected, dict) else None
+    limit: int | None
+    if rel.endswith(".json"):
+        limit, bound = MAX_JSON_BYTES, "a checkpoint's metadata ever has"
+    else:
+        limit, bound = memory_available(), "this machine has memory available"
+    with _open_own(root, rel) as f:
+        data = _read_bounded(f, root, rel, size, limit, bound)
+    if digest(data) != expected:
         raise CheckpointError(
             f"{root} is damaged: {rel} does not match the checksum recorded when it was "
             "saved (changed or corrupted since); load an earlier checkpoint"
@@ -201,23 +274,21 @@ def rotate(root: Path, keep: int | None, newest: Path) -> None:
 
 
 def check_files(path: Path) -> dict[str, Any]:
-    """The commit marker, after checking that every file it lists is there, full size."""
+    """The commit marker, after checking that every file it lists is there, the checkpoint's
+    own (no links, no names leading elsewhere) and full size."""
     try:
-        marker = json.loads((path / MARKER).read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"the commit marker of {path} is unreadable ({error})") from error
-    if not isinstance(marker, dict) or marker.get("format") != FORMAT \
-            or not isinstance(marker.get("files"), dict):
-        raise CheckpointError(f"{path} is not an {FORMAT} checkpoint")
+        with _open_own(path, MARKER) as f:
+            data = _read_bounded(f, path, MARKER, None, MAX_JSON_BYTES,
+                                 "a commit marker ever has")
+    except CheckpointError as error:
+        raise CheckpointError(f"the commit marker of {path} is unreadable: {error}") from error
+    marker = check_marker(loads_json(data, str(path / MARKER)), str(path / MARKER))
     for rel, entry in marker["files"].items():
-        file = path / rel
-        if not file.is_file():
-            raise CheckpointError(f"{path} is damaged: {rel} is missing; load an earlier "
-                                  "checkpoint")
-        size = entry.get("size") if isinstance(entry, dict) else None
-        if file.stat().st_size != size:
+        with _open_own(path, rel) as f:
+            size = os.fstat(f.fileno()).st_size
+        if size != entry["size"]:
             raise CheckpointError(
-                f"{path} is damaged: {rel} has {file.stat().st_size} bytes, {size} were "
+                f"{path} is damaged: {rel} has {size} bytes, {entry['size']} were "
                 "written; load an earlier checkpoint"
             )
     return marker

@@ -16,6 +16,7 @@ with ``torch.load(weights_only=True)``.
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -36,8 +37,12 @@ __all__ = [
     "TMP_PREFIX",
     "CheckpointError",
     "CheckpointInfo",
+    "check_marker",
+    "check_meta",
     "check_plain",
     "clone",
+    "is_checkpoint_file",
+    "loads_json",
     "parse_name",
     "rank_file",
 ]
@@ -54,6 +59,10 @@ META_KEYS = frozenset({"format", "step", "world_size", "sharded", "optimizer_sha
 PARTS = ("optimizer", "scheduler", "step", "rng.python", "rng.numpy", "rng.torch", "rng.cuda",
          "data")  # what a restore covers, plus "slot:<name>" for each transform slot
 _NAME = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
+_FILE = re.compile(r"^(?:state\.pt|meta\.json|rank-\d{5}\.pt|sharded/(?!\.\.?$)[^/\\\x00]+)$")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+MAX_JSON_BYTES = 256 << 20  # a marker or meta.json is never near this (a few MB at most)
+MAX_JSON_DEPTH = 16  # their deepest nesting is 4 (meta.json's model shapes)
 
 
 class CheckpointError(ValueError):
@@ -132,3 +141,96 @@ def clone(obj: Any) -> Any:
     if isinstance(obj, tuple) and type(obj) is tuple:
         return tuple(clone(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+# ------------------------------------------------------------------------------ validation
+def is_checkpoint_file(rel: str) -> bool:
+    """Whether ``rel`` is a name a checkpoint's files have: state.pt, meta.json, rank-NNNNN.pt,
+    or a plain file name inside sharded/ (never a path leading elsewhere)."""
+    return _FILE.match(rel) is not None
+
+
+def _depth(obj: Any) -> int:
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict)
+                                                 else item))
+    return deepest
+
+
+def loads_json(data: bytes, where: str) -> Any:
+    """``json.loads(data)``, or CheckpointError for what a checkpoint's JSON never is: invalid,
+    deeper than ``MAX_JSON_DEPTH``, larger than ``MAX_JSON_BYTES``."""
+    if len(data) > MAX_JSON_BYTES:
+        raise CheckpointError(f"{where} has {len(data)} bytes, more than a checkpoint's "
+                              f"metadata ever has ({MAX_JSON_BYTES}); it is forged or damaged")
+    try:
+        obj = json.loads(data)
+    except RecursionError as error:
+        raise CheckpointError(f"{where} is nested too deeply to be a checkpoint's metadata; "
+                              "it is forged or damaged") from error
+    except ValueError as error:
+        raise CheckpointError(f"{where} is unreadable ({error})") from error
+    if _depth(obj) > MAX_JSON_DEPTH:
+        raise CheckpointError(f"{where} is nested more deeply than a checkpoint's metadata "
+                              f"ever is ({_depth(obj)} levels); it is forged or damaged")
+    return obj
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+
+def check_marker(marker: Any, where: str) -> dict[str, Any]:
+    """The commit marker, checked: format, step, and a digest per checkpoint file name."""
+    if not isinstance(marker, dict) or marker.get("format") != FORMAT \
+            or not isinstance(marker.get("files"), dict) or not _is_int(marker.get("step")):
+        raise CheckpointError(f"{where} is not the commit marker of an {FORMAT} checkpoint")
+    for rel, entry in marker["files"].items():
+        if not is_checkpoint_file(rel):
+            raise CheckpointError(f"{where} lists {rel!r}, which is not a checkpoint file (a "
+                                  "checkpoint holds only its own files); it is forged or damaged")
+        if not (isinstance(entry, dict) and set(entry) == {"size", "sha256"}
+                and _is_int(entry["size"]) and isinstance(entry["sha256"], str)
+                and _SHA256.match(entry["sha256"])):
+            raise CheckpointError(f"{where} records no valid size and SHA-256 for {rel}")
+    for rel in (STATE_FILE, META_FILE):
+        if rel not in marker["files"]:
+            raise CheckpointError(f"{where} does not list {rel}; it is forged or damaged")
+    return marker
+
+
+def check_meta(meta: Any, marker: dict[str, Any], where: str) -> dict[str, Any]:
+    """meta.json, checked against its marker and for the types :func:`load` relies on."""
+    bad = "inconsistent metadata; load an earlier checkpoint"
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT \
+            or meta.get("step") != marker["step"] or not META_KEYS <= set(meta):
+        raise CheckpointError(f"{where} has {bad}")
+    optimizer, model, stack = meta["optimizer"], meta["model"], meta["stack"]
+    names = optimizer.get("names") if isinstance(optimizer, dict) else None
+    ok = (_is_int(meta["world_size"], 1) and isinstance(meta["sharded"], bool)
+          and isinstance(meta["optimizer_sharded"], bool) and isinstance(meta["loader"], bool)
+          and isinstance(meta["created"], (int, float)) and not isinstance(meta["created"], bool)
+          and (meta["scheduler"] is None or isinstance(meta["scheduler"], str))
+          and isinstance(model, dict)
+          and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], list)
+                  and all(_is_int(d) for d in v[0]) and isinstance(v[1], str)
+                  for v in model.values())
+          and isinstance(optimizer, dict) and isinstance(optimizer.get("class"), str)
+          and isinstance(optimizer.get("groups"), list)
+          and all(_is_int(n) for n in optimizer["groups"])
+          and (names is None or (isinstance(names, list) and all(
+              isinstance(g, list) and all(isinstance(n, str) for n in g) for g in names)))
+          and (stack is None or (isinstance(stack, dict)
+                                 and isinstance(stack.get("describe"), str)
+                                 and isinstance(stack.get("transforms"), list)
+                                 and all(isinstance(t, str) for t in stack["transforms"]))))
+    if not ok:
+        raise CheckpointError(f"{where} has {bad}")
+    if rank_file(0) not in marker["files"] or (meta["sharded"] and
+                                               f"{SHARDED_DIR}/.metadata" not in marker["files"]):
+        raise CheckpointError(f"{where} has {bad} (files are missing from its marker)")
+    return meta

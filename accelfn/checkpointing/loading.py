@@ -11,7 +11,6 @@ Under ``torchrun`` every process calls :func:`load` (it is collective).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -22,18 +21,26 @@ from ..core.engine import Step
 from ..core.state import TrainState
 from . import checks
 from .collective import agree, anyone, from_rank0, rank_world
-from .dcp import load_sharded, read_metadata, verify_shards
-from .files import check_files, is_committed, latest, read_torch, read_verified
+from .dcp import check_metadata, load_sharded, parse_metadata, verify_shards
+from .files import (
+    check_files,
+    is_committed,
+    latest,
+    memory_available,
+    read_torch,
+    read_verified,
+)
 from .format import (
     FORMAT,
     MARKER,
     META_FILE,
-    META_KEYS,
     SHARDED_DIR,
     STATE_FILE,
     CheckpointError,
     CheckpointInfo,
+    check_meta,
     clone,
+    loads_json,
     parse_name,
     rank_file,
 )
@@ -81,6 +88,7 @@ class _Checked:
     payload: dict[str, Any]
     rank_state: dict[str, Any] | None
     rng_setters: list[tuple[str, Callable[[], None]]]
+    dcp_metadata: Any
 
 
 def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | None,
@@ -88,16 +96,12 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
                     dropped: frozenset[str]) -> _Checked:
     marker = check_files(path)
     listed = marker["files"]
-    try:
-        meta = json.loads(read_verified(path, META_FILE, listed))
-    except ValueError as error:
-        raise CheckpointError(f"{path / META_FILE} is unreadable ({error})") from error
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT \
-            or meta.get("step") != marker.get("step") or not META_KEYS <= set(meta):
-        raise CheckpointError(f"{path} has inconsistent metadata; load an earlier checkpoint")
+    meta = check_meta(loads_json(read_verified(path, META_FILE, listed), str(path / META_FILE)),
+                      marker, str(path))
     checks.compare_models(meta["model"], checks.model_signature(state.model))
     checks.compare_stacks(meta["stack"], checks.stack_signature(step))
-    checks.compare_optimizers(meta["optimizer"], checks.optimizer_signature(state.optimizer))
+    checks.compare_optimizers(meta["optimizer"],
+                              checks.optimizer_signature(state.optimizer, state.model))
     here_sched = None if state.scheduler is None else type(state.scheduler).__name__
     if meta["scheduler"] != here_sched:
         raise CheckpointError(
@@ -129,9 +133,12 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
                                   "loader=None, or save with loader= next time")
         if not callable(getattr(loader, "load_state_dict", None)):
             raise TypeError(f"loader={type(loader).__name__} has no load_state_dict()")
-    if meta["sharded"]:  # read before anything changes; DCP reads it again while loading
-        read_verified(path, f"{SHARDED_DIR}/.metadata", listed)
-        read_metadata(path / SHARDED_DIR)
+    dcp_metadata = None
+    if meta["sharded"]:  # read and checked before anything changes; DCP loads with it
+        where = path / SHARDED_DIR / ".metadata"
+        dcp_metadata = parse_metadata(read_verified(path, f"{SHARDED_DIR}/.metadata", listed),
+                                      where)
+        check_metadata(dcp_metadata, listed, where, memory_available())
         verify_shards(path, listed, rank, world, int(meta["world_size"]))
     payload = read_torch(path, STATE_FILE, listed)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT \
@@ -150,10 +157,10 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
         if not isinstance(rank_state, dict) or rank_state.get("format") != FORMAT \
                 or rank_state.get("rank") != rank:
             raise CheckpointError(f"{path}/{rank_file(rank)} is not this process' state")
-        setters = rng_setters(rank_state["rng"], dropped)
+        setters = rng_setters(rank_state.get("rng"), dropped)
         if loader is not None:
-            checks.check_loader(rank_state["loader"], loader)
-    return _Checked(meta, payload, rank_state, setters)
+            checks.check_loader(rank_state.get("loader"), loader)
+    return _Checked(meta, payload, rank_state, setters, dcp_metadata)
 
 
 def load(
@@ -222,7 +229,7 @@ def load(
     rng_before = rng_state()
     restored: list[str] = []
     try:
-        restored += _restore_state(resolved, state, meta, checked.payload["state"], dropped)
+        restored += _restore_state(resolved, state, checked, dropped)
         if checked.rank_state is not None:
             for name, setter in checked.rng_setters:
                 setter()
@@ -255,12 +262,12 @@ def load(
         extra=checked.payload.get("extra"), restored=tuple(restored))
 
 
-def _restore_state(path: Path, state: TrainState, meta: dict[str, Any],
-                   saved: dict[str, Any], dropped: frozenset[str]) -> list[str]:
-    saved = dict(saved)
+def _restore_state(path: Path, state: TrainState, checked: _Checked,
+                   dropped: frozenset[str]) -> list[str]:
+    meta, saved = checked.meta, dict(checked.payload["state"])
     if meta["sharded"]:
         with_optimizer = meta["optimizer_sharded"] and "optimizer" not in dropped
-        load_sharded(path / SHARDED_DIR, state, with_optimizer)
+        load_sharded(path / SHARDED_DIR, state, with_optimizer, checked.dcp_metadata)
         saved["model"] = state.model.state_dict()  # already restored: load it onto itself
         if with_optimizer:
             saved["optimizer"] = state.optimizer.state_dict()

@@ -175,7 +175,7 @@ def _gather(state: TrainState, loader: Any, step: Step | None, extra: Any, shard
         "created": time.time(),
         "torch": torch.__version__,
         "model": model_signature(state.model),
-        "optimizer": optimizer_signature(state.optimizer),
+        "optimizer": optimizer_signature(state.optimizer, state.model),
         "scheduler": None if state.scheduler is None else type(state.scheduler).__name__,
         "stack": stack,
         "loader": loader is not None,

@@ -1,7 +1,9 @@
 """Fuzzing with hypothesis: damaged checkpoints fed to load.
 
-Every generated case must end in a refusal (``CheckpointError`` or ``FileNotFoundError``) with
-the state untouched, or in a load of exactly the saved state (a change that did not matter).
+Every generated case (a flipped, truncated, appended or deleted byte, an edited, deeply nested
+JSON value, a file replaced by a link to the same bytes elsewhere) must end in a refusal
+(``CheckpointError`` or ``FileNotFoundError``) with the state untouched, or in a load of exactly
+the saved state (a change that did not matter).
 The counts are printed (``pytest -s``).
 """
 
@@ -63,7 +65,8 @@ def test_fuzz_damaged_checkpoints_never_load_wrong(good_checkpoint, tmp_path_fac
     @settings(max_examples=80, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
     @given(name=st.sampled_from(files), kind=st.sampled_from(["flip", "truncate", "append",
-                                                               "delete", "json"]),
+                                                               "delete", "json", "nest",
+                                                               "link"]),
            where=st.floats(0.0, 1.0), byte=st.integers(1, 255))
     def check(name, kind, where, byte):
         target_dir = work / "ckpt"
@@ -82,8 +85,18 @@ def test_fuzz_damaged_checkpoints_never_load_wrong(good_checkpoint, tmp_path_fac
             obj = json.loads(data)
             obj["step"] = obj["step"] + byte
             data = bytearray(json.dumps(obj).encode())
+        elif kind == "nest" and name in ("COMMITTED", "meta.json"):
+            obj = json.loads(data)
+            obj["step"] = json.loads("[" * (byte * 2) + "]" * (byte * 2))
+            data = bytearray(json.dumps(obj).encode())
         if kind == "delete":
             target.unlink()
+        elif kind == "link":  # the same bytes, outside the checkpoint, behind a link
+            outside = work / "outside" / name
+            outside.parent.mkdir(parents=True, exist_ok=True)
+            outside.write_bytes(bytes(data))
+            target.unlink()
+            target.symlink_to(outside)
         else:
             target.write_bytes(bytes(data))
         state = fresh_state(1)
@@ -95,6 +108,8 @@ def test_fuzz_damaged_checkpoints_never_load_wrong(good_checkpoint, tmp_path_fac
             outcomes["refused"] += 1
             return
         # loaded: then it must be exactly the saved state (a change that did not matter)
+        assert kind != "link", f"{name} behind a link to a file outside was loaded"
+        assert not (kind == "nest" and name in ("COMMITTED", "meta.json")), "nested JSON loaded"
         assert all(torch.equal(a, b) for a, b in zip(saved_params, state.model.parameters()))
         outcomes["loaded"] += 1
 
