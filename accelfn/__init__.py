@@ -68,6 +68,7 @@ from .transforms.clipping import with_clipping
 from .transforms.compile import compiled
 from .transforms.data_parallel import distributed
 from .transforms.ema import ema_state_dict, ema_weights, with_ema
+from .transforms.float8 import with_float8
 from .transforms.nonfinite import with_nonfinite
 
 __version__ = "0.1.0"
@@ -129,6 +130,7 @@ __all__ = [
     "with_amp",
     "with_clipping",
     "with_ema",
+    "with_float8",
     "with_nonfinite",
     "world_size",
 ]

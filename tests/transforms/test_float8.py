@@ -1,0 +1,379 @@
+"""with_float8: torchao's float8 Linear layers, emulated on the CPU, against bf16 and by hand."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import io
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torchao.float8 as float8  # the test extra installs accelfn[float8]
+from conftest import as_dict
+from reference import reference_update
+from tensordict import TensorDict
+from torch import nn
+from torchao.float8.float8_linear import Float8Linear
+
+import accelfn as af
+from accelfn import with_float8
+from accelfn.testing import check_transform, plain_update
+from accelfn.transforms.float8 import eligible
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class MLP(nn.Module):
+    """Input 8 wide (not a multiple of 16: never converted), blocks, a 5-way head."""
+
+    def __init__(self, dim: int = 64, depth: int = 2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, dim)
+        self.blocks = nn.Sequential(*(Block(dim) for _ in range(depth)))
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.inp(x)))
+
+
+def mlp(dim: int = 64) -> MLP:
+    torch.manual_seed(0)
+    return MLP(dim)
+
+
+def batches(n: int, size: int = 64, seed: int = 1) -> list[TensorDict]:
+    g = torch.Generator().manual_seed(seed)
+    return [TensorDict({"x": torch.randn(size, 8, generator=g),
+                        "y": torch.randint(0, 5, (size,), generator=g)}, batch_size=[size])
+            for _ in range(n)]
+
+
+def ce(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def by_hand(model: nn.Module, min_features: int = 16, **config) -> nn.Module:
+    """What with_float8 is equivalent to: torchao's conversion, written out."""
+    def chosen(module: nn.Module, fqn: str) -> bool:
+        return all(n % 16 == 0 and n >= min_features
+                   for n in (module.in_features, module.out_features))
+
+    return float8.convert_to_float8_training(
+        model, config=float8.Float8LinearConfig(emulate=True, **config),
+        module_filter_fn=chosen)
+
+
+def converted(model: nn.Module) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten() for p in model.parameters()])
+
+
+# ----------------------------------------------------------------------------- equivalence
+def test_equals_torchao_conversion_and_the_plain_loop_bitwise():
+    model, ref = mlp(), mlp()
+    state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    by_hand(ref)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    step = af.with_clipping(max_norm=0.5)(af.with_accumulation(2)(
+        af.with_amp(dtype=torch.bfloat16)(with_float8(min_features=16)(ce))))
+    for batch in batches(3):
+        metrics = step(state, batch)
+        out = reference_update(ref, ref_opt, as_dict(batch), ce, micro=2,
+                               amp_dtype=torch.bfloat16, max_norm=0.5)
+        assert torch.equal(metrics["loss"], sum(out["losses"]) / 2)
+    assert converted(model) == converted(ref) == [
+        "blocks.0.fc1", "blocks.0.fc2", "blocks.1.fc1", "blocks.1.fc2"]
+    assert torch.equal(flat(model), flat(ref))
+
+
+def test_emulated_float8_against_bf16_within_the_stated_tolerance(capsys):
+    """The documented tolerance: over 30 AdamW steps of bf16 training, float8 (emulated)
+    losses stay within 1% of the bf16 losses and the weights within 3% (relative L2)."""
+    def train(step):
+        model = mlp()
+        state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        losses = torch.stack([step(state, b)["loss"] for b in batches(30)])
+        return losses.float(), flat(model)
+
+    bf16_losses, bf16_w = train(af.with_amp(dtype=torch.bfloat16)(ce))
+    f8_losses, f8_w = train(af.with_amp(dtype=torch.bfloat16)(with_float8(min_features=16)(ce)))
+    loss_err = ((f8_losses - bf16_losses).abs() / bf16_losses.abs()).max().item()
+    weight_err = ((f8_w - bf16_w).norm() / bf16_w.norm()).item()
+    with capsys.disabled():
+        print(f"\nfloat8 (emulated) vs bf16, 30 steps: max relative loss error {loss_err:.2e}, "
+              f"relative weight error {weight_err:.2e}")
+    assert loss_err < 1e-2 and weight_err < 3e-2
+    assert loss_err > 1e-5 and weight_err > 1e-4  # float8 really ran: not bf16 again
+    assert f8_losses[-5:].mean() < f8_losses[:5].mean()  # and it trains
+
+
+def test_evaluate_runs_the_float8_layers():
+    model = mlp()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = with_float8(min_features=16)(ce)
+    ref = by_hand(mlp())
+    batch = batches(1)[0]
+    with torch.no_grad():
+        expected = ce(ref, batch)
+    assert torch.equal(step.evaluate(state, batch)["loss"], expected)
+
+
+# ----------------------------------------------------------------------- what is converted
+def test_size_threshold_multiples_of_16_and_the_predicate():
+    assert eligible(nn.Linear(1024, 4096), 1024)
+    assert not eligible(nn.Linear(1024, 1000), 16)  # 1000 is not a multiple of 16
+    assert not eligible(nn.Linear(512, 4096), 1024)  # the smaller side is below the threshold
+    assert not eligible(nn.Conv2d(16, 16, 3), 16)
+    model = mlp()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = with_float8(min_features=64, predicate=lambda name, m: not name.startswith(
+        "blocks.1"))(ce)
+    step(state, batches(1)[0])
+    assert converted(model) == ["blocks.0.fc1", "blocks.0.fc2"]  # inp (8) and head (5): kept
+    assert type(model.head) is nn.Linear and type(model.inp) is nn.Linear
+
+
+def test_nothing_to_convert_is_refused_with_the_sizes():
+    model = mlp(dim=32)
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"no Linear layer to convert.*min_features=1024"
+                                         r".*\(32, 128\)"):
+        with_float8(ce)(state, batches(1)[0])
+    assert converted(model) == []
+
+
+def test_options_are_checked_when_built():
+    with pytest.raises(ValueError, match="min_features"):
+        with_float8(min_features=8)
+    with pytest.raises(ValueError, match="recipe"):
+        with_float8(recipe="blockwise")
+    with pytest.raises(ValueError, match="tensorwise"):
+        with_float8(recipe="rowwise", fsdp_float8_all_gather=True)
+    with pytest.raises(TypeError, match="predicate"):
+        with_float8(predicate="blocks")
+    with pytest.raises(TypeError, match="keyword"):
+        with_float8(16)
+    with pytest.raises(ValueError, match="applied twice"):
+        with_float8(with_float8(ce))
+    assert repr(with_float8(min_features=64)(ce)) == "with_float8(tensorwise, min_features=64) ∘ ce"
+
+
+def test_without_torchao_the_error_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    with pytest.raises(ImportError, match=r"accelfn\[float8\]"):
+        with_float8(min_features=16)
+
+
+# --------------------------------------------------------------- optimizer and checkpoints
+def test_the_optimizer_still_holds_the_converted_layers_parameters():
+    model = mlp()
+    before = {name: p for name, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    state = af.TrainState(model, opt)
+    with_float8(min_features=16)(ce)(state, batches(1)[0])
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(after[k] is before[k] for k in before)  # torchao keeps the Parameters
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert [id(p) for p in held] == [id(p) for p in model.parameters()]
+    assert all(p in opt.state for p in held)  # and each was updated
+
+
+def test_float8_all_gather_repoints_the_optimizer_and_moves_its_state():
+    model = mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    plain_update(model, opt, batches(1)[0], ce)  # the optimizer has state before conversion
+    old = dict(model.named_parameters())
+    moments = {k: opt.state[p]["exp_avg"].clone() for k, p in old.items()}
+    state = af.TrainState(model, opt)
+    step = with_float8(min_features=16, fsdp_float8_all_gather=True)(ce)
+    step.prepare(state)
+    new = dict(model.named_parameters())
+    assert new["blocks.0.fc1.weight"] is not old["blocks.0.fc1.weight"]  # wrapped anew
+    assert new["blocks.0.fc1.bias"] is old["blocks.0.fc1.bias"]
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert [id(p) for p in held] == [id(p) for p in model.parameters()]
+    for key, p in new.items():
+        assert torch.equal(opt.state[p]["exp_avg"], moments[key]), key
+    w = new["blocks.0.fc1.weight"].detach().clone()
+    step(state, batches(2)[1])
+    assert not torch.equal(new["blocks.0.fc1.weight"].detach(), w)  # the update reached it
+
+
+def test_float8_all_gather_refuses_a_tied_weight():
+    class Tied(MLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = nn.Linear(64, 64, bias=False)
+            self.twin = nn.Linear(64, 64, bias=False)
+            self.twin.weight = self.out.weight
+
+        def forward(self, x):
+            return self.head(self.twin(self.out(self.blocks(self.inp(x)))))
+
+    torch.manual_seed(0)
+    model = Tied()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match=r"'out'.*tied to \['twin.weight'\].*predicate"):
+        with_float8(min_features=16, fsdp_float8_all_gather=True)(ce)(state, batches(1)[0])
+    # without the all-gather the tie survives the conversion
+    torch.manual_seed(0)
+    model = Tied()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with_float8(min_features=16)(ce)(state, batches(1)[0])
+    assert model.out.weight is model.twin.weight and isinstance(model.twin, Float8Linear)
+
+
+@pytest.mark.parametrize("all_gather", [False, True])
+def test_state_dict_keys_unchanged_and_checkpoints_load_across(all_gather):
+    f8_step = af.with_amp(with_float8(min_features=16, fsdp_float8_all_gather=all_gather)(ce))
+    bf16_step = af.with_amp(ce)
+    data = batches(4)
+
+    def trained(step, n):
+        model = mlp()
+        state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        for b in data[:n]:
+            step(state, b)
+        return state
+
+    plain = mlp().state_dict()
+    f8 = trained(f8_step, 2)
+    assert list(f8.model.state_dict()) == list(plain)
+    buffer = io.BytesIO()
+    torch.save(f8.state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    # a float8 checkpoint resumes in bf16 ...
+    into_bf16 = trained(bf16_step, 0)
+    into_bf16.load_state_dict(saved)
+    assert torch.equal(flat(into_bf16.model), flat(f8.model))
+    bf16_step(into_bf16, data[2])
+    # ... and a bf16 checkpoint resumes in float8, exactly as if it had run in float8
+    bf16 = trained(bf16_step, 2)
+    into_f8 = trained(f8_step, 0)
+    into_f8.load_state_dict(copy.deepcopy(bf16.state_dict()))
+    assert torch.equal(flat(into_f8.model), flat(bf16.model))
+    f8_step(into_f8, data[2])
+    model = mlp()
+    model.load_state_dict(bf16.model.state_dict())
+    by_hand(model, enable_fsdp_float8_all_gather=all_gather)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt.load_state_dict(bf16.optimizer.state_dict())
+    reference_update(model, opt, as_dict(data[2]), ce, amp_dtype=torch.bfloat16)
+    assert torch.equal(flat(into_f8.model), flat(model))
+
+
+# ------------------------------------------------------------------------------ stacking
+def _by_hand_update(model, optimizer, batch):
+    if not converted(model):
+        by_hand(model)
+    plain_update(model, optimizer, batch, lambda m, b: F.cross_entropy(m(b["x"]), b["y"]))
+
+
+def test_contract_every_order_with_amp_accumulation_and_clipping():
+    report = check_transform(with_float8(min_features=16), reference=_by_hand_update)
+    assert report.orders == 24
+    assert report.passed == ["reference", "purity", "orders", "resume", "no host sync",
+                             "bad input"]
+
+
+def test_checkpointed_gives_the_float8_result_bitwise():
+    results = []
+    for step in (af.with_amp(with_float8(min_features=16)(ce)),
+                 af.checkpointed(af.with_amp(with_float8(min_features=16)(ce))),
+                 with_float8(min_features=16)(af.with_amp(af.checkpointed(ce)))):
+        model = mlp()
+        state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        for b in batches(3):
+            step(state, b)
+        results.append(flat(model))
+        assert len(converted(model)) == 4
+    assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+@pytest.mark.slow
+def test_contract_every_order_with_checkpointed_too():
+    report = check_transform(with_float8(min_features=16), builtins=[
+        af.with_amp(dtype=torch.bfloat16), af.with_accumulation(2),
+        af.with_clipping(max_norm=0.5), af.checkpointed()])
+    assert report.orders == 120
+
+
+def test_steps_sharing_a_state_convert_once():
+    model = mlp()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    train = with_float8(min_features=16)(ce)
+    other = af.checkpointed(with_float8(min_features=16)(ce))  # another preparation
+    train(state, batches(1)[0])
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    other(state, batches(1)[0])
+    assert {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)} == layers
+    with pytest.raises(ValueError, match="converted once"):
+        with_float8(min_features=16, recipe="rowwise")(af.with_amp(ce))(state, batches(1)[0])
+
+
+# --------------------------------------------------------------------- compile on the GPU
+def _context(step, state, device: str):
+    """The call context of ``step`` as it would be on ``device`` (a CUDA preparation faked
+    on the CPU: the check reads only the preparation)."""
+    prepared = step.prepare(state)
+    moved = dataclasses.replace(prepared, device=torch.device(device))
+    key = next(k for k, p, _ in state.preparations if p is prepared)
+    state.add_preparation(key, moved, af.describe(step))
+    return af.CallContext(state, moved)
+
+
+def _hook(step):
+    return next(t for t in step.transforms if t.name == "with_float8").hooks["forward_context"]
+
+
+def test_cuda_without_compile_is_refused_with_the_fix():
+    model = mlp()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    eager = af.with_amp(with_float8(min_features=16)(ce))
+    with pytest.raises(ValueError, match=r"needs the model compiled.*af\.compiled"):
+        _hook(eager)(_context(eager, state, "cuda"))
+    with _hook(eager)(_context(eager, state, "cpu")):  # emulated on the CPU: eager is fine
+        pass
+    emulated = with_float8(min_features=16, emulate=True)(ce)
+    with _hook(emulated)(_context(emulated, state, "cuda")):  # numerics checks, eager
+        pass
+
+
+def test_cuda_with_compile_in_the_stack_is_accepted():
+    regional = af.Transform("regional", af.Hooks(compile=lambda prepared, state: prepared))
+    for step in (af.compiled(with_float8(min_features=16)(ce)),  # wraps the model
+                 regional(with_float8(min_features=16)(ce))):  # compiles inside it
+        model = mlp()
+        state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        with _hook(step)(_context(step, state, "cuda")):
+            pass
+
+
+@pytest.mark.compile
+def test_compiled_float8_matches_eager_float8():
+    def train(step):
+        model = mlp()
+        state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        return torch.stack([step(state, b)["loss"] for b in batches(3)]).float(), flat(model)
+
+    eager = train(af.with_amp(with_float8(min_features=16)(ce)))
+    compiled = train(af.compiled(af.with_amp(with_float8(min_features=16)(ce))))
+    assert torch.allclose(compiled[0], eager[0], rtol=5e-3)
+    assert ((compiled[1] - eager[1]).norm() / eager[1].norm()) < 1e-2
