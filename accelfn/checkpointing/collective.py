@@ -57,9 +57,11 @@ def agree(error: BaseException | None, what: str,
     """Raise on every process if any process failed ``what``: its own error where it failed,
     a ``kind`` saying so on the others."""
     if anyone(error is not None):
+        told = gather(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
-        raise kind(f"{what} failed on another process; see that process' error")
+        rank, message = next((r, m) for r, m in enumerate(told) if m is not None)
+        raise kind(f"{what} failed on another process (rank {rank}: {message})")
 
 
 def gather(value: Any) -> list[Any]:

@@ -13,6 +13,9 @@ test_preemption.py (each mode runs in its own process, as a real restart would).
                                               worker is SIGKILLed; phase 1 (torchrun's restart)
                                               resumes both, then is preempted by SIGTERM on
                                               one rank; phase 2 resumes that
+    torchrun --nproc_per_node=2 resume_worker.py locked RUN OUT
+                                              both ranks save into a folder another host's
+                                              lock holds: every rank raises, none hangs
     torchrun --nproc_per_node=2 --max-restarts=1 resume_worker.py reconnect RUN OUT
                                               af.init_distributed() after a restart in which
                                               rank 0 comes up last
@@ -328,6 +331,30 @@ def reconnect(out: Path) -> None:
     dist.destroy_process_group()
 
 
+def locked(run: Path, out: Path) -> None:
+    """Both ranks save into a folder whose lock another (live) host holds: every rank raises,
+    none waits in a collective, and each says why."""
+    import torch.distributed as dist
+
+    af.init_distributed()
+    rank = dist.get_rank()
+    if rank == 0:
+        run.mkdir(parents=True, exist_ok=True)
+        (run / ".lock").write_text(json.dumps({"pid": 4242, "host": "node-17.cluster",
+                                               "created": time.time(), "token": "t0"}))
+    dist.barrier()
+    state, loader, step = build("ddp")
+    train(state, batches(loader), step, 1, [], DIST_STEPS)
+    try:
+        checkpointing.save(run, state, loader=loader, step=step)
+        outcome = {"raised": None}
+    except Exception as error:
+        outcome = {"raised": type(error).__name__, "message": str(error)}
+    (out / f"locked-rank{rank}.json").write_text(json.dumps(outcome))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     mode, run_dir, out_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
@@ -340,6 +367,8 @@ if __name__ == "__main__":
         resume(run_dir, out_dir, "--mutations" in sys.argv)
     elif mode == "dist":
         dist_main(run_dir, out_dir)
+    elif mode == "locked":
+        locked(run_dir, out_dir)
     elif mode == "reconnect":
         reconnect(out_dir)
     else:

@@ -163,3 +163,17 @@ def test_torchrun_restart_reconnects_with_init_distributed(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "rank1-connecting", "reconnected-rank0", "reconnected-rank1"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_locked_folder_fails_the_save_on_every_rank_with_the_holder_named(tmp_path):
+    proc = torchrun("locked", tmp_path / "run", tmp_path / "out", restarts=0, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / "out" / f"locked-rank{r}.json").read_text())
+                    for r in range(2))
+    assert rank0["raised"] == "CheckpointLockedError"
+    assert "pid 4242 on node-17.cluster" in rank0["message"]
+    assert rank1["raised"] == "CheckpointError"
+    assert "rank 0: CheckpointLockedError" in rank1["message"] and "node-17" in rank1["message"]
+    assert ckpt.checkpoints(tmp_path / "run") == []
