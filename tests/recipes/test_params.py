@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 import torchvision
 from conftest import Net, classify, make_batch
 from torch import nn
@@ -241,3 +242,278 @@ def test_frozen_backbone_trains_only_the_head(net):
         assert torch.equal(p, before[n]) != n.startswith("head."), n
     everything = param_groups(net, weight_decay=0.01, trainable_only=False)
     assert sum(len(g["params"]) for g in everything) == len(list(net.parameters()))
+
+
+# ----------------------------------------------------------------- rules of public scripts
+# The originals' own grouping code, copied: nanoGPT's model.py (GPT.configure_optimizers) and
+# torchvision's references/classification/utils.py (set_weight_decay) with train.py's call.
+class NanoLayerNorm(nn.Module):
+    """nanoGPT's LayerNorm: not a torch.nn class (PyTorch had no bias=False then)."""
+
+    def __init__(self, ndim, bias):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, input):
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, dim, bias, norm):
+        super().__init__()
+        self.ln_1 = norm(dim, bias=bias)
+        self.c_attn = nn.Linear(dim, 3 * dim, bias=bias)
+        self.c_proj = nn.Linear(dim, dim, bias=bias)
+        self.ln_2 = norm(dim, bias=bias)
+        self.c_fc = nn.Linear(dim, 4 * dim, bias=bias)
+        self.mlp_proj = nn.Linear(4 * dim, dim, bias=bias)
+
+    def forward(self, x):
+        q, k, v = self.c_attn(self.ln_1(x)).chunk(3, dim=-1)
+        x = x + self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's GPT layout: wte/wpe/h/ln_f, lm_head tied to wte (weight tying)."""
+
+    def __init__(self, vocab=32, block_size=8, dim=16, depth=2, bias=True, tie=True,
+                 norm=NanoLayerNorm):
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, dim), wpe=nn.Embedding(block_size, dim),
+            h=nn.ModuleList([NanoBlock(dim, bias, norm) for _ in range(depth)]),
+            ln_f=norm(dim, bias=bias)))
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1])
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def nanogpt_groups(model, weight_decay):
+    """nanoGPT's configure_optimizers, the grouping part, verbatim."""
+    param_dict = {pn: p for pn, p in model.named_parameters()}
+    param_dict = {pn: p for pn, p in param_dict.items() if p.requires_grad}
+    decay_params = [p for n, p in param_dict.items() if p.dim() >= 2]
+    nodecay_params = [p for n, p in param_dict.items() if p.dim() < 2]
+    return [{"params": decay_params, "weight_decay": weight_decay},
+            {"params": nodecay_params, "weight_decay": 0.0}]
+
+
+def torchvision_set_weight_decay(model, weight_decay, norm_weight_decay=None,
+                                 norm_classes=None, custom_keys_weight_decay=None):
+    """torchvision's references/classification/utils.py set_weight_decay, verbatim."""
+    if not norm_classes:
+        norm_classes = [
+            torch.nn.modules.batchnorm._BatchNorm,
+            torch.nn.LayerNorm,
+            torch.nn.GroupNorm,
+            torch.nn.modules.instancenorm._InstanceNorm,
+            torch.nn.LocalResponseNorm,
+        ]
+    norm_classes = tuple(norm_classes)
+
+    params = {"other": [], "norm": []}
+    params_weight_decay = {"other": weight_decay, "norm": norm_weight_decay}
+    custom_keys = []
+    if custom_keys_weight_decay is not None:
+        for key, weight_decay in custom_keys_weight_decay:
+            params[key] = []
+            params_weight_decay[key] = weight_decay
+            custom_keys.append(key)
+
+    def _add_params(module, prefix=""):
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad:
+                continue
+            is_custom_key = False
+            for key in custom_keys:
+                target_name = f"{prefix}.{name}" if prefix != "" and "." in key else name
+                if key == target_name:
+                    params[key].append(p)
+                    is_custom_key = True
+                    break
+            if not is_custom_key:
+                if norm_weight_decay is not None and isinstance(module, norm_classes):
+                    params["norm"].append(p)
+                else:
+                    params["other"].append(p)
+
+        for child_name, child_module in module.named_children():
+            child_prefix = f"{prefix}.{child_name}" if prefix != "" else child_name
+            _add_params(child_module, prefix=child_prefix)
+
+    _add_params(model)
+
+    param_groups = []
+    for key in params:
+        if len(params[key]) > 0:
+            param_groups.append({"params": params[key], "weight_decay": params_weight_decay[key]})
+    return param_groups
+
+
+def torchvision_train_py_groups(model, weight_decay, norm_weight_decay=None,
+                                bias_weight_decay=None, transformer_embedding_decay=None):
+    """torchvision's train.py: its options turned into set_weight_decay's custom keys."""
+    custom_keys_weight_decay = []
+    if bias_weight_decay is not None:
+        custom_keys_weight_decay.append(("bias", bias_weight_decay))
+    if transformer_embedding_decay is not None:
+        for key in ["class_token", "position_embedding", "relative_position_bias_table"]:
+            custom_keys_weight_decay.append((key, transformer_embedding_decay))
+    return torchvision_set_weight_decay(
+        model, weight_decay, norm_weight_decay=norm_weight_decay,
+        custom_keys_weight_decay=custom_keys_weight_decay if custom_keys_weight_decay else None)
+
+
+def layout(groups):
+    """Each group as (weight_decay, [parameter ids in order]), leaving out empty groups and
+    the repeats of a parameter already listed (tied weights: set_weight_decay lists them
+    once per module that holds them, so torch.optim would step them twice)."""
+    seen: set[int] = set()
+    out = []
+    for g in groups:
+        ids = []
+        for p in g["params"]:
+            if id(p) not in seen:
+                seen.add(id(p))
+                ids.append(id(p))
+        if ids:
+            out.append((g["weight_decay"], ids))
+    return out
+
+
+def train_bitwise_equal(model, groups_a, groups_b, *, batches=20, sgd=False):
+    """Train two copies of ``model`` with each grouping (AdamW, or SGD with momentum) on the
+    same batches: the parameters must be bitwise equal after every update."""
+    import copy as _copy
+
+    a, b = model, _copy.deepcopy(model)
+    ids = {id(p): n for n, p in a.named_parameters()}
+    named_b = dict(b.named_parameters())
+
+    def remap(groups):  # the same grouping for the copy, parameter for parameter
+        return [{**g, "params": [named_b[ids[id(p)]] for p in g["params"]]} for g in groups]
+
+    def make(groups):
+        if sgd:
+            return torch.optim.SGD(groups, lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(groups, lr=3e-2, betas=(0.9, 0.95))
+
+    opt_a, opt_b = make(groups_a), make(remap(groups_b))
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny ops: threads only contend on a shared machine
+    try:
+        for _ in range(batches):
+            x = torch.randint(0, 32, (4, 8), generator=g)
+            for m, o in ((a, opt_a), (b, opt_b)):
+                logits = m(x)
+                F.cross_entropy(logits.flatten(0, 1), x.roll(-1, 1).flatten()).backward()
+                o.step()
+                o.zero_grad(set_to_none=True)
+            for (n, p), q in zip(a.named_parameters(), b.parameters()):
+                assert torch.equal(p, q), n
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_dim_rule_is_nanogpts_configure_optimizers():
+    torch.manual_seed(0)
+    model = NanoGPT()
+    want = nanogpt_groups(model, 0.1)
+    for rule in ("dim", "nanogpt"):
+        got = param_groups(model, weight_decay=0.1, rule=rule)
+        assert layout(got) == layout(want)
+    # embeddings (tied lm_head included) decay, nanoGPT's own LayerNorm and biases do not
+    names = names_by_decay(model, got)
+    assert {"transformer.wte.weight", "transformer.wpe.weight"} <= names[0.1]
+    assert {"transformer.ln_f.weight", "transformer.h.0.c_attn.bias"} <= names[0.0]
+    train_bitwise_equal(model, want, got)
+
+
+def test_default_rule_catches_norm_layers_that_are_not_torch_classes():
+    model = NanoGPT()
+    spared = no_decay_names(model)
+    norms = {n for n, _ in model.named_parameters() if ".ln_" in n or "ln_f" in n}
+    assert {"transformer.ln_f.weight", "transformer.h.1.ln_2.weight"} <= norms <= spared
+    got = names_by_decay(model, param_groups(model, weight_decay=0.1))
+    assert not norms & got[0.1]
+
+    class LlamaRMSNorm(nn.Module):  # a name with "Norm" and scale vectors only
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4))
+
+    class NormalizedLinear(nn.Linear):  # "Norm" in the name, but a 2-D weight: decays
+        pass
+
+    class Scale(nn.Module):  # 1-D, but neither a norm nor a bias: decays
+        def __init__(self):
+            super().__init__()
+            self.gamma = nn.Parameter(torch.ones(4))
+
+    class Final(NanoLayerNorm):  # a base class named like a norm is enough
+        pass
+
+    odd = nn.ModuleDict({"rms": LlamaRMSNorm(), "lin": NormalizedLinear(4, 4, bias=False),
+                         "scale": Scale(), "sub": Final(4, bias=False)})
+    assert no_decay_names(odd) == {"rms.weight", "sub.weight"}
+
+
+@pytest.mark.parametrize("options", [
+    {},
+    {"norm_weight_decay": 0.0},
+    {"norm_weight_decay": 0.0, "bias_weight_decay": 0.0},
+    {"bias_weight_decay": 0.02},
+    {"norm_weight_decay": 0.01, "bias_weight_decay": 0.0, "transformer_embedding_decay": 0.0},
+])
+def test_torchvision_rule_is_torchvisions_set_weight_decay(options):
+    torch.manual_seed(0)
+    for model in (torchvision.models.resnet18(num_classes=10),
+                  torchvision.models.VisionTransformer(32, 16, num_layers=1, num_heads=2,
+                                                       hidden_dim=8, mlp_dim=16),
+                  torchvision.models.SwinTransformer([4, 4], 8, [1, 1], [1, 1], [2, 2]),
+                  NanoGPT(), TinyTransformer(tie=True)):
+        want = torchvision_train_py_groups(model, 0.05, **options)
+        got = param_groups(model, weight_decay=0.05, rule="torchvision", **options)
+        assert layout(got) == layout(want), type(model).__name__
+    tied = NanoGPT()
+    listed = [id(p) for g in torchvision_train_py_groups(tied, 0.05, **options)
+              for p in g["params"]]
+    assert listed.count(id(tied.lm_head.weight)) == 2  # the original's: twice
+    got = param_groups(tied, weight_decay=0.05, rule="torchvision", **options)
+    assert [id(p) for g in got for p in g["params"]].count(id(tied.lm_head.weight)) == 1
+    # nanoGPT with torch's LayerNorm, untied (the original would step a tied weight twice),
+    # trained with either grouping: bitwise the same
+    model = NanoGPT(tie=False, norm=nn.LayerNorm)
+    train_bitwise_equal(model, torchvision_train_py_groups(model, 0.05, **options),
+                        param_groups(model, weight_decay=0.05, rule="torchvision", **options),
+                        sgd=True)
+
+
+def test_torchvision_rule_spares_norms_and_still_decays_biases():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+    got = names_by_decay(model, param_groups(model, weight_decay=1e-4, rule="torchvision",
+                                             norm_weight_decay=0.0))
+    assert got == {1e-4: {"0.weight", "0.bias", "3.weight", "3.bias"},
+                   0.0: {"1.weight", "1.bias"}}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"rule": "shape"}, "rule='shape'.*'type', 'dim', 'nanogpt', 'torchvision'"),
+    ({"norm_weight_decay": 0.0}, "rule='torchvision'"),
+    ({"rule": "dim", "bias_weight_decay": 0.0}, "rule='torchvision'"),
+    ({"rule": "dim", "no_decay_types": (nn.PReLU,)}, "does not apply with rule='dim'"),
+    ({"rule": "torchvision", "norm_weight_decay": -1.0}, ">= 0"),
+])
+def test_rule_arguments_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        param_groups(Net(), weight_decay=0.1, **kwargs)
