@@ -113,11 +113,12 @@ class Step:
         self._hooks: dict[str, list[tuple[Transform, Any]]] = {
             phase: [(t, t.hooks[phase]) for t in ordered if phase in t.hooks]  # type: ignore[literal-required]
             for phase in _ORDER}
+        self._key = self._prepare_key()
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("fn", "transforms", "_hooks") and hasattr(self, "_hooks"):
+        if name in ("fn", "transforms", "_hooks", "_key") and hasattr(self, "_key"):
             raise AttributeError(f"a step is immutable: build a new one instead of setting {name}")
         object.__setattr__(self, name, value)
 
@@ -152,9 +153,9 @@ class Step:
             raise TypeError(
                 f"a step is called as step(state, batch) with an accelfn.TrainState, got "
                 f"{type(state).__name__}")
-        key = self._prepare_key()
+        key = self._key
         for done_key, prepared, text in state.preparations:
-            if done_key == key:
+            if done_key is key or done_key == key:
                 return prepared  # type: ignore[no-any-return]
             if _sharding(done_key) != _sharding(key):
                 raise ValueError(
@@ -216,34 +217,44 @@ class Step:
         micros = plan.micros
         n = len(micros)
         total = batch_size(micros[0]) if n == 1 else sum(batch_size(m) for m in micros)
-        weighted: bool | None = None
         micro_hooks = self._hooks["micro_context"]
-        scale_hooks = self._hooks["scale_loss"]
+        check = sums.weight is None  # the first micro-batch of a window: check the output
+        weighted: list[bool] = []
         for i, micro in enumerate(micros):
-            sync = plan.update and i == n - 1
-            with entered([hook(ctx, i, sync) for _, hook in micro_hooks]):
-                out = self._forward(ctx, micro)
-                loss, weight, metrics = unpack(out, first=i == 0 and sums.weight is None)
-                if weighted is None:
-                    weighted = weight is not None
-                elif weighted != (weight is not None):
-                    raise ValueError("the step function returned 'weight' for some "
-                                     "micro-batches but not others; return it always")
-                coef: Tensor | float | None
-                if weight is not None and (n > 1 or absolute):
-                    coef = weight.detach().to(torch.float32)
-                    absolute = True
-                elif absolute:
-                    coef = float(batch_size(micro))
-                elif n > 1:
-                    coef = batch_size(micro) / total
-                else:
-                    coef = None
-                sums.add(coef, {"loss": loss, **metrics})
-                objective = loss if coef is None else loss * coef
-                for _, hook in scale_hooks:
-                    objective = hook(ctx, objective)
-                objective.backward()  # type: ignore[no-untyped-call]
+            if micro_hooks:
+                sync = plan.update and i == n - 1
+                with entered([hook(ctx, i, sync) for _, hook in micro_hooks]):
+                    absolute = self._micro(ctx, micro, n, total, absolute, sums, weighted,
+                                           check and i == 0)
+            else:
+                absolute = self._micro(ctx, micro, n, total, absolute, sums, weighted,
+                                       check and i == 0)
+        return absolute
+
+    def _micro(self, ctx: CallContext, micro: Batch, n: int, total: int, absolute: bool,
+               sums: Sums, weighted: list[bool], check: bool) -> bool:
+        """Forward and backward of one micro-batch, its loss weighted by its share."""
+        loss, weight, metrics = unpack(self._forward(ctx, micro), first=check)
+        if not weighted:
+            weighted.append(weight is not None)
+        elif weighted[0] != (weight is not None):
+            raise ValueError("the step function returned 'weight' for some micro-batches but "
+                             "not others; return it always")
+        coef: Tensor | float | None
+        if weight is not None and (n > 1 or absolute):
+            coef = weight.detach().to(torch.float32)
+            absolute = True
+        elif absolute:
+            coef = float(batch_size(micro))
+        elif n > 1:
+            coef = batch_size(micro) / total
+        else:
+            coef = None
+        objective = loss if coef is None else loss * coef
+        sums.add(coef, metrics, {"loss": objective})
+        for _, hook in self._hooks["scale_loss"]:
+            objective = hook(ctx, objective)
+        objective.backward()  # type: ignore[no-untyped-call]
         return absolute
 
     def _abort(self, ctx: CallContext) -> None:
@@ -276,16 +287,24 @@ class Step:
         except BaseException:
             self._abort(uctx)
             raise
-        lr = optimizer.param_groups[0]["lr"]
-        metrics["lr"] = (lr.detach().clone() if isinstance(lr, Tensor)
-                         else torch.full((), float(lr), device=ctx.device))
-        skipped = self._apply(uctx, decision)
+        lr = optimizer.param_groups[0]["lr"]  # the learning rate this update uses
+        on_device = self._apply(uctx, decision)  # the skip flag when decided on the device
+        device = ctx.device
+        host_skip = float(bool(decision.skip))
+        # fills, not copies: nothing waits for the device
+        lr_value = (lr.detach().clone() if isinstance(lr, Tensor)
+                    else torch.scalar_tensor(float(lr), device=device))
+        skip_value = (on_device.float() if on_device is not None
+                      else torch.scalar_tensor(host_skip, device=device))
+        metrics["lr"] = lr_value
+        if decision.checked:
+            metrics["skipped"] = skip_value
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
-        for _, hook in self._hooks["after_update"]:
-            hook(uctx, skipped)
-        if decision.flags is not None:
-            metrics["skipped"] = skipped.float()
+        if self._hooks["after_update"]:
+            skipped = on_device if on_device is not None else skip_value.bool()
+            for _, hook in self._hooks["after_update"]:
+                hook(uctx, skipped)
         metrics.update(uctx.metrics)
         return TensorDict(metrics, batch_size=[])
 
@@ -305,8 +324,9 @@ class Step:
             raise TypeError(f"{t.name}'s 'decide' hook returned {decision!r}; return a Decision")
         return decision  # type: ignore[no-any-return]
 
-    def _apply(self, ctx: UpdateContext, decision: Decision) -> Tensor:
-        """Run the optimizer step as decided; returns the device flag 'skipped'."""
+    def _apply(self, ctx: UpdateContext, decision: Decision) -> Tensor | None:
+        """Run the optimizer step as decided; returns the device flag 'skipped' when the
+        decision was taken on the device (None: decided on the host)."""
         state, optimizer = ctx.state, ctx.state.optimizer
         flags = decision.flags
         if decision.skip is None:  # decided on the device by a fused optimizer
@@ -322,7 +342,7 @@ class Step:
             ctx.prepared.optimizer_step()
             if state.scheduler is not None:
                 state.scheduler.step()
-        return torch.full((), decision.skip, dtype=torch.bool, device=ctx.device)
+        return None
 
     # ----------------------------------------------------------------- evaluation
     def evaluate(self, state: TrainState, batch: Batch, **options: Any) -> TensorDict:

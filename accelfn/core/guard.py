@@ -14,6 +14,7 @@ optimizer step (one host read per update).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -43,9 +44,8 @@ class Guard:
         self.consecutive = 0
         self._pending: tuple[Any, ...] | None = None
 
-    def decide(self, flags: Tensor, update: int, policy: str, limit: int) -> bool:
-        loss_bad, grads_bad, overflow = flags.tolist()  # the host read of a non-fused update
-        return self._account(loss_bad, grads_bad, overflow, update, policy, limit)
+    def decide(self, flags: list[bool], update: int, policy: str, limit: int) -> bool:
+        return self._account(*_unpack_flags(flags), update, policy, limit)
 
     def defer(self, flags: Tensor, update: int, policy: str, limit: int) -> None:
         event = None
@@ -67,8 +67,8 @@ class Guard:
         with deferred_read():  # copied to pinned memory one update ago: no device wait
             if event is not None:
                 event.synchronize()
-            loss_bad, grads_bad, overflow = host.tolist()
-        skipped = self._account(loss_bad, grads_bad, overflow, update, policy, limit)
+            values = host.tolist()
+        skipped = self._account(*_unpack_flags(values), update, policy, limit)
         if not skipped and state.scheduler is not None:
             state.scheduler.step()
 
@@ -105,6 +105,10 @@ class Guard:
         self._pending = None
 
 
+def _unpack_flags(values: list[bool]) -> tuple[bool, bool, bool]:
+    return (values[0], values[1], values[2] if len(values) > 2 else False)
+
+
 def grads_nonfinite(grads: list[Tensor], device: torch.device) -> Tensor:
     """A device flag: does any gradient hold NaN or Inf (one fused pass, values unchanged)."""
     found = torch.zeros((), dtype=torch.float32, device=device)
@@ -122,22 +126,37 @@ def grads_nonfinite(grads: list[Tensor], device: torch.device) -> Tensor:
     return found > 0
 
 
-def _flags(ctx: UpdateContext, check: bool) -> Tensor:
-    """Device flags [loss non-finite, gradients non-finite, loss-scale overflow]."""
+Evidence = list[tuple[Tensor, bool]]  # (tensor, is_flag): a value is bad when non-finite
+
+
+def _evidence(ctx: UpdateContext, check: bool) -> Evidence:
+    """[loss, gradients] (and the loss scaler's overflow flag, when it reported): each a
+    value that is bad when non-finite, or a flag that is bad when nonzero."""
     overflow = ctx.fact("overflow", current=False)
-    no = torch.zeros((), dtype=torch.bool, device=ctx.device)
-    overflow = no if overflow is None else overflow.to(ctx.device)
     if not check:
-        return torch.stack([no, no, overflow])
-    # x * 0 is NaN exactly when x is NaN or +-Inf: two kernels where isfinite takes four
-    norm = ctx.fact("norm")
+        assert overflow is not None
+        zero = torch.scalar_tensor(0.0, device=ctx.device)
+        return [(zero, False), (zero, False), (overflow, True)]
+    loss = (ctx.loss, False)
     if ctx.fact("overflow") is not None:  # unscaling checked the gradients as they are
-        return torch.stack([ctx.loss.float().mul(0).ne(0), overflow, overflow])
-    if norm is not None:  # a NaN/Inf gradient makes the total norm NaN/Inf
-        bad = torch.stack([ctx.loss.float(), norm.float()]).mul_(0).ne_(0)
-        return torch.cat([bad, overflow.reshape(1)])
-    grads_bad = grads_nonfinite(ctx.local_grads(), ctx.device)
-    return torch.stack([ctx.loss.float().mul(0).ne(0), grads_bad, overflow])
+        assert overflow is not None
+        return [loss, (overflow, True), (overflow, True)]
+    norm = ctx.fact("norm")  # a NaN/Inf gradient makes the total norm NaN/Inf
+    grads = (norm, False) if norm is not None else (
+        grads_nonfinite(ctx.local_grads(), ctx.device), True)
+    return [loss, grads] if overflow is None else [loss, grads, (overflow, True)]
+
+
+def _device_flags(evidence: Evidence, device: torch.device) -> Tensor:
+    # x * 0 is NaN exactly when x is NaN or +-Inf: two kernels where isfinite takes four
+    return torch.stack([t.to(device).ne(0) if is_flag else t.float().mul(0).ne(0)
+                        for t, is_flag in evidence])
+
+
+def _host_flags(evidence: Evidence) -> list[bool]:
+    values = torch.stack([t.float() for t, _ in evidence]).tolist()  # the one host read
+    return [v != 0 if is_flag else not math.isfinite(v)
+            for v, (_, is_flag) in zip(values, evidence)]
 
 
 def nonfinite(policy: str = "skip", max_consecutive: int = 10) -> Transform:
@@ -147,16 +166,23 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10) -> Transform:
         guard = ctx.state.slot(SLOT, Guard)
         guard.settle(ctx.state)  # the previous update's deferred decision
         if policy == "off" and ctx.fact("overflow", current=False) is None:
-            return Decision(None)
-        flags = _flags(ctx, check=policy != "off")
+            return Decision(checked=False)
+        evidence = _evidence(ctx, check=policy != "off")
+        on_device = ctx.prepared.skips_on_device and policy != "raise"
+        if ctx.distributed is None and not on_device:  # judged on the host: one read
+            flags = _host_flags(evidence)
+            skip = guard.decide(flags, ctx.state.step, policy, max_consecutive)
+            return Decision(skip)
+        device_flags = _device_flags(evidence, ctx.device)
         if ctx.distributed is not None:  # every process takes the same decision
-            reduced = flags.to(torch.int32)
+            reduced = device_flags.to(torch.int32)
             dist.all_reduce(reduced, dist.ReduceOp.MAX, group=ctx.distributed)
-            flags = reduced.bool()
-        if ctx.prepared.skips_on_device and policy != "raise":
-            guard.defer(flags, ctx.state.step, policy, max_consecutive)
-            return Decision(flags, skip=None)
-        return Decision(flags, guard.decide(flags, ctx.state.step, policy, max_consecutive))
+            device_flags = reduced.bool()
+        if on_device:
+            guard.defer(device_flags, ctx.state.step, policy, max_consecutive)
+            return Decision(None, flags=device_flags)
+        return Decision(guard.decide(device_flags.tolist(), ctx.state.step, policy,
+                                     max_consecutive))
 
     if policy == "skip":
         label = f"with_nonfinite({policy}, max_consecutive={max_consecutive})"

@@ -226,30 +226,51 @@ class CallContext:
 
 
 class Sums:
-    """Running weighted sums of loss and metrics over micro-batches (on the device)."""
+    """Weighted sums of loss and metrics over micro-batches, kept on the device.
 
-    __slots__ = ("sums", "weight")
+    Terms are collected as they come and summed once, when the result is read (one stack
+    and one sum per metric, not an addition per micro-batch).
+    """
+
+    __slots__ = ("_coefs", "_terms")
 
     def __init__(self) -> None:
-        self.sums: dict[str, Tensor] = {}
-        self.weight: Tensor | float | None = None
+        self._terms: dict[str, list[Tensor]] = {}
+        self._coefs: list[Tensor | float] = []
 
-    def add(self, coef: Tensor | float | None, values: Mapping[str, Tensor]) -> None:
-        """Add ``coef * value`` for each value (``coef=None``: one unweighted micro-batch)."""
-        if coef is None and not self.sums:
-            self.sums = {key: value.detach() for key, value in values.items()}
-            return
+    def add(self, coef: Tensor | float | None, values: Mapping[str, Tensor],
+            weighted: Mapping[str, Tensor] | None = None) -> None:
+        """Add ``coef * value`` for each of ``values`` (detached), and the terms of
+        ``weighted`` as they are (already multiplied by ``coef``). ``coef=None``: one
+        unweighted micro-batch."""
+        terms = self._terms
         for key, value in values.items():
             term = value.detach() if coef is None else value.detach() * coef
-            self.sums[key] = term if key not in self.sums else self.sums[key] + term
+            terms.setdefault(key, []).append(term)
+        for key, value in (weighted or {}).items():
+            terms.setdefault(key, []).append(value.detach())
         if coef is not None:
-            self.weight = coef if self.weight is None else self.weight + coef
+            self._coefs.append(coef)
+
+    @property
+    def weight(self) -> Tensor | float | None:
+        """The sum of the coefficients added so far (None when unweighted)."""
+        coefs = self._coefs
+        if not coefs:
+            return None
+        if len(coefs) == 1:
+            return coefs[0]
+        if any(isinstance(c, Tensor) for c in coefs):
+            return torch.stack([torch.as_tensor(c, dtype=torch.float32) for c in coefs]).sum()
+        return sum(coefs)  # type: ignore[arg-type]
 
     def result(self, divide: bool) -> dict[str, Tensor]:
         """The sums, divided by the total weight when ``divide`` (the weighted means)."""
-        if not divide or self.weight is None:
-            return dict(self.sums)
-        return {k: v / self.weight for k, v in self.sums.items()}
+        out = {k: v[0] if len(v) == 1 else torch.stack(v).sum(0) for k, v in self._terms.items()}
+        weight = self.weight if divide else None
+        if weight is None:
+            return out
+        return {k: v / weight for k, v in out.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,14 +292,23 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The ``decide`` phase's answer. ``flags`` is a device bool tensor ``[loss bad, grads
-    bad]`` or None (nothing checked: the update is applied). ``skip`` is the host decision,
-    or None when the decision is left to the device: the optimizer skips on ``flags.any()``
-    through its ``found_inf`` input (fused optimizers), and the transform settles its
-    counters later (``TrainState.sync``)."""
+    """The ``decide`` phase's answer.
 
-    flags: Tensor | None
+    ``skip`` is the decision taken on the host; or None to leave it to the device: then
+    ``flags`` is a device bool tensor and the optimizer skips on ``flags.any()`` through its
+    ``found_inf`` input (fused optimizers only), the transform settling its counters later
+    (``TrainState.sync``). ``checked=False`` says nothing was checked: the update is applied
+    and no ``skipped`` metric is reported.
+    """
+
     skip: bool | None = False
+    flags: Tensor | None = None
+    checked: bool = True
+
+    def __post_init__(self) -> None:
+        if self.skip is None and self.flags is None:
+            raise ValueError("Decision(skip=None) leaves the decision to the device and needs "
+                             "the device flags: Decision(None, flags=...)")
 
 
 class UpdateContext(CallContext):

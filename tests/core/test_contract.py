@@ -326,7 +326,7 @@ def test_accumulation_and_the_guard_are_transforms_users_can_replace():
         return af.Plan((batch[: n // 2], batch[n // 2:]))
 
     def never_skip(ctx):
-        return af.Decision(None)
+        return af.Decision(checked=False)
 
     mine = af.Transform("halves", af.Hooks(split=halves))
     lenient = af.Transform("lenient", af.Hooks(decide=never_skip))
