@@ -11,8 +11,8 @@ same run: W&B with ``resume="allow"`` on the run's ``id``, MLflow in the run of 
 ``run_id`` or ``run_name``. A tracker's history is append-only, so the steps it already
 holds (those run again after the checkpoint) keep their first values and the new rows start
 after them; each step is logged once. ``WandbSink(rewind=True)`` instead rewinds the W&B run
-to step ``k`` (W&B's ``resume_from``, a feature the W&B server must offer) and logs the steps
-again.
+to step ``k - 1`` (W&B's ``resume_from``, a feature the W&B server must offer) and logs the
+steps from ``k`` again.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class WandbSink:
         if self.run is None:
             init = dict(self._init)
             if start_step > 0 and self.rewind:
-                init["resume_from"] = f"{init.pop('id')}?_step={start_step}"
+                # W&B keeps the rewind step itself and logs on from the next one
+                init["resume_from"] = f"{init.pop('id')}?_step={start_step - 1}"
                 init.pop("resume", None)
             elif start_step > 0 and init.get("id"):
                 init.setdefault("resume", "allow")
@@ -86,6 +87,7 @@ class WandbSink:
             self.run.summary[f"{self.prefix}report"] = report
         if self._owned:
             self.run.finish()
+            self.run = None  # opened again (another monitor): wandb.init again
 
 
 class MlflowSink:
