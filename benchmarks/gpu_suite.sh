@@ -139,6 +139,7 @@ run_part transforms "$T_TRANSFORMS" "$PYTHON" benchmarks/transforms.py "${TRANSF
   "${DEV[@]}" --json "$WORK/transforms.json"
 
 run_part data "$T_DATA" --stdout-json "$PYTHON" benchmarks/data.py "${DATA[@]}" "${DEV[@]}"
+run_part float8 "$(( DRY_RUN ? 120 : 300 ))" --stdout-json "$PYTHON" benchmarks/float8.py $( ((DRY_RUN)) && echo --dry-run )  # float8 vs bf16 GPT tokens/s
 
 REPORT=(--work "$WORK" --out "$OUT" --budget "$BUDGET" --started "$STARTED"
         --seconds "$(( SECONDS - START_S ))")
