@@ -19,8 +19,8 @@ test: setup
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q
 
+# The site in site/; its API reference is generated from the docstrings (mkdocstrings).
 docs: setup
-	$(BIN)/python docs/gen_api.py
 	$(BIN)/mkdocs build --strict
 
 .PHONY: setup run test docs

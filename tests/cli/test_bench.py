@@ -257,3 +257,11 @@ def test_results_page_renders_the_bench_json(quick: tuple[dict, Path, str],
     for s in bench.STAGES:
         assert f"`{s.name}`" in page
     assert result["command"] in page
+
+
+def test_readme_says_what_bench_writes() -> None:
+    readme = (ROOT / "README.md").read_text()
+    quick = next(line for line in readme.splitlines() if line.startswith("accelfn bench --quick"))
+    for name in ("bench.json", "bench.png"):
+        assert f"{bench.DEFAULT_OUT}/{name}" in quick
+    assert "load average" in readme and "--repeats" in readme

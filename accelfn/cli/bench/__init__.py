@@ -67,12 +67,13 @@ from ...observe.timing import (
     sync,
     time_steps,
 )
-from .command import add_bench, main
+from .command import DEFAULT_OUT, add_bench, main
 from .config import SEED_CASE_STUDY, STAGES, BenchConfig, Stage
 from .report import busy_machine_warning, format_table, plot_bench
 from .stages import run_bench
 
 __all__ = [
+    "DEFAULT_OUT",
     "SEED_CASE_STUDY",
     "STAGES",
     "BenchConfig",
