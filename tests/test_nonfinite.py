@@ -9,6 +9,7 @@ import torch
 from conftest import Net, as_dict, assert_params_equal, classify, make_batch
 
 import accelfn as af
+from accelfn.core.syncs import GUARD_READ
 
 
 def _setup(net):
@@ -220,6 +221,8 @@ def test_sync_probe_finds_no_host_sync_in_a_fused_step_and_the_guard_read_otherw
         step(plain, make_batch(seed=1))
     assert [(s.op, s.location.split(":")[0]) for s in probe.syncs] == [
         ("Tensor.tolist", "accelfn/core/guard.py")]
+    (read,) = probe.syncs  # named, with the one-line fix
+    assert read.via == GUARD_READ and "fused=True" in read.fix
 
 
 def test_policy_off_with_fp16_still_skips_loss_scale_overflows_as_grad_scaler_does(net):

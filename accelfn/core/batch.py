@@ -25,7 +25,10 @@ def check_batch(batch: Any) -> None:
             raise ValueError("the batch is empty (batch_size[0] == 0); skip empty batches")
         if batch.device is not None:  # a TensorDict with a device holds nothing elsewhere
             return
-        devices = {t.device for t in batch.values(include_nested=True, leaves_only=True)}
+        values = list(batch.values())
+        if any(not isinstance(v, torch.Tensor) for v in values):  # nested: every leaf
+            values = list(batch.values(include_nested=True, leaves_only=True))
+        devices = {t.device for t in values}
     elif isinstance(batch, Mapping):
         if not batch:
             raise ValueError("the batch is an empty mapping; it must hold at least one tensor")

@@ -24,7 +24,7 @@ from torch import Tensor
 from . import compat
 from .protocol import Decision, Hooks, Transform, UpdateContext
 from .state import TrainState
-from .syncs import deferred_read
+from .syncs import GUARD_READ, deferred_read, labelled_read
 
 __all__ = ["POLICIES", "Guard", "NonFiniteError", "nonfinite"]
 
@@ -154,7 +154,8 @@ def _device_flags(evidence: Evidence, device: torch.device) -> Tensor:
 
 
 def _host_flags(evidence: Evidence) -> list[bool]:
-    values = torch.stack([t.float() for t, _ in evidence]).tolist()  # the one host read
+    with labelled_read(GUARD_READ):
+        values = torch.stack([t.float() for t, _ in evidence]).tolist()  # the one host read
     return [v != 0 if is_flag else not math.isfinite(v)
             for v, (_, is_flag) in zip(values, evidence)]
 
@@ -181,8 +182,9 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10) -> Transform:
         if on_device:
             guard.defer(device_flags, ctx.state.step, policy, max_consecutive)
             return Decision(None, flags=device_flags)
-        return Decision(guard.decide(device_flags.tolist(), ctx.state.step, policy,
-                                     max_consecutive))
+        with labelled_read(GUARD_READ):
+            flags = device_flags.tolist()
+        return Decision(guard.decide(flags, ctx.state.step, policy, max_consecutive))
 
     if policy == "skip":
         label = f"with_nonfinite({policy}, max_consecutive={max_consecutive})"

@@ -14,11 +14,16 @@ import contextlib
 import threading
 from collections.abc import Iterator
 
-__all__ = ["deferred_read", "in_deferred_read"]
+__all__ = ["GUARD_READ", "deferred_read", "in_deferred_read", "labelled_read", "read_label"]
+
+#: The label of the non-finite guard's host read with an optimizer that cannot skip on the
+#: device (one read per update); the sync probe names it and its fix.
+GUARD_READ = "accelfn non-finite guard (optimizer without a device-side skip)"
 
 
 class _Flag(threading.local):
     depth = 0
+    label: str | None = None
 
 
 _FLAG = _Flag()
@@ -37,3 +42,18 @@ def deferred_read() -> Iterator[None]:
 def in_deferred_read() -> bool:
     """Whether the calling thread is inside :func:`deferred_read`."""
     return _FLAG.depth > 0
+
+
+@contextlib.contextmanager
+def labelled_read(label: str) -> Iterator[None]:
+    """Name the host reads inside the block (real syncs on a GPU) for the sync probe."""
+    outer, _FLAG.label = _FLAG.label, label
+    try:
+        yield
+    finally:
+        _FLAG.label = outer
+
+
+def read_label() -> str | None:
+    """The label of the enclosing :func:`labelled_read`, or None."""
+    return _FLAG.label

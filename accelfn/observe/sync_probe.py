@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ..core import compat
-from ..core.syncs import in_deferred_read
+from ..core.syncs import GUARD_READ, in_deferred_read, read_label
 from .findings import Finding
 
 __all__ = ["SyncPoint", "SyncProbe"]
@@ -70,6 +70,12 @@ class SyncPoint:
                     "mask.sum() instead of x[mask]; pass output_size= to repeat_interleave")
         if "equal" in op:
             return "compare on the device with (a == b).all() and keep the result as a tensor"
+        if self.via == GUARD_READ:
+            return ("the non-finite guard reads its flags on the host once per update because "
+                    "this optimizer cannot skip an update on the device: build it fused, e.g. "
+                    "torch.optim.AdamW(params, fused=True) (Adam, AdamW and SGD have a fused "
+                    "form) for a device-side skip, or drop the check with "
+                    "with_nonfinite(policy='off')")
         if "grad_scaler" in (self.via or ""):
             return ("torch.amp.GradScaler.step reads found_inf on the host; use bf16 "
                     "(with_amp(dtype=torch.bfloat16)) which needs no loss scaling, or "
@@ -224,6 +230,7 @@ class SyncProbe:
         loc, code, via = _caller_site()
         if self.mode == "emulate" and via is not None and via.startswith(_CPU_BY_DESIGN):
             return
+        via = read_label() or via
         entry = self._counts.get((op, loc))
         if entry is None:
             self._counts[(op, loc)] = [code, via, 1]
