@@ -1,7 +1,7 @@
 """The step: a pure user function lifted into exactly one optimizer update.
 
 Whatever order the transforms were stacked in, a step runs the phases of
-:data:`accelfn.core.protocol.PHASES` in that order, and nothing else::
+[`accelfn.PHASES`][] in that order, and nothing else:
 
     prepare once per TrainState:  islands -> checkpoint -> shard -> compile -> average
     plan = split(batch)                            (default: the whole batch, one update)
@@ -91,7 +91,7 @@ class Step:
         if the loss and all gradients are finite: optimizer.step(); scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-    with each transform of the stack adding its part in its phase (see the module docstring),
+    with each transform of the stack adding its part in its phase (see [`accelfn.core.engine`][]),
     and returns a TensorDict of detached metrics left on the device. A step is a value: it
     holds the function and the transforms only; everything a call changes lives in the
     [`TrainState`][].

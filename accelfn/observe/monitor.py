@@ -11,8 +11,8 @@ Per step it keeps, without ever making the host wait for the device:
 
 * the iteration time: CUDA events recorded at each step boundary on a GPU (read lazily,
   only once they have completed), ``time.perf_counter`` on the CPU;
-* the time the loop waited for data (every ``next()`` under :meth:`Monitor.iterate`, the
-  time spent outside :meth:`Monitor.measure`, or a loader's own ``last_wait_s``);
+* the time the loop waited for data (every ``next()`` under [`Monitor.iterate`][], the
+  time spent outside [`Monitor.measure`][], or a loader's own ``last_wait_s``);
 * samples and tokens, from which samples/s, tokens/s and MFU follow (FLOPs of one step are
   counted once with ``torch.utils.flop_counter.FlopCounterMode``);
 * memory (``torch.cuda.memory_allocated`` / the process's resident memory on the CPU);
@@ -21,18 +21,18 @@ Per step it keeps, without ever making the host wait for the device:
 * GPU utilisation, memory and power sampled by pynvml in a background thread.
 
 Every ``log_every`` steps the completed records go to a progress bar and the sinks: JSONL,
-CSV, TensorBoard, or any :class:`~accelfn.observe.sinks.Sink` (Weights & Biases and MLflow in
-:mod:`.trackers`). Given the :class:`~accelfn.core.state.TrainState`, rows are numbered by its
-``step``, so a resumed run continues its history. :meth:`Monitor.report` ends with a
+CSV, TensorBoard, or any [`Sink`][] (Weights & Biases and MLflow in
+`accelfn.observe.trackers`). Given the [`TrainState`][], rows are numbered by its
+``step``, so a resumed run continues its history. [`Monitor.report`][] ends with a
 bottleneck verdict against the performance checklist: data loading under 20% of an
 iteration, GPU busy over 85%, no unnecessary host syncs (one step is probed with
-:class:`~accelfn.observe.sync_probe.SyncProbe`), and the fix for each.
+[`SyncProbe`][]), and the fix for each.
 
-The parts live by concern: :mod:`.flops` (FLOP counting, datasheet peaks), :mod:`.records`
-(per-step records), :mod:`.sinks` (the sink protocol; JSONL, CSV, TensorBoard),
-:mod:`.trackers` (W&B, MLflow), :mod:`.gpu_sampler` (pynvml),
-:mod:`.progress_bars`, :mod:`.report` (the report and its thresholds) and :mod:`.verdict`
-(the checklist); this module holds the :class:`Monitor` that drives them.
+The parts live by concern: ``flops`` (FLOP counting, datasheet peaks), ``records``
+(per-step records), ``sinks`` (the sink protocol; JSONL, CSV, TensorBoard),
+``trackers`` (W&B, MLflow), ``gpu_sampler`` (pynvml),
+``progress_bars``, ``report`` (the report and its thresholds) and ``verdict``
+(the checklist); this module holds the [`Monitor`][] that drives them.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _completed(event: torch.cuda.Event) -> bool:
 
 
 class Monitor:
-    """Measures a training loop and says what limits it. See the module docstring.
+    """Measures a training loop and says what limits it (see [`accelfn.observe.monitor`][]).
 
     Three ways to feed it, all without a host sync per step:
 
