@@ -58,6 +58,12 @@ class SyncPoint:
     def fix(self) -> str:
         """How to remove this sync point."""
         op = self.op
+        if self.via == GUARD_READ:
+            return ("the non-finite guard reads its flags on the host once per update because "
+                    "this optimizer cannot skip an update on the device: build it fused, e.g. "
+                    "torch.optim.AdamW(params, fused=True) (Adam, AdamW and SGD have a fused "
+                    "form) for a device-side skip, or drop the check with "
+                    "with_nonfinite(policy='off')")
         if op.startswith(("Tensor.item", "Tensor.tolist", "Tensor.numpy", "Tensor.cpu",
                           "to(cpu)", "copy to cpu")):
             return ("keep the value on the device and read it only when logging (the step "
@@ -70,12 +76,6 @@ class SyncPoint:
                     "mask.sum() instead of x[mask]; pass output_size= to repeat_interleave")
         if "equal" in op:
             return "compare on the device with (a == b).all() and keep the result as a tensor"
-        if self.via == GUARD_READ:
-            return ("the non-finite guard reads its flags on the host once per update because "
-                    "this optimizer cannot skip an update on the device: build it fused, e.g. "
-                    "torch.optim.AdamW(params, fused=True) (Adam, AdamW and SGD have a fused "
-                    "form) for a device-side skip, or drop the check with "
-                    "with_nonfinite(policy='off')")
         if "grad_scaler" in (self.via or ""):
             return ("torch.amp.GradScaler.step reads found_inf on the host; use bf16 "
                     "(with_amp(dtype=torch.bfloat16)) which needs no loss scaling, or "
