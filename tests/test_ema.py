@@ -14,7 +14,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import accelfn as af
 from accelfn.observe.sync_probe import SyncProbe
-from accelfn.transforms.ema import ema_state_dict, ema_weights, with_ema
+from accelfn.transforms.ema import _Schedule, ema_state_dict, ema_weights, with_ema
 
 
 class BNNet(nn.Module):
@@ -133,16 +133,21 @@ def test_warmup_uses_min_decay_and_its_ramp():
         torch.testing.assert_close(e.double(), want, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_update_has_no_host_sync():
+@pytest.mark.parametrize("options", [
+    {"every": 2, "warmup": True},
+    {"every": 2, "updates_per_epoch": 3, "warmup_epochs": 1, "formula": "weighted_sum"},
+])
+def test_update_has_no_host_sync(options):
     torch.manual_seed(0)
     model = BNNet()
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    step = with_ema(decay=0.9, every=2, warmup=True)(classify)
+    step = with_ema(decay=0.9, **options)(classify)
     step(state, make_batch())
     slot = state.slots["with_ema"]
+    schedule = _Schedule(0.9, **options)
     with SyncProbe(mode="emulate") as probe:
-        slot.update(model, torch.zeros((), dtype=torch.bool), 0.9, 2, True)
-        slot.update(model, torch.ones((), dtype=torch.bool), 0.9, 2, True)
+        for index in range(4):
+            slot.update(model, torch.tensor(index == 2), schedule, index)
     assert probe.syncs == []
 
 
@@ -278,3 +283,183 @@ def test_evaluate_with_ema_weights_option():
         step.evaluate(state, batch, weights="best")
     with pytest.raises(TypeError, match="offers none"):
         af.lift(fn).evaluate(state, batch, weights="ema")
+
+
+# ----------------------------------------------------------------- torchvision's schedule
+class TorchvisionEMA(torch.optim.swa_utils.AveragedModel):
+    """torchvision's references/classification/utils.py ExponentialMovingAverage, verbatim."""
+
+    def __init__(self, model, decay, device="cpu"):
+        def ema_avg(avg_model_param, model_param, num_averaged):
+            return decay * avg_model_param + (1 - decay) * model_param
+
+        super().__init__(model, device, ema_avg, use_buffers=True)
+
+
+def torchvision_run(model, optimizer, loader, *, epochs, batch_size, world_size=1,
+                    model_ema_steps, model_ema_decay, lr_warmup_epochs, after=None):
+    """torchvision's train.py: its EMA set-up in main() and train_one_epoch's loop."""
+    adjust = world_size * batch_size * model_ema_steps / epochs
+    alpha = 1.0 - model_ema_decay
+    alpha = min(1.0, alpha * adjust)
+    model_ema = TorchvisionEMA(model, device="cpu", decay=1.0 - alpha)
+    for epoch in range(epochs):
+        model.train()
+        for i, batch in enumerate(loader):
+            output = model(batch["x"])
+            loss = torch.nn.functional.cross_entropy(output, batch["y"])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if model_ema and i % model_ema_steps == 0:
+                model_ema.update_parameters(model)
+                if epoch < lr_warmup_epochs:
+                    # Reset ema buffer to keep copying weights during warmup period
+                    model_ema.n_averaged.fill_(0)
+            if after is not None:
+                after(epoch, i, model_ema)
+    return model_ema
+
+
+def torchvision_ema(*, epochs, batch_size, world_size=1, model_ema_steps, model_ema_decay,
+                    lr_warmup_epochs, per_epoch):
+    """The same schedule as with_ema options."""
+    return with_ema(decay=model_ema_decay, every=model_ema_steps, updates_per_epoch=per_epoch,
+                    warmup_epochs=lr_warmup_epochs, formula="weighted_sum",
+                    adjust=world_size * batch_size * model_ema_steps / epochs)
+
+
+def assert_equals_torchvision_ema(state, model_ema):
+    got, want = ema_state_dict(state), model_ema.module.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:  # num_batches_tracked too: averaged, then truncated, as torchvision does
+        assert got[k].dtype == want[k].dtype and torch.equal(got[k], want[k]), k
+
+
+TV = dict(epochs=5, batch_size=10, model_ema_steps=3, model_ema_decay=0.99,
+          lr_warmup_epochs=2)
+
+
+def test_torchvision_schedule_equals_its_exponential_moving_average_bitwise():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(BNNet(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    loader = [as_dict(make_batch(seed=i)) for i in range(7)]  # 7 updates an epoch
+    step = torchvision_ema(**TV, per_epoch=len(loader))(classify)
+    state = af.TrainState(m1, o1)
+    checked = []
+
+    def after(epoch, i, model_ema):
+        step(state, loader[i])
+        assert_equals_torchvision_ema(state, model_ema)  # after every update, bitwise
+        checked.append(int(model_ema.n_averaged))
+
+    ref = torchvision_run(m2, o2, loader, **TV, after=after)
+    # 3 averages an epoch (i = 0, 3, 6); copies during the 2 warm-up epochs, then averages
+    assert checked[:14] == [0] * 14 and checked[-1] == 3 * 3
+    assert slot_n(state) == ref.n_averaged.item() == 9
+    for n, p in m1.named_parameters():
+        assert torch.equal(p, dict(m2.named_parameters())[n]), n
+    val = make_batch(n=16, seed=99)
+    with torch.no_grad():
+        expected = classify(ref.module.eval(), as_dict(val))["loss"]
+    assert torch.equal(step.evaluate(state, val, weights="ema")["loss"], expected)
+
+
+def slot_n(state):
+    return state.slots["with_ema"].n_averaged.item()
+
+
+def test_every_alone_is_not_torchvisions_schedule():
+    """The issue's report: every=k counts real updates across epochs, no warm-up copies."""
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(BNNet(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    loader = [as_dict(make_batch(seed=i)) for i in range(7)]
+    step = with_ema(decay=0.94, every=3)(classify)
+    state = af.TrainState(m1, o1)
+    ref = torchvision_run(m2, o2, loader, **TV,
+                          after=lambda epoch, i, ema: step(state, loader[i]))
+    got, want = ema_state_dict(state), ref.module.state_dict()
+    assert not torch.equal(got["head.weight"], want["head.weight"])
+
+
+def test_torchvision_schedule_skips_and_resumes_mid_epoch():
+    """A skipped update is not averaged and keeps its place in the epoch; a checkpoint taken
+    mid-epoch resumes the schedule where it was."""
+    poison = {"on": False}
+
+    def fn(model, batch):
+        out = classify(model, batch)
+        if poison["on"]:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(BNNet(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    step = torchvision_ema(**TV, per_epoch=4)(fn)
+    s1, s2 = af.TrainState(m1, o1), af.TrainState(m2, o2)
+    step.prepare(s1)
+    step.prepare(s2)
+    for k in range(10):  # epochs 0, 1 (warm-up) and half of 2
+        poison["on"] = k == 4  # i = 0 of epoch 1: due, but skipped
+        for s in (s1, s2):
+            before = {n: v.clone() for n, v in ema_values(s).items()}
+            step(s, make_batch(seed=k))
+            if poison["on"]:
+                assert all(torch.equal(before[n], v) for n, v in ema_values(s).items())
+    buffer = io.BytesIO()
+    torch.save(s2.state_dict(), buffer)
+    buffer.seek(0)
+    m3 = BNNet()
+    s3 = af.TrainState(m3, torch.optim.SGD(m3.parameters(), lr=0.1, momentum=0.9))
+    s3.load_state_dict(torch.load(buffer, weights_only=True))
+    poison["on"] = False
+    for k in range(10, 20):
+        step(s1, make_batch(seed=k))
+        step(s3, make_batch(seed=k))
+    for n, v in ema_values(s1).items():
+        assert torch.equal(v, ema_values(s3)[n]), n
+    # averages at i = 0 and 3 of each epoch: epochs 0-1 copy (n reset), 2-4 average
+    assert slot_n(s1) == 6 and s1.slots["with_ema"].updates.item() == 19
+
+
+def test_adjust_scales_one_minus_decay_up_to_a_copy():
+    t = with_ema(decay=0.99998, every=32, adjust=8 * 128 * 32 / 600, formula="weighted_sum")
+    assert dict(t.options)["decay"] == 0.99998
+    assert t.label == "with_ema(0.99998, every=32, adjust=54.6133, formula='weighted_sum')"
+    torch.manual_seed(0)
+    model = BNNet()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    step = with_ema(decay=0.9, adjust=100.0)(classify)  # alpha = min(1, 0.1 * 100): copies
+    for i in range(3):
+        step(state, make_batch(seed=i))
+    for k, v in ema_state_dict(state).items():
+        assert torch.equal(v, model.state_dict()[k]), k
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"updates_per_epoch": 0}, "updates_per_epoch"),
+    ({"warmup_epochs": 2}, "needs updates_per_epoch"),
+    ({"updates_per_epoch": 5, "warmup_epochs": -1}, "warmup_epochs"),
+    ({"adjust": 0.0}, "adjust"),
+    ({"formula": "mean"}, "formula"),
+])
+def test_schedule_options_are_checked(kwargs, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        with_ema(**kwargs)
+
+
+def test_torchvision_schedule_passes_the_contract():
+    from accelfn.testing import check_transform, plain_update
+
+    def loss_fn(model, batch):
+        return classify(model, batch)["loss"]
+
+    def make_model():
+        torch.manual_seed(0)
+        return BNNet()
+
+    report = check_transform(
+        torchvision_ema(**TV, per_epoch=2),
+        reference=lambda m, o, b: plain_update(m, o, b, loss_fn), loss_fn=loss_fn,
+        make_model=make_model, make_batch=lambda i: as_dict(make_batch(seed=i)), steps=4)
+    assert {"reference", "orders", "resume"} <= set(report.passed), report.passed

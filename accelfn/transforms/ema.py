@@ -5,15 +5,22 @@
     with af.ema_weights(state):                   # evaluate with the averaged weights
         val = step.evaluate(state, val_batch)
 
-The average lives on the model's device, is updated with foreach ops and device-side
-weights (no host sync, skipped updates leave it untouched), and is saved in the state's
-``with_ema`` slot by ``state.state_dict()``.
+    # torchvision's classification recipe: every 32 iterations of each epoch, copies during
+    # the warm-up epochs, decay scaled by the batch and epochs
+    af.with_ema(decay=0.99998, every=32, updates_per_epoch=len(loader), warmup_epochs=5,
+                adjust=world_size * batch_size * 32 / epochs, formula="weighted_sum")
+
+The average lives on the model's device, is updated with device-side weights and flags (no
+host sync, skipped updates leave it untouched), by one foreach ``lerp`` per device and dtype
+(or per-tensor ops for ``formula="weighted_sum"``), and is saved in the state's ``with_ema``
+slot by ``state.state_dict()``.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
@@ -28,12 +35,31 @@ __all__ = ["ema_state_dict", "ema_weights", "with_ema"]
 
 _SLOT = "with_ema"
 _BUFFERS = ("average", "copy")
+_FORMULAS = ("lerp", "weighted_sum")
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    """When and how with_ema averages (the transform's options, the decay adjusted)."""
+
+    decay: float
+    every: int = 1
+    warmup: bool = False
+    updates_per_epoch: int | None = None
+    warmup_epochs: int = 0
+    formula: str = "lerp"
+
+    def position(self, index: int) -> tuple[bool, bool]:
+        """(due, in a warm-up epoch) for the update of 0-based ``index`` in the run."""
+        assert self.updates_per_epoch is not None
+        epoch, within = divmod(index, self.updates_per_epoch)
+        return within % self.every == 0, epoch < self.warmup_epochs
 
 
 class _EmaWeights:
     """Slot of ``with_ema``: EMA copies of the parameters (and buffers) and device counters."""
 
-    def __init__(self, model: nn.Module, average_buffers: bool) -> None:
+    def __init__(self, model: nn.Module, average_buffers: bool, formula: str = "lerp") -> None:
         params = list(model.named_parameters())
         if not params:
             raise ValueError("with_ema: the model has no parameters to average")
@@ -48,13 +74,18 @@ class _EmaWeights:
         device = self.values[0].device
         self.n_averaged = torch.zeros((), dtype=torch.int64, device=device)
         self.updates = torch.zeros((), dtype=torch.int64, device=device)
+        self.formula = formula
         # averaged (floating) entries, grouped by device and dtype for one foreach call each;
-        # other buffers (BatchNorm's num_batches_tracked) are copied from the model
+        # other buffers (BatchNorm's num_batches_tracked) are copied from the model, or
+        # averaged and truncated with formula="weighted_sum" (as AveragedModel's avg_fn does)
         self.groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
         self.copied: list[int] = []
+        self.truncated: list[int] = []
         for i, v in enumerate(self.values):
             if v.is_floating_point() or v.is_complex():
                 self.groups.setdefault((v.device, v.dtype), []).append(i)
+            elif formula == "weighted_sum":
+                self.truncated.append(i)
             else:
                 self.copied.append(i)
         self._constants: dict[float, Tensor] = {}
@@ -79,28 +110,69 @@ class _EmaWeights:
         return self._constants[value]
 
     @torch.no_grad()
-    def update(self, model: nn.Module, skipped: Tensor, decay: float, every: int,
-               warmup: bool) -> None:
+    def update(self, model: nn.Module, skipped: Tensor, schedule: _Schedule,
+               index: int) -> None:
+        """Average after the update of 0-based ``index`` in the run (``skipped``: a device
+        bool), all on the device."""
         real = ~skipped.to(self.n_averaged.device)
         self.updates += real
-        due = real if every == 1 else real & (self.updates % every == 0)
-        n = self.n_averaged
-        if warmup:  # decay_t = min(decay, (1 + n) / (10 + n)), n = averages taken so far
-            nf = n.to(torch.float32)
-            step_weight = 1.0 - torch.clamp((1.0 + nf) / (10.0 + nf), max=decay)
+        warm_epoch = False
+        if schedule.updates_per_epoch is not None:  # torchvision: i % every == 0 in the epoch
+            on_time, warm_epoch = schedule.position(index)
+            if not on_time:
+                return
+            due = real
+        elif schedule.every == 1:
+            due = real
         else:
-            step_weight = self._constant(1.0 - decay)
-        # the first average copies the model (as AveragedModel does); skipped: weight 0
-        weight = torch.where(n == 0, self._constant(1.0), step_weight) * due
+            due = real & (self.updates % schedule.every == 0)
+        n = self.n_averaged
+        decay: Tensor | float = schedule.decay
+        if schedule.warmup:  # decay_t = min(decay, (1 + n) / (10 + n)), n = averages so far
+            nf = n.to(torch.float32)
+            decay = torch.clamp((1.0 + nf) / (10.0 + nf), max=schedule.decay)
         sources = self.sources(model)
-        for (device, _), index in self.groups.items():
-            w = weight.to(device)
-            compat.foreach_lerp_([self.values[i] for i in index],
-                                 [sources[i].detach() for i in index], [w] * len(index))
+        if schedule.formula == "lerp":
+            self._lerp(sources, decay, due)
+        else:
+            self._weighted_sum(sources, decay, due)
         for i in self.copied:
             v = self.values[i]
             v.copy_(torch.where(due.to(v.device), sources[i].detach(), v))
         self.n_averaged += due
+        if warm_epoch:  # torchvision's n_averaged.fill_(0): the next average copies too
+            self.n_averaged.zero_()
+
+    def _lerp(self, sources: list[Tensor], decay: Tensor | float, due: Tensor) -> None:
+        """swa_utils' get_ema_multi_avg_fn: ``ema.lerp_(w, 1 - decay)``, one foreach call per
+        device and dtype; the first average copies (weight 1), a skipped one has weight 0."""
+        n = self.n_averaged
+        step_weight = (1.0 - decay if isinstance(decay, Tensor)
+                       else self._constant(1.0 - decay))
+        weight = torch.where(n == 0, self._constant(1.0), step_weight) * due
+        for (device, _), index in self.groups.items():
+            w = weight.to(device)
+            compat.foreach_lerp_([self.values[i] for i in index],
+                                 [sources[i].detach() for i in index], [w] * len(index))
+
+    def _weighted_sum(self, sources: list[Tensor], decay: Tensor | float, due: Tensor) -> None:
+        """torchvision's ExponentialMovingAverage avg_fn: ``decay * ema + (1 - decay) * w``
+        with the same roundings, integer buffers included (truncated by ``copy_``); the first
+        average copies, a skipped one leaves the value as it was (selected, not weighted)."""
+        first = self.n_averaged == 0
+        for index in self.groups.values():
+            for i in index:
+                v, src = self.values[i], sources[i].detach()
+                d = decay.to(v.device) if isinstance(decay, Tensor) else decay
+                new = torch.mul(v, d)
+                new.add_(torch.mul(src, 1 - d))  # a + b: the rounding of d * v + (1 - d) * w
+                torch.where(first.to(v.device), src, new, out=new)
+                torch.where(due.to(v.device), new, v, out=v)
+        for i in self.truncated:
+            v, src = self.values[i], sources[i].detach()
+            d = decay.to(v.device) if isinstance(decay, Tensor) else decay
+            new = (d * v + (1 - d) * src).to(v.dtype)  # the truncation AveragedModel's copy_ makes
+            v.copy_(torch.where(due.to(v.device), torch.where(first.to(v.device), src, new), v))
 
     # ----------------------------------------------------------------- checkpoint
     def named_values(self) -> dict[str, Tensor]:
@@ -127,11 +199,16 @@ class _EmaWeights:
             self.updates.copy_(saved["updates"])
 
 
-def _ema(decay: float, every: int, warmup: bool, buffers: str) -> Transform:
+def _ema(schedule: _Schedule, options: tuple[tuple[str, Any], ...], label: str,
+         buffers: str) -> Transform:
     def slot(state: TrainState) -> _EmaWeights:
-        weights = state.slot(_SLOT, lambda: _EmaWeights(state.model, buffers == "average"))
+        weights = state.slot(_SLOT, lambda: _EmaWeights(state.model, buffers == "average",
+                                                        schedule.formula))
         if weights.average_buffers != (buffers == "average"):
             raise ValueError("the state's EMA was built with another buffers= option than "
+                             "this step's with_ema")
+        if weights.formula != schedule.formula:
+            raise ValueError("the state's EMA was built with another formula= option than "
                              "this step's with_ema")
         return weights  # type: ignore[no-any-return]
 
@@ -140,7 +217,8 @@ def _ema(decay: float, every: int, warmup: bool, buffers: str) -> Transform:
         return prepared
 
     def after_update(ctx: UpdateContext, skipped: Tensor) -> None:
-        slot(ctx.state).update(ctx.state.model, skipped, decay, every, warmup)
+        # the engine counts this update in state.step before the after_update phase
+        slot(ctx.state).update(ctx.state.model, skipped, schedule, ctx.state.step - 1)
 
     def evaluate_context(ctx: CallContext, options: Mapping[str, Any]
                          ) -> contextlib.AbstractContextManager[Any]:
@@ -150,16 +228,10 @@ def _ema(decay: float, every: int, warmup: bool, buffers: str) -> Transform:
             raise ValueError(f"evaluate(weights={weights!r}): use 'model' or 'ema'")
         return ema_weights(ctx.state) if weights == "ema" else contextlib.nullcontext()
 
-    extra = "".join([
-        f", every={every}" if every != 1 else "",
-        ", warmup" if warmup else "",
-        ", buffers='copy'" if buffers != "average" else "",
-    ])
     return Transform(
         _SLOT, Hooks(average=average, after_update=after_update,
                      evaluate_context=evaluate_context),
-        options=(("decay", decay), ("every", every), ("warmup", warmup), ("buffers", buffers)),
-        label=f"with_ema({decay:g}{extra})",
+        options=options, label=label,
         commutes=frozenset({"with_amp"}),  # its after_update reads the weights amp leaves be
         evaluate_options=("weights",))
 
@@ -168,7 +240,9 @@ def _ema(decay: float, every: int, warmup: bool, buffers: str) -> Transform:
 def with_ema(fn: LossFn | Step, /) -> Step: ...
 @overload
 def with_ema(*, decay: float = 0.999, every: int = 1, warmup: bool = False,
-             buffers: str = "average") -> Transform: ...
+             buffers: str = "average", updates_per_epoch: int | None = None,
+             warmup_epochs: int = 0, adjust: float | None = None,
+             formula: str = "lerp") -> Transform: ...
 def with_ema(
     fn: LossFn | Step | None = None,
     /,
@@ -177,6 +251,10 @@ def with_ema(
     every: int = 1,
     warmup: bool = False,
     buffers: str = "average",
+    updates_per_epoch: int | None = None,
+    warmup_epochs: int = 0,
+    adjust: float | None = None,
+    formula: str = "lerp",
 ) -> Step | Transform:
     """Equivalent to ``ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay),
     use_buffers=True)`` and ``ema.update_parameters(model)`` after every real optimizer update.
@@ -191,8 +269,23 @@ def with_ema(
     weights (``buffers="average"``) or used as the model has them (``buffers="copy"``, i.e.
     ``use_buffers=False``); integer buffers are copied from the model.
 
-    Evaluate with :func:`ema_weights`; export with :func:`ema_state_dict`. Memory: one copy
-    of the weights on their device. State: slot ``with_ema``.
+    torchvision's classification recipe (``--model-ema``) is these options:
+
+    - ``updates_per_epoch=len(loader)``: ``every`` counts within the epoch, whose updates
+      are ``state.step`` (updates attempted) in blocks of ``updates_per_epoch``; the updates
+      ``i = 0, every, 2 * every, ...`` of each epoch average (``i % model_ema_steps == 0``).
+      A skipped update keeps its place and is not averaged.
+    - ``warmup_epochs=w`` (needs ``updates_per_epoch``): an average during the first ``w``
+      epochs copies the weights, and so does the first one after (``n_averaged.fill_(0)``).
+    - ``adjust=a``: the decay used is ``1 - min(1, (1 - decay) * a)``; torchvision's is
+      ``a = world_size * batch_size * model_ema_steps / epochs``.
+    - ``formula="weighted_sum"``: ``decay * ema + (1 - decay) * weights`` as written (its
+      ``ExponentialMovingAverage``: other roundings than ``lerp``), every buffer averaged,
+      integer ones (``num_batches_tracked``) truncated back to integers as ``copy_`` does.
+
+    Evaluate with [`ema_weights`][] (or ``step.evaluate(..., weights="ema")``); export with
+    [`ema_state_dict`][]. Memory: one copy of the weights on their device. State: slot
+    ``with_ema``.
     """
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
         raise ValueError(f"with_ema(decay={decay!r}) must be in [0, 1), e.g. 0.999")
@@ -203,7 +296,39 @@ def with_ema(
         raise TypeError(f"with_ema(warmup={warmup!r}) takes True or False")
     if buffers not in _BUFFERS:
         raise ValueError(f"with_ema(buffers={buffers!r}) must be one of {_BUFFERS}")
-    return configure("with_ema", fn, _ema(float(decay), every, warmup, buffers))
+    if updates_per_epoch is not None and (isinstance(updates_per_epoch, bool) or not isinstance(
+            updates_per_epoch, int) or updates_per_epoch < 1):
+        raise ValueError(f"with_ema(updates_per_epoch={updates_per_epoch!r}) must be an int "
+                         ">= 1: the optimizer updates of an epoch, e.g. len(loader)")
+    if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
+        raise ValueError(f"with_ema(warmup_epochs={warmup_epochs!r}) must be an int >= 0")
+    if warmup_epochs and updates_per_epoch is None:
+        raise ValueError("with_ema(warmup_epochs=...) needs updates_per_epoch=<updates in an "
+                         "epoch, e.g. len(loader)> to know when an epoch ends")
+    if adjust is not None and (isinstance(adjust, bool) or not isinstance(adjust, (int, float))
+                               or not adjust > 0):
+        raise ValueError(f"with_ema(adjust={adjust!r}) must be a number > 0, e.g. torchvision's "
+                         "world_size * batch_size * every / epochs")
+    if formula not in _FORMULAS:
+        raise ValueError(f"with_ema(formula={formula!r}) must be one of {_FORMULAS}")
+    used = float(decay)
+    if adjust is not None:  # torchvision: alpha = min(1.0, (1.0 - decay) * adjust)
+        used = 1.0 - min(1.0, (1.0 - used) * adjust)
+    schedule = _Schedule(used, every, warmup, updates_per_epoch, warmup_epochs, formula)
+    extra = "".join([
+        f", every={every}" if every != 1 else "",
+        f", updates_per_epoch={updates_per_epoch}" if updates_per_epoch is not None else "",
+        f", warmup_epochs={warmup_epochs}" if warmup_epochs else "",
+        f", adjust={adjust:g}" if adjust is not None else "",
+        ", warmup" if warmup else "",
+        ", buffers='copy'" if buffers != "average" else "",
+        f", formula={formula!r}" if formula != "lerp" else "",
+    ])
+    options = (("decay", float(decay)), ("every", every), ("warmup", warmup),
+               ("buffers", buffers), ("updates_per_epoch", updates_per_epoch),
+               ("warmup_epochs", warmup_epochs), ("adjust", adjust), ("formula", formula))
+    return configure("with_ema", fn, _ema(schedule, options, f"with_ema({decay:g}{extra})",
+                                          buffers))
 
 
 def _ema_slot(state: TrainState) -> _EmaWeights:
