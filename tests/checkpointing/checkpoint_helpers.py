@@ -22,20 +22,16 @@ from accelfn import checkpointing as ckpt
 from accelfn import data
 
 
-class Counter:
+def _count_into_grads(ctx):
+    slot = ctx.state.slot("counter", lambda: {"count": torch.zeros(())})
+    for g in ctx.grads():
+        g.add_(slot["count"] * 1e-3)
+    slot["count"] += 1
+
+
+def counter() -> af.Transform:
     """A user transform whose slot changes the update (so a lost slot is visible)."""
-
-    name = "counter"
-    grads_order = 40
-
-    def __repr__(self) -> str:
-        return "counter"
-
-    def on_grads(self, ctx):
-        slot = ctx.state.slot(self.name, lambda: {"count": torch.zeros(())})
-        for g in ctx.grads():
-            g.add_(slot["count"] * 1e-3)
-        slot["count"] += 1
+    return af.Transform("counter", af.Hooks(gradients=_count_into_grads), label="counter")
 
 
 def dataset(n: int = 48) -> TensorDict:
@@ -61,7 +57,7 @@ def setup(seed: int = 0, *, opt: str = "adamw", scheduler: bool = True, batch_si
     state = af.TrainState(model, optimizer, scheduler=sched)
     loader = data.loader(dataset(), batch_size=batch_size, seed=1)
     step = af.with_amp(dtype=torch.float16, growth_interval=1)(
-        af.with_clipping(af.apply_transform(noisy, Counter())))
+        af.with_clipping(af.apply_transform(noisy, counter())))
     step.prepare(state)  # what load() does first (creates the loss scaler's slot)
     return state, loader, step
 

@@ -80,21 +80,19 @@ def noisy_classify(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor
     return {"loss": F.cross_entropy(logits, batch["y"]) * factor}
 
 
-class GradNoise:
+def _add_noise(ctx: Any) -> None:
+    slot = ctx.state.slot("gradient_noise",
+                          lambda: {"count": torch.zeros((), dtype=torch.int64)})
+    g = torch.Generator().manual_seed(1000 + int(slot["count"]))
+    for grad in ctx.local_grads():
+        grad.add_(torch.randn(grad.shape, generator=g).to(grad.dtype) * 0.01)
+    slot["count"] += 1
+
+
+def grad_noise() -> af.Transform:
     """A user transform with checkpointable state: noise seeded by an update counter."""
-
-    name = "gradient_noise"
-    grads_order = 40
-
-    def __repr__(self) -> str:
-        return "gradient_noise(0.01)"
-
-    def on_grads(self, ctx: af.StepContext) -> None:
-        slot = ctx.state.slot(self.name, lambda: {"count": torch.zeros((), dtype=torch.int64)})
-        g = torch.Generator().manual_seed(1000 + int(slot["count"]))
-        for grad in ctx.local_grads():
-            grad.add_(torch.randn(grad.shape, generator=g).to(grad.dtype) * 0.01)
-        slot["count"] += 1
+    return af.Transform("gradient_noise", af.Hooks(gradients=_add_noise),
+                        label="gradient_noise(0.01)")
 
 
 def warmup_then_decay(update: int) -> float:
@@ -119,7 +117,7 @@ def build(strategy: str | None = None) -> tuple[af.TrainState, Any, af.Step]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay)
     state = af.TrainState(model, optimizer, scheduler=scheduler)
     loader = data.loader(dataset(), batch_size=8, shuffle=True, seed=3, transform=jitter)
-    step = af.apply_transform(af.with_clipping(max_norm=1.0)(noisy_classify), GradNoise())
+    step = af.apply_transform(af.with_clipping(max_norm=1.0)(noisy_classify), grad_noise())
     if strategy is None:
         step = af.with_amp(dtype=torch.float16, init_scale=2.0**14, growth_interval=1)(step)
     else:

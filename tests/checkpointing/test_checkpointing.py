@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 from checkpoint_helpers import (
-    Counter,
     assert_unchanged,
+    counter,
     dataset,
     forge,
     noisy,
@@ -313,10 +313,10 @@ def test_a_different_model_is_refused_naming_the_parameters(saved):
 def test_a_different_transform_stack_is_refused_but_not_another_order(saved):
     _, path, _, _ = saved
     other = af.with_amp(dtype=torch.float16, growth_interval=1)(af.apply_transform(noisy,
-                                                                                   Counter()))
+                                                                                   counter()))
     refused(path, r"removed: with_clipping\(max_norm=1\)", step=other)
     reordered = af.with_clipping(af.with_amp(dtype=torch.float16, growth_interval=1)(
-        af.apply_transform(noisy, Counter())))
+        af.apply_transform(noisy, counter())))
     fresh, loader, _ = setup()
     assert ckpt.load(path, fresh, loader=loader, step=reordered).step == 3
 
