@@ -27,6 +27,12 @@ def _smooth(values: list[float | None], window: int) -> list[float | None]:
     return out
 
 
+def _from_zero(ax: Any, *series: list[Any]) -> None:
+    """Start the y axis at 0 with headroom above the largest value (flat lines show)."""
+    top = max((v for values in series for v in values if v is not None), default=0.0)
+    ax.set_ylim(0, 1.15 * top if top > 0 else 1.0)
+
+
 def _interp(t: float, pairs: list[tuple[float, int]]) -> float:
     """Step coordinate of time ``t`` from (time, step) pairs (boundary times)."""
     if not pairs:
@@ -65,25 +71,28 @@ def _panels(report: MonitorReport, steps: list[int]) -> list[Panel]:
         panels.append(draw_loss)
     if any(r.get("lr") is not None for r in rows):
         def draw_lr(ax: Any) -> None:
-            ax.plot(steps, metric("lr"), color="C6")
+            lr = metric("lr")
+            ax.plot(steps, lr, color="C6")
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
-            ax.set_ylim(bottom=0)
+            _from_zero(ax, lr)
             ax.set_title("learning rate")
         panels.append(draw_lr)
 
     def draw_throughput(ax: Any) -> None:
         key, unit = ("tokens_per_s", "tokens/s") if report.tokens_per_s else \
             ("samples_per_s", "samples/s")
-        ax.plot(steps, metric(key), color="C2")
+        rate = metric(key)
+        ax.plot(steps, rate, color="C2")
         ax.set_ylabel(unit)
-        ax.set_ylim(bottom=0)
+        _from_zero(ax, rate)
         ax.set_title("throughput per step")
 
     def draw_time(ax: Any) -> None:
-        ax.plot(steps, [1e3 * r["step_s"] for r in rows], color="C1", label="iteration")
+        step_ms = [1e3 * r["step_s"] for r in rows]
+        ax.plot(steps, step_ms, color="C1", label="iteration")
         ax.plot(steps, [1e3 * r["data_wait_s"] for r in rows], color="C3", label="data wait")
         ax.set_ylabel("ms")
-        ax.set_ylim(bottom=0)
+        _from_zero(ax, step_ms)
         ax.set_title(f"iteration and data wait (share {100 * (report.data_wait_share or 0):.0f}"
                      f"%, target < {100 * th.data_wait_share:.0f}%)")
         ax.legend(loc="upper right", fontsize=8)
@@ -93,15 +102,15 @@ def _panels(report: MonitorReport, steps: list[int]) -> list[Panel]:
     gpu_steps = [_interp(s[0], pairs) for s in gpu]
 
     def draw_memory(ax: Any) -> None:
-        ax.plot(steps, metric("mem_gib"), color="C4",
+        mem, used = metric("mem_gib"), [s[2] for s in gpu]
+        ax.plot(steps, mem, color="C4",
                 label="allocated" if report.device.startswith("cuda") else "resident (RSS)")
         if gpu:
-            ax.plot(gpu_steps, [s[2] for s in gpu], color="C5", ls="--",
-                    label="GPU used (nvml)")
+            ax.plot(gpu_steps, used, color="C5", ls="--", label="GPU used (nvml)")
         ax.set_ylabel("GiB")
-        ax.set_ylim(bottom=0)
+        _from_zero(ax, mem, used)
         ax.set_title("memory")
-        ax.legend(loc="upper right", fontsize=8)
+        ax.legend(loc="lower right", fontsize=8)
 
     panels += [draw_throughput, draw_time, draw_memory]
     if gpu:
