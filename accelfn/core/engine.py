@@ -77,6 +77,18 @@ def _check_stack(transforms: tuple[Transform, ...], text: Callable[[], str]) -> 
                         f"declare commutes=True (or name the other) on both if it does not")
 
 
+def _check_optimizer_holds_trainable(state: TrainState) -> None:
+    held = {id(p) for g in state.optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in state.model.named_parameters() if p.requires_grad
+               and id(p) not in held]
+    if missing:
+        state.warn_once("missing", (
+            f"{len(missing)} trainable parameter(s) of the model are not in the optimizer "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): they get "
+            "gradients that nothing applies or clears, every update. Add them to the "
+            "optimizer, or freeze them with requires_grad_(False) (accelfn.freeze)"))
+
+
 def _sharding(key: tuple[Transform, ...]) -> tuple[Transform, ...]:
     return tuple(t for t in key if "shard" in t.hooks)
 
@@ -174,6 +186,7 @@ class Step:
         skips = compat.step_supports_amp_scaling(state.optimizer) and all(
             group.get("fused") for group in state.optimizer.param_groups)
         prepared = dataclasses.replace(prepared, skips_on_device=skips)
+        _check_optimizer_holds_trainable(state)
         state.add_preparation(key, prepared, describe(self))
         return prepared
 
@@ -340,8 +353,7 @@ class Step:
             return skip  # the scheduler steps when the guard settles the decision
         if not decision.skip:
             ctx.prepared.optimizer_step()
-            if state.scheduler is not None:
-                state.scheduler.step()
+            state.step_scheduler()
         return None
 
     # ----------------------------------------------------------------- evaluation

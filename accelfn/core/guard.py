@@ -69,8 +69,8 @@ class Guard:
                 event.synchronize()
             values = host.tolist()
         skipped = self._account(*_unpack_flags(values), update, policy, limit)
-        if not skipped and state.scheduler is not None:
-            state.scheduler.step()
+        if not skipped:
+            state.step_scheduler()
 
     def _account(self, loss_bad: bool, grads_bad: bool, overflow: bool, update: int,
                  policy: str, limit: int) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -74,6 +75,8 @@ class TrainState:
         self._slots: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._preparations: list[tuple[Any, Any, str]] = []
+        self._scheduler_mark: Any = getattr(scheduler, "last_epoch", None)
+        self._warned: set[str] = set()
 
     @property
     def model(self) -> nn.Module:
@@ -107,6 +110,33 @@ class TrainState:
     def add_preparation(self, key: Any, prepared: Any, description: str) -> None:
         """Record the preparation a step made of this state (the engine calls it)."""
         self._preparations.append((key, prepared, description))
+
+    def step_scheduler(self) -> None:
+        """Step the scheduler after a real update (the engine's call, once per update).
+
+        Warns once when the scheduler was stepped by someone else since the last update: a
+        step already steps it, so a loop that also calls ``scheduler.step()`` moves the
+        schedule twice as fast.
+        """
+        scheduler = self.scheduler
+        if scheduler is None:
+            return
+        mark = getattr(scheduler, "last_epoch", None)
+        if mark is not None and self._scheduler_mark is not None and mark != self._scheduler_mark:
+            self.warn_once(
+                "scheduler",
+                f"the scheduler was stepped outside the step ({mark - self._scheduler_mark} "
+                "extra time(s) since the last update): accelfn steps the TrainState's "
+                "scheduler once per real update already. Remove scheduler.step() from the loop "
+                "(or keep the scheduler out of the TrainState to step it yourself)")
+        scheduler.step()
+        self._scheduler_mark = getattr(scheduler, "last_epoch", None)
+
+    def warn_once(self, key: str, message: str) -> None:
+        """Issue ``message`` as a RuntimeWarning the first time ``key`` is seen for this state."""
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)
 
     def slot(self, name: str, factory: Callable[[], Any]) -> Any:
         """The state object a transform keeps under ``name``, created by ``factory`` once.
@@ -192,6 +222,7 @@ class TrainState:
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])
+            self._scheduler_mark = getattr(self.scheduler, "last_epoch", None)
         self.step = int(state_dict["step"])
         if "pending" in state_dict:  # a rollback
             self._pending = dict(state_dict["pending"])
