@@ -5,7 +5,7 @@ and unfreezing parts of a model by module path.
     optimizer = torch.optim.AdamW(af.param_groups(model, weight_decay=0.05), lr=1e-3)
     af.freeze(model, "backbone")          # transfer learning: train the head only
 
-The linear scaling rule for large batches is :func:`accelfn.scale_lr` (``base_lr`` times
+The linear scaling rule for large batches is [`accelfn.scale_lr`][] (``base_lr`` times
 the global batch over a reference batch); pass its result as ``lr``.
 """
 
@@ -48,7 +48,7 @@ TORCHVISION_NORM_TYPES: tuple[type[nn.Module], ...] = (
 ``_InstanceNorm`` bases spelled as their public subclasses); it has no ``RMSNorm``."""
 
 RULES = ("type", "dim", "nanogpt", "torchvision")
-"""The weight-decay rules of :func:`param_groups` (``"nanogpt"`` is ``"dim"``)."""
+"""The weight-decay rules of [`param_groups`][] (``"nanogpt"`` is ``"dim"``)."""
 
 _TORCHVISION_EMBEDDINGS = ("class_token", "position_embedding", "relative_position_bias_table")
 

@@ -505,6 +505,11 @@ def test_torchvision_rule_spares_norms_and_still_decays_biases():
                                              norm_weight_decay=0.0))
     assert got == {1e-4: {"0.weight", "0.bias", "3.weight", "3.bias"},
                    0.0: {"1.weight", "1.bias"}}
+    groups = param_groups(model, weight_decay=1e-4, rule="torchvision", skip=["3.weight"],
+                          bias_weight_decay=1e-5, named=True)
+    assert [(g["weight_decay"], [n for n, _ in g["params"]]) for g in groups] == [
+        (1e-4, ["0.weight", "1.weight"]), (1e-5, ["0.bias", "1.bias", "3.bias"]),
+        (0.0, ["3.weight"])]  # norms decay unless norm_weight_decay is given
 
 
 @pytest.mark.parametrize("kwargs,match", [
