@@ -41,6 +41,14 @@ def _private_metadata_classes() -> list[Any]:
     return [metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo]
 
 
+# compat: the fields of torch.distributed.checkpoint.filesystem._StorageInfo
+def _storage_entries(metadata: Any) -> list[tuple[Any, Any, Any, Any]]:
+    """``(index, relative_path, offset, length)`` of every item in DCP metadata's
+    ``storage_data`` (values are the private ``_StorageInfo``; to move to accelfn.core.compat)."""
+    return [(index, getattr(info, "relative_path", None), getattr(info, "offset", None),
+             getattr(info, "length", None)) for index, info in metadata.storage_data.items()]
+
+
 # compat: torch._weights_only_unpickler.Unpickler
 def _weights_only_unpickle(data: bytes) -> Any:
     """Unpickle with torch's weights-only unpickler (to move to accelfn.core.compat)."""
@@ -100,8 +108,7 @@ def check_metadata(metadata: Any, listed: Mapping[str, Any], where: Path,
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"{where} is not DCP metadata")
     ends: dict[str, int] = {}
-    for index, info in metadata.storage_data.items():
-        rel_path = getattr(info, "relative_path", None)
+    for index, rel_path, offset, length in _storage_entries(metadata):
         rel = f"{SHARDED_DIR}/{rel_path}"
         if not isinstance(rel_path, str) or not is_checkpoint_file(rel) or rel not in listed \
                 or rel == f"{SHARDED_DIR}/.metadata":
@@ -110,7 +117,6 @@ def check_metadata(metadata: Any, listed: Mapping[str, Any], where: Path,
                 "of this checkpoint's shard files: DCP would read a file outside the checkpoint "
                 "that no checksum covers; it is forged or damaged"
             )
-        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0
                 and length >= 0 and offset + length <= listed[rel]["size"]):
             raise CheckpointError(f"{where}: the item {index.fqn} lies outside its storage path "
