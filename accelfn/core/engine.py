@@ -301,11 +301,13 @@ class Step:
             self._abort(uctx)
             raise
         lr = optimizer.param_groups[0]["lr"]  # the learning rate this update uses
+        if isinstance(lr, Tensor):  # schedulers update a tensor learning rate in place
+            lr = lr.detach().clone()
         on_device = self._apply(uctx, decision)  # the skip flag when decided on the device
         device = ctx.device
         host_skip = float(bool(decision.skip))
         # fills, not copies: nothing waits for the device
-        lr_value = (lr.detach().clone() if isinstance(lr, Tensor)
+        lr_value = (lr if isinstance(lr, Tensor)
                     else torch.scalar_tensor(float(lr), device=device))
         skip_value = (on_device.float() if on_device is not None
                       else torch.scalar_tensor(host_skip, device=device))
