@@ -199,3 +199,36 @@ def test_examples_run_under_torchrun(name, tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "distributed(" in proc.stdout
+
+
+@pytest.mark.slow
+def test_digits_example_writes_a_plot_prints_its_path_and_continues_its_log(tmp_path, capsys):
+    import json
+
+    example = load_example("classify_digits")
+    out = tmp_path / "digits"
+    example.main(["--steps", "12", "--stop-at", "7", "--out", str(out)])
+    first = capsys.readouterr()
+    assert f"plot: {out / 'run.png'}" in first.out.splitlines()
+    assert (out / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the progress bar on a captured (non-terminal) stderr: plain lines, the last one once
+    assert "\r" not in first.err
+    bar = [line for line in first.err.splitlines() if line.startswith("digits ")]
+    assert bar and bar[-1].startswith("digits 7/7 [") and sum("7/7" in b for b in bar) == 1
+    report = example.main(["--steps", "12", "--out", str(out), "--resume", str(out)])
+    assert report["plot"] == str(out / "run.png")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(12))  # the resumed run continued it
+
+
+@pytest.mark.slow
+def test_examples_with_the_sync_check_off_print_nothing_about_it(tmp_path, capsys):
+    gpt = load_example("gpt")
+    gpt.main(["--text-bytes", "30000", "--batch-size", "8", "--seq-len", "32", "--dim", "32",
+              "--depth", "2", "--steps", "2", "--quiet", "--out", str(tmp_path / "gpt")])
+    images = load_example("classify_images")
+    images.main(["--steps", "2", "--size", "16", "--batch-size", "8", "--quiet",
+                 "--out", str(tmp_path / "images")])
+    printed = capsys.readouterr().out
+    assert printed.count("accelfn monitor report") == 2
+    assert "host_syncs" not in printed and "probed for host syncs" not in printed
