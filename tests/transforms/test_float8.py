@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import json
 import sys
 
 import pytest
@@ -377,3 +378,178 @@ def test_compiled_float8_matches_eager_float8():
     compiled = train(af.compiled(af.with_amp(with_float8(min_features=16)(ce))))
     assert torch.allclose(compiled[0], eager[0], rtol=5e-3)
     assert ((compiled[1] - eager[1]).norm() / eager[1].norm()) < 1e-2
+
+
+def _float8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not _float8_gpu(),
+                    reason="needs a CUDA GPU with float8 matmuls (compute capability 8.9+)")
+def test_on_a_float8_gpu_eager_is_refused_and_compiled_stays_close_to_bf16():
+    device = torch.device("cuda")
+    data = [b.to(device) for b in batches(10)]
+
+    def train(step):
+        model = mlp().to(device)
+        state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        return torch.stack([step(state, b)["loss"] for b in data]).float(), flat(model), model
+
+    model = mlp().to(device)
+    state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with pytest.raises(ValueError, match=r"needs the model compiled"):
+        af.with_amp(with_float8(min_features=16)(ce))(state, data[0])
+    bf16_losses, bf16_w, _ = train(af.compiled(af.with_amp(ce)))
+    f8_losses, f8_w, f8_model = train(af.compiled(af.with_amp(with_float8(min_features=16)(
+        ce))))
+    assert len(converted(f8_model)) == 4
+    assert ((f8_losses - bf16_losses).abs() / bf16_losses).max() < 2e-2
+    assert ((f8_w - bf16_w).norm() / bf16_w.norm()) < 5e-2
+
+
+# ------------------------------------------------------------------ FSDP2, float8 all-gather
+_FSDP_WORKER = '''
+import sys
+import torch, torch.distributed as dist
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+import accelfn as af
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm, self.fc1, self.fc2 = nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+    def forward(self, x):
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+class MLP(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.inp = nn.Linear(8, d)  # created in the order of the test's MLP: same weights
+        self.blocks = nn.Sequential(Block(d), Block(d))
+        self.head = nn.Linear(d, 5)
+    def forward(self, x):
+        return self.head(self.blocks(self.inp(x)))
+
+def ce(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"])
+
+af.init_distributed()
+rank = dist.get_rank()
+fsdp = af.distributed(strategy="fsdp")
+cases = {
+    "plain": lambda: fsdp(af.with_float8(min_features=16)(ce)),
+    "gather": lambda: fsdp(af.with_float8(min_features=16, fsdp_float8_all_gather=True)(ce)),
+    "gather_outside": lambda: af.with_float8(min_features=16, fsdp_float8_all_gather=True)(
+        fsdp(ce)),
+}
+out = {}
+for name, build in cases.items():
+    torch.manual_seed(0)
+    model = MLP()
+    state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    step = build()
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 5, (16,), generator=g)
+        rows = slice(0, 8) if rank == 0 else slice(8, 16)
+        step(state, TensorDict({"x": x[rows], "y": y[rows]}, batch_size=[8]))
+    weight = model.blocks[0].fc1.weight
+    scale = getattr(weight._local_tensor, "_precomputed_scale", None)  # torchao sets it
+    full = weight.full_tensor()
+    out[name] = {"params": {k: v.full_tensor().detach().clone()
+                            for k, v in model.named_parameters()},
+                 "scale": None if scale is None else scale.clone(),
+                 "expected_scale": torch.finfo(torch.float8_e4m3fn).max / full.abs().max()}
+if rank == 0:
+    torch.save(out, sys.argv[1])
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.distributed
+def test_fsdp2_float8_all_gather_on_two_processes(tmp_path):
+    import os
+    import socket
+    import subprocess
+
+    worker = tmp_path / "worker.py"
+    worker.write_text(_FSDP_WORKER)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={port}", str(worker),
+         str(tmp_path / "out.pt")],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt", weights_only=True)
+    plain, gather = out["plain"], out["gather"]
+    # all-gathering the weights in float8 casts them as the matmul would: the same update
+    for key, value in plain["params"].items():
+        assert torch.equal(gather["params"][key], value), key
+        assert torch.equal(out["gather_outside"]["params"][key], value), key
+    assert plain["scale"] is None
+    # the after_update hook precomputed each weight's scale from the updated weights
+    assert torch.allclose(gather["scale"], gather["expected_scale"], rtol=1e-6)
+    # and the sharded float8 run stays close to one process on the whole batch
+    model = by_hand(mlp())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(16, 8, generator=g), torch.randint(0, 5, (16,), generator=g)
+        plain_update(model, opt, {"x": x, "y": y}, ce)
+    w = torch.cat([p.detach().flatten() for p in plain["params"].values()])
+    assert list(plain["params"]) == [k for k, _ in model.named_parameters()]
+    assert ((w - flat(model)).norm() / flat(model).norm()) < 1e-2
+
+
+# ---------------------------------------------------------------------- the GPU benchmark
+def _benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "float8.py"
+    spec = importlib.util.spec_from_file_location("benchmark_float8", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_refuses_to_run_without_cuda(monkeypatch, capsys):
+    bench = _benchmark()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.main([]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA" in err and "--dry-run" in err
+
+
+def test_benchmark_model_has_at_least_350m_parameters():
+    bench = _benchmark()
+    from gpt2 import GPT  # the benchmark put benchmarks/ on the path
+
+    with torch.device("meta"):
+        model = GPT(bench.MODEL)
+    assert sum(p.numel() for p in model.parameters()) >= 350e6
+    assert all(eligible(m, 1024) for n, m in model.named_modules()
+               if isinstance(m, nn.Linear) and n != "head")
+
+
+@pytest.mark.compile
+def test_benchmark_dry_run_prints_the_json(capsys):
+    bench = _benchmark()
+    assert bench.main(["--dry-run", "--steps", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["benchmark"] == "float8" and result["dry_run"] is True
+    assert result["float8"]["emulated"] is True and result["meets_target"] is None
+    bf16, f8 = result["sides"]
+    assert (bf16["name"], f8["name"]) == ("bf16", "float8")
+    assert (bf16["converted_layers"], f8["converted_layers"]) == (0, 8)  # 2 blocks x 4
+    assert "compiled" in f8["stack"] and "with_float8" in f8["stack"]
+    assert "with_float8" not in bf16["stack"]
+    for side in (bf16, f8):
+        assert side["tokens_per_s"] > 0 and len(side["step_ms_all"]) == 2
+        assert 0 < side["eval_loss"] < 10
+    assert result["speedup"] == pytest.approx(f8["tokens_per_s"] / bf16["tokens_per_s"])
