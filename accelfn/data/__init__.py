@@ -10,10 +10,12 @@ Modules, in the order a batch passes them: ``sampling`` (indices per batch, epoc
 ``gather`` (TensorDict sources), ``collate`` (per-sample sources), ``workers`` (persistent
 thread / process pools), ``stages`` (device copy, seeded batch transform), ``gpu`` (the batch
 transforms), ``batch_loader`` (iteration, position, data wait), ``pipeline`` (``loader()``,
-which wires them); ``preloading`` (memory-mapped datasets, image files) and ``datasets``
-(small bundled datasets) stand apart.
+which wires them); ``adapter`` (``from_dataloader()``: an existing DataLoader's batches as
+TensorDicts on the device, timed and checkpointable); ``preloading`` (memory-mapped datasets,
+image files) and ``datasets`` (small bundled datasets) stand apart.
 """
 
+from .adapter import DataLoaderAdapter, batch_to_tensordict, from_dataloader
 from .batch_loader import BatchLoader
 from .collate import IterableBatcher, SampleCollator, SampleSpec
 from .gather import TensorDictGather
@@ -36,7 +38,7 @@ from .preloading import (
     preload_image_folder,
     preload_info,
 )
-from .sampling import IndexBatchSampler, epoch_indices, mix_seed, resolve_shard
+from .sampling import DataLoaderRNG, IndexBatchSampler, epoch_indices, mix_seed, resolve_shard
 from .stages import ApplyTransform, ToDevice
 from .workers import PoolMapper
 
@@ -45,6 +47,8 @@ __all__ = [
     "BatchLoader",
     "ChannelsLast",
     "Compose",
+    "DataLoaderAdapter",
+    "DataLoaderRNG",
     "DecodeJPEG",
     "ImageFiles",
     "IndexBatchSampler",
@@ -59,8 +63,10 @@ __all__ = [
     "TensorDictGather",
     "ToDevice",
     "ToDtype",
+    "batch_to_tensordict",
     "epoch_indices",
     "find_images",
+    "from_dataloader",
     "loader",
     "mix_seed",
     "open_preloaded",

@@ -6,6 +6,8 @@ and a record of how long the loop waited for each batch.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -14,9 +16,29 @@ from typing import Any
 from tensordict import TensorDictBase
 from torchdata.nodes import BaseNode
 
-__all__ = ["STATE_FORMAT", "BatchLoader"]
+__all__ = ["STATE_FORMAT", "BatchLoader", "is_reading_state", "reading_state"]
 
 STATE_FORMAT = "accelfn.data.loader/1"
+
+_reading = threading.local()
+
+
+@contextlib.contextmanager
+def reading_state() -> Iterator[None]:
+    """Mark a start of the nodes made only to read their state (``state_dict()`` before the
+    first ``iter()``): nodes that draw random numbers at a start (``DataLoaderRNG``, a wrapped
+    DataLoader) put every generator back as it was and record that the real start must draw.
+    """
+    _reading.active = True
+    try:
+        yield
+    finally:
+        _reading.active = False
+
+
+def is_reading_state() -> bool:
+    """Whether the calling thread is inside :func:`reading_state`."""
+    return bool(getattr(_reading, "active", False))
 
 
 class _Iterator(Iterator[TensorDictBase]):
@@ -98,7 +120,7 @@ class BatchLoader(Iterable[TensorDictBase]):
       epoch, then from each return to the next request's return (or to the end of the epoch),
       i.e. loop time excluding time spent outside iteration between epochs.
     * ``wait_share``: ``total_wait_s / total_time_s``, the fraction of the loop spent waiting
-      for data (the seeds' target is under 0.2).
+      for data (keep it under 0.2: a loop that waits longer is data-bound).
 
     Args:
         root: the graph's root node, yielding TensorDict batches.
@@ -124,7 +146,7 @@ class BatchLoader(Iterable[TensorDictBase]):
         self._peek_state: dict[str, Any] | None = None
         self._generation = 0
         self._active = False
-        self._started_for_state = False
+        self._read_start: dict[str, Any] | None = None
         self.last_wait_s = 0.0
         self.total_wait_s = 0.0
         self.total_time_s = 0.0
@@ -139,12 +161,13 @@ class BatchLoader(Iterable[TensorDictBase]):
     def __iter__(self) -> _Iterator:
         self._generation += 1
         self._last_return = None
-        if self._started_for_state:
-            # state_dict() before the first iter() already started this epoch: keep it.
-            self._started_for_state = False
-            return _Iterator(self, self._generation)
         self._peeked = self._peek_state = None
         state, self._pending_state = self._pending_state, None
+        if state is None and self._read_start is not None:
+            # state_dict() started the nodes only to read them: start them for real, at that
+            # position (which makes the random draws that the read put back).
+            state = self._read_start
+        self._read_start = None
         if state is None:
             self.root.reset(None)
         else:
@@ -176,19 +199,25 @@ class BatchLoader(Iterable[TensorDictBase]):
     def state_dict(self) -> dict[str, Any]:
         """The position after the last batch returned, as plain data (ints, strings, dicts).
 
+        (With ``rng=DataLoaderRNG(generator=g)`` it also holds ``g``'s state, a uint8 tensor.)
+
         Safe to ``torch.save`` and to load with ``torch.load(..., weights_only=True)``. Loading
         it into an identically configured loader and iterating yields exactly the batches an
         uninterrupted run would have yielded next (including the next epoch's, if it was taken
-        at the end of an epoch).
+        at the end of an epoch). It is a read: it changes no random number generator, also
+        before the first ``iter()`` (when the nodes are started to be read).
         """
+        root: Any
         if self._pending_state is not None:
             root = self._pending_state
         elif not self._active:
-            # Start the first epoch now (the next iter() continues it, not a new one): the
-            # nodes' state only exists once they are reset.
-            self.__iter__()
-            self._started_for_state = True
-            root = self._peek_state if self._peek_state is not None else self.root.state_dict()
+            if self._read_start is None:
+                # The nodes' state only exists once they are reset: start them to read it
+                # (the next iter() starts them again at this position).
+                with reading_state():
+                    self.root.reset(None)
+                    self._read_start = self.root.state_dict()
+            root = self._read_start
         elif self._peek_state is not None:
             root = self._peek_state
         else:
@@ -219,9 +248,14 @@ class BatchLoader(Iterable[TensorDictBase]):
                 f"the loader state was saved with a different configuration ({detail}); build "
                 "the loader with the same settings to resume"
             )
+        if "root" not in state:
+            raise ValueError(
+                "the loader state has no 'root' entry; pass what BatchLoader.state_dict() "
+                "returned"
+            )
         self._pending_state = state["root"]
         self._peeked = self._peek_state = None
-        self._started_for_state = False
+        self._read_start = None
 
     # -- timing ------------------------------------------------------------------------------
 

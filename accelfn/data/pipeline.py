@@ -33,7 +33,7 @@ from .batch_loader import BatchLoader
 from .collate import IterableBatcher, SampleCollator
 from .gather import TensorDictGather
 from .gpu import host_keys
-from .sampling import IndexBatchSampler, resolve_shard
+from .sampling import DataLoaderDrawsNode, DataLoaderRNG, IndexBatchSampler, resolve_shard
 from .stages import ApplyTransform, ToDevice
 from .workers import PoolMapper
 
@@ -93,6 +93,7 @@ def loader(
     pin_memory: bool | None = None,
     rank: int | None = None,
     world_size: int | None = None,
+    rng: DataLoaderRNG | None = None,
 ) -> BatchLoader:
     """Build a loader of TensorDict batches from ``source``.
 
@@ -135,6 +136,11 @@ def loader(
         pin_memory: page-lock host batches; ``None`` = only when ``device`` is CUDA.
         rank: shard to load; default ``torch.distributed``'s rank when initialised, else 0.
         world_size: number of shards; default ``torch.distributed``'s world size, else 1.
+        rng: ``DataLoaderRNG()`` to draw from torch's global generator (or a given one) what
+            ``torch.utils.data.DataLoader`` draws at each ``iter()``, and to shuffle in its
+            order, so that a loop ported from a DataLoader keeps its random stream (dropout
+            masks included) bitwise; see [`DataLoaderRNG`][accelfn.data.DataLoaderRNG].
+            Default: draw nothing from global generators, shuffle from ``(seed, epoch)``.
 
     Raises:
         TypeError / ValueError: with how to fix it, for a bad argument, an empty source,
@@ -147,6 +153,11 @@ def loader(
         _check_int("num_workers", num_workers, 0)
     if worker_type not in ("thread", "process"):
         raise ValueError(f"worker_type must be 'thread' or 'process', got {worker_type!r}")
+    if rng is not None and not isinstance(rng, DataLoaderRNG):
+        raise TypeError(
+            f"rng={rng!r}: pass accelfn.data.DataLoaderRNG(...) (e.g. DataLoaderRNG() to draw "
+            "from torch's global generator as a DataLoader does), or None"
+        )
     rank, world_size = resolve_shard(rank, world_size)
     kind, data = _as_source(source)
     dev = None if device is None else torch.device(device)
@@ -174,6 +185,9 @@ def loader(
         "world_size": world_size,
         "transform": transform is not None,
     }
+    if rng is not None:  # absent otherwise, so that positions saved before the option load
+        config["rng"] = "dataloader-persistent" if rng.persistent_workers else "dataloader"
+        config["rng_generator"] = rng.generator is not None
 
     if kind in ("tensordict", "map"):
         if kind == "tensordict":
@@ -203,6 +217,7 @@ def loader(
             drop_last=drop_last,
             rank=rank,
             world_size=world_size,
+            rng=rng,
         )
         if sampler.num_batches == 0:
             shard = f" (rank {rank}'s shard of {world_size})" if world_size > 1 else ""
@@ -241,8 +256,11 @@ def loader(
                 "an iterable source is read by one reader; num_workers applies to map-style "
                 "datasets (leave num_workers=None)"
             )
+        reader: BaseNode[Any] = IterableWrapper(data)
+        if rng is not None:
+            reader = DataLoaderDrawsNode(reader, rng)
         node = IterableBatcher(
-            IterableWrapper(data),
+            reader,
             batch_size,
             drop_last=drop_last,
             keys=keys,

@@ -3,17 +3,34 @@
 Everything here is a pure function of ``(num_samples, batch_size, shuffle, seed, epoch, rank,
 world_size, drop_last)``, so a position in the data stream is fully described by two integers,
 ``epoch`` and ``batches`` (yielded so far in that epoch). That is what makes resume exact.
+
+:class:`DataLoaderRNG` is the exception, for ports of ``torch.utils.data.DataLoader`` loops:
+it draws from a generator (torch's global one by default) what a DataLoader draws, so that
+the rest of the loop (dropout, augmentation in the loop) sees the same random stream; its
+position then also records those draws.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torchdata.nodes import BaseNode
 
-__all__ = ["IndexBatchSampler", "epoch_indices", "mix_seed", "resolve_shard"]
+from .batch_loader import is_reading_state
+
+__all__ = [
+    "DataLoaderDraws",
+    "DataLoaderDrawsNode",
+    "DataLoaderRNG",
+    "IndexBatchSampler",
+    "epoch_indices",
+    "mix_seed",
+    "resolve_shard",
+    "shard_order",
+]
 
 _MASK64 = (1 << 64) - 1
 
@@ -83,15 +100,156 @@ def epoch_indices(
         order = torch.randperm(num_samples, generator=g)
     else:
         order = torch.arange(num_samples)
-    if world_size > 1:
-        if drop_last:
-            order = order[: (num_samples // world_size) * world_size]
-        else:
-            total = -(-num_samples // world_size) * world_size
-            reps = -(-total // num_samples)
-            order = order.repeat(reps)[:total]
-        order = order[rank::world_size]
-    return order
+    return shard_order(order, rank=rank, world_size=world_size, drop_last=drop_last)
+
+
+def shard_order(
+    order: torch.Tensor, *, rank: int, world_size: int, drop_last: bool
+) -> torch.Tensor:
+    """Rank ``rank``'s share of the permutation ``order``: every ``world_size``-th entry.
+
+    Truncated to a multiple of ``world_size`` with ``drop_last``, else padded by wrapping
+    around, as ``torch.utils.data.DistributedSampler`` does.
+    """
+    if world_size == 1:
+        return order
+    n = order.numel()
+    if drop_last:
+        order = order[: (n // world_size) * world_size]
+    else:
+        total = -(-n // world_size) * world_size
+        order = order.repeat(-(-total // n))[:total]
+    return order[rank::world_size]
+
+
+def _draw_int64(generator: torch.Generator | None) -> int:
+    """One int64 drawn as the DataLoader draws it (``torch.empty((), int64).random_()``)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+@dataclass(frozen=True)
+class DataLoaderRNG:
+    """Draw what ``torch.utils.data.DataLoader(..., generator=generator)`` draws, when it does.
+
+    Pass it as ``loader(..., rng=DataLoaderRNG())`` to port a DataLoader loop without changing
+    its random stream. At each ``iter()`` (each epoch) a DataLoader draws one int64 from
+    ``generator`` (torch's global generator when None) as its base seed, and, with
+    ``shuffle=True``, its ``RandomSampler`` draws the epoch's permutation: with no generator,
+    from a ``torch.Generator`` seeded by one more int64 from the global generator; with one,
+    from ``generator`` itself (plus a second ``randperm`` when the epoch ends). Every later
+    random number of the loop (dropout masks, in-loop augmentation) depends on these draws;
+    with this option the loader makes the same draws, in the same order, and visits the
+    samples in the DataLoader's order. Without it, the loader draws nothing from global
+    generators and shuffles from ``(seed, epoch)``.
+
+    Under sharding (``world_size > 1``) the order is ``DistributedSampler(shuffle=shuffle,
+    seed=seed, drop_last=drop_last)``'s after ``set_epoch(epoch)``, and only the base seed is
+    drawn. The loader's ``seed`` still seeds the batch ``transform``.
+
+    Args:
+        generator: the DataLoader's ``generator=`` (the same object, or one in the same
+            state). Its state is part of the loader's position and is set on resume.
+        persistent_workers: the DataLoader had ``num_workers > 0`` and
+            ``persistent_workers=True``: it then draws its base seed at the first ``iter()``
+            only.
+    """
+
+    generator: torch.Generator | None = None
+    persistent_workers: bool = False
+
+    def __post_init__(self) -> None:
+        g = self.generator
+        if g is not None and (not isinstance(g, torch.Generator) or g.device.type != "cpu"):
+            raise TypeError(
+                f"DataLoaderRNG(generator={g!r}): pass the CPU torch.Generator given to the "
+                "DataLoader (or None for torch's global generator)"
+            )
+
+
+class DataLoaderDraws:
+    """The draws of [`DataLoaderRNG`][] for one loader, and their record in its position.
+
+    ``start_epoch()`` makes one epoch's draws (returning the DataLoader's permutation when it
+    shuffles); ``state()`` and ``restore(state)`` carry them through a checkpoint, so a
+    resumed loader continues the epoch without drawing again and leaves ``generator`` in the
+    state the uninterrupted run had. A start made only to read the position
+    (``reading_state()`` of ``accelfn.data.batch_loader``) puts the generators back and records
+    ``"redraw": True``: restoring that position makes the draws then.
+    """
+
+    def __init__(self, rng: DataLoaderRNG, num_samples: int, *, permute: bool) -> None:
+        self.rng = rng
+        self.num_samples = num_samples
+        self.permute = permute
+        self.base_drawn = False
+        self.drawn_before = False
+        self.draw: int | torch.Tensor | None = None
+        self.redraw = False
+
+    def start_epoch(self) -> torch.Tensor | None:
+        """Draw as the DataLoader's ``iter()`` and first ``next()`` do; the permutation."""
+        g = self.rng.generator
+        reading = is_reading_state()
+        if reading:
+            saved = torch.get_rng_state(), None if g is None else g.get_state()
+        self.drawn_before = self.base_drawn
+        if not (self.rng.persistent_workers and self.base_drawn):
+            _draw_int64(g)
+            self.base_drawn = True
+        if g is not None:
+            self.draw = g.get_state()
+        elif self.permute:
+            self.draw = _draw_int64(None)
+        order = self._replay()
+        self.redraw = reading
+        if reading:
+            torch.set_rng_state(saved[0])
+            if g is not None and saved[1] is not None:
+                g.set_state(saved[1])
+                self.draw = saved[1]  # where the real start draws from
+            self.base_drawn = self.drawn_before
+        return order
+
+    def _replay(self) -> torch.Tensor | None:
+        g = self.rng.generator
+        if g is not None:
+            assert isinstance(self.draw, torch.Tensor)
+            g.set_state(self.draw)
+        if not self.permute:
+            return None
+        if g is None:
+            assert isinstance(self.draw, int)
+            g = torch.Generator().manual_seed(self.draw)
+            return torch.randperm(self.num_samples, generator=g)
+        order = torch.randperm(self.num_samples, generator=g)
+        torch.randperm(self.num_samples, generator=g)  # RandomSampler's draw at the epoch's end
+        return order
+
+    def state(self) -> dict[str, Any]:
+        return {"drawn_before": self.drawn_before, "draw": self.draw, "redraw": self.redraw}
+
+    def restore(self, state: Any) -> torch.Tensor | None:
+        """Take the draws of a saved position (made before it was saved); the permutation."""
+        draw = state.get("draw") if isinstance(state, dict) else None
+        expected = torch.Tensor if self.rng.generator is not None else (
+            int if self.permute else type(None))
+        if (not isinstance(state, dict) or not isinstance(state.get("drawn_before"), bool)
+                or not isinstance(state.get("redraw"), bool)
+                or not isinstance(draw, expected) or isinstance(draw, bool)):
+            raise ValueError(
+                f"the loader position {state!r} lacks the DataLoaderRNG draws this loader "
+                "needs: it was saved by a loader built without rng=DataLoaderRNG(...) or with "
+                "another generator setting; build the loader as the saved run did"
+            )
+        if state["redraw"]:  # saved before the draws were made for real: make them now
+            self.base_drawn = state["drawn_before"]
+            if self.rng.generator is not None:
+                assert isinstance(draw, torch.Tensor)
+                self.rng.generator.set_state(draw)
+            return self.start_epoch()
+        self.drawn_before, self.draw, self.redraw = state["drawn_before"], draw, False
+        self.base_drawn = True
+        return self._replay()
 
 
 class IndexBatchSampler(BaseNode[torch.Tensor]):  # type: ignore[misc]  # torchdata: untyped
@@ -110,6 +268,9 @@ class IndexBatchSampler(BaseNode[torch.Tensor]):  # type: ignore[misc]  # torchd
         drop_last: drop the final short batch (of this rank's shard).
         rank: this process's shard.
         world_size: number of shards.
+        rng: draw and shuffle as ``torch.utils.data.DataLoader`` does (see
+            [`DataLoaderRNG`][]); the draws are made in ``reset()``, which runs in the
+            thread that iterates the loader, and are recorded in the state under ``"rng"``.
     """
 
     def __init__(
@@ -122,6 +283,7 @@ class IndexBatchSampler(BaseNode[torch.Tensor]):  # type: ignore[misc]  # torchd
         drop_last: bool = True,
         rank: int = 0,
         world_size: int = 1,
+        rng: DataLoaderRNG | None = None,
     ) -> None:
         super().__init__()
         self.num_samples = num_samples
@@ -136,6 +298,12 @@ class IndexBatchSampler(BaseNode[torch.Tensor]):  # type: ignore[misc]  # torchd
         self._started = False
         self._order: torch.Tensor | None = None
         self._order_epoch = -1
+        self.rng = rng
+        self._draws = (
+            None
+            if rng is None
+            else DataLoaderDraws(rng, num_samples, permute=shuffle and world_size == 1)
+        )
 
     @property
     def shard_size(self) -> int:
@@ -161,26 +329,51 @@ class IndexBatchSampler(BaseNode[torch.Tensor]):  # type: ignore[misc]  # torchd
             self.epoch, self._batches = epoch, batches
             # A restored position is inside an epoch: the next reset(None) starts a new one.
             self._started = True
+            if self._draws is not None:
+                self._use_order(self._draws.restore(initial_state.get("rng")))
         else:
             if self._started:
                 self.epoch += 1
             self._batches = 0
             self._started = False
+            if self._draws is not None:
+                self._use_order(self._draws.start_epoch())
+
+    def _use_order(self, permutation: torch.Tensor | None) -> None:
+        if permutation is not None:
+            self._order = shard_order(
+                permutation, rank=self.rank, world_size=self.world_size, drop_last=self.drop_last
+            )
+            self._order_epoch = self.epoch
+
+    def _epoch_order(self) -> torch.Tensor:
+        if self.rng is not None and self.shuffle and self.world_size > 1:
+            # DistributedSampler(seed=seed) after set_epoch(epoch)
+            g = torch.Generator().manual_seed(self.seed + self.epoch)
+            return shard_order(
+                torch.randperm(self.num_samples, generator=g),
+                rank=self.rank,
+                world_size=self.world_size,
+                drop_last=self.drop_last,
+            )
+        if self._draws is not None and self._draws.permute:
+            raise RuntimeError("the DataLoaderRNG permutation was not drawn: reset() first")
+        return epoch_indices(
+            self.num_samples,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=self.epoch,
+            rank=self.rank,
+            world_size=self.world_size,
+            drop_last=self.drop_last,
+        )
 
     def next(self) -> torch.Tensor:
         self._started = True
         if self._batches >= self.num_batches:
             raise StopIteration
         if self._order is None or self._order_epoch != self.epoch:
-            self._order = epoch_indices(
-                self.num_samples,
-                shuffle=self.shuffle,
-                seed=self.seed,
-                epoch=self.epoch,
-                rank=self.rank,
-                world_size=self.world_size,
-                drop_last=self.drop_last,
-            )
+            self._order = self._epoch_order()
             self._order_epoch = self.epoch
         start = self._batches * self.batch_size
         idx = self._order[start : start + self.batch_size].clone()
@@ -188,4 +381,34 @@ class IndexBatchSampler(BaseNode[torch.Tensor]):  # type: ignore[misc]  # torchd
         return idx
 
     def get_state(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "batches": self._batches}
+        state: dict[str, Any] = {"epoch": self.epoch, "batches": self._batches}
+        if self._draws is not None:
+            state["rng"] = self._draws.state()
+        return state
+
+
+class DataLoaderDrawsNode(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
+    """Pass ``source`` through, making [`DataLoaderRNG`][]'s draws at every new epoch.
+
+    For sources a DataLoader reads in order (iterables): only the base seed is drawn.
+    """
+
+    def __init__(self, source: BaseNode[Any], rng: DataLoaderRNG) -> None:
+        super().__init__()
+        self.source = source
+        self.draws = DataLoaderDraws(rng, 0, permute=False)
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            self.draws.start_epoch()
+            self.source.reset(None)
+        else:
+            self.draws.restore(initial_state.get("rng"))
+            self.source.reset(initial_state["source"])
+
+    def next(self) -> Any:
+        return next(self.source)
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self.source.state_dict(), "rng": self.draws.state()}

@@ -1,0 +1,324 @@
+"""from_dataloader: an existing DataLoader feeding an accelfn step (issue 14, item 1).
+
+Batches are named, moved, timed and (with torchdata's StatefulDataLoader) checkpointed; the
+reference is always the same DataLoader iterated by hand.
+"""
+
+from __future__ import annotations
+
+import io
+import multiprocessing
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import accelfn as af
+import accelfn.data as ad
+from accelfn import checkpointing as ckpt
+
+StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
+
+# StatefulDataLoader's constructor warns about a deprecated torch call it makes.
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+X = torch.randn(40, 6, generator=torch.Generator().manual_seed(0))
+Y = torch.randint(0, 3, (40,), generator=torch.Generator().manual_seed(1))
+
+
+def pairs() -> TensorDataset:
+    return TensorDataset(X, Y)
+
+
+class Records(Dataset):
+    """Dict samples with a non-tensor field, as many real datasets return."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        return {"x": X[i], "y": Y[i], "name": f"file{i}.png"}
+
+
+class Slow(Dataset):
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.delay)
+        return X[i], Y[i]
+
+
+# ------------------------------------------------------------------------------ batches
+def test_tuple_batches_are_named_by_keys_and_match_the_dataloader():
+    dl = DataLoader(pairs(), batch_size=8)
+    got = list(ad.from_dataloader(dl, keys=("x", "y")))
+    ref = list(dl)
+    assert len(got) == len(ref) == 5
+    for batch, (x, y) in zip(got, ref):
+        assert isinstance(batch, TensorDict) and batch.batch_size == torch.Size([8])
+        assert torch.equal(batch["x"], x) and torch.equal(batch["y"], y)
+
+
+def test_pairs_get_default_names_and_dict_batches_need_no_keys():
+    first = next(iter(ad.from_dataloader(DataLoader(pairs(), batch_size=4))))
+    assert sorted(first.keys()) == ["image", "label"]
+    records = next(iter(ad.from_dataloader(DataLoader(Records(), batch_size=4))))
+    assert sorted(records.keys()) == ["name", "x", "y"]
+    assert torch.equal(records["x"], X[:4])
+    assert records["name"] == [f"file{i}.png" for i in range(4)]  # kept as non-tensor data
+    chosen = next(iter(ad.from_dataloader(DataLoader(Records(), batch_size=4), keys=["y"])))
+    assert list(chosen.keys()) == ["y"]
+
+
+def test_tensordict_and_single_tensor_batches():
+    td = TensorDict({"x": X[:4], "y": Y[:4]}, batch_size=[4])
+    assert ad.batch_to_tensordict(td) is td
+    assert list(ad.batch_to_tensordict(td, ["x"]).keys()) == ["x"]
+    single = ad.batch_to_tensordict(X[:5], keys=("x",))
+    assert torch.equal(single["x"], X[:5]) and single.batch_size == torch.Size([5])
+
+
+@pytest.mark.parametrize(
+    ("batch", "keys", "error", "match"),
+    [
+        ((X[:2], Y[:2], Y[:2]), None, ValueError, r"keys=\('x0', 'x1', 'x2'\)"),
+        ((X[:2], Y[:2]), ("a", "b", "c"), ValueError, "names 3 fields"),
+        (X[:2], None, ValueError, "one key"),
+        ({"x": X[:2]}, ("y",), ValueError, "no key"),
+        ("text", None, TypeError, "collate_fn"),
+        ({"x": X[:2], "y": Y[:3]}, None, ValueError, "disagree on the number of samples"),
+        ((X[:2], (Y[:2], Y[:2])), None, TypeError, "flatten it"),
+        ({"n": [1, 2]}, None, ValueError, "no tensor"),
+    ],
+)
+def test_a_batch_that_cannot_be_named_says_how_to_fix_it(batch, keys, error, match):
+    with pytest.raises(error, match=match):
+        ad.batch_to_tensordict(batch, keys)
+
+
+def test_bad_arguments_are_refused_when_building():
+    with pytest.raises(TypeError, match=r"accelfn\.data\.loader"):
+        ad.from_dataloader(ad.loader({"x": X}, batch_size=4))
+    with pytest.raises(TypeError, match="sequence of strings"):
+        ad.from_dataloader(DataLoader(pairs()), keys="xy")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            ad.from_dataloader(DataLoader(pairs()), device="cuda")
+        with pytest.raises(ValueError, match="pin_memory=True needs CUDA"):
+            ad.from_dataloader(DataLoader(pairs()), pin_memory=True)
+
+
+def test_batches_go_to_the_device_and_are_pinned_only_for_cuda():
+    train = ad.from_dataloader(DataLoader(pairs(), batch_size=8), keys=("x", "y"), device="cpu")
+    for batch in train:
+        assert batch.device == torch.device("cpu")
+        assert not batch["x"].is_pinned()  # nothing to pin for: batches stay on the host
+    assert len(train) == 5 and train.batches == 5
+
+
+# ------------------------------------------------------------------------------ epochs, close
+def test_each_iter_is_one_epoch_also_after_a_break():
+    torch.manual_seed(3)
+    dl = DataLoader(pairs(), batch_size=8, shuffle=True)
+    train = ad.from_dataloader(dl, keys=("x", "y"))
+    first = next(iter(train))
+    second = [b["y"] for b in train]
+    torch.manual_seed(3)
+    ref = DataLoader(pairs(), batch_size=8, shuffle=True)
+    assert torch.equal(first["y"], next(iter(ref))[1])
+    assert all(torch.equal(a, b) for a, (_, b) in zip(second, ref, strict=True))
+
+
+def test_close_ends_the_dataloader_workers():
+    dl = DataLoader(pairs(), batch_size=4, num_workers=2, multiprocessing_context="fork")
+    train = ad.from_dataloader(dl, keys=("x", "y"))
+    it = iter(train)
+    next(it)
+    assert len(multiprocessing.active_children()) >= 2
+    train.close()
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert multiprocessing.active_children() == []
+    assert len(list(train)) == 10  # iterating again starts a new epoch (and new workers)
+    train.close()
+
+
+# ------------------------------------------------------------------------------ data wait
+def test_data_wait_is_reported_like_accelfn_loaders():
+    train = ad.from_dataloader(DataLoader(Slow(0.01), batch_size=4), keys=("x", "y"))
+    assert train.batches == 0 and train.total_wait_s == 0.0 and train.wait_share == 0.0
+    waits = []
+    for _ in train:
+        waits.append(train.last_wait_s)
+    assert train.batches == 3
+    assert all(w >= 0.035 for w in waits)  # 4 samples x 10 ms, in the loop's next()
+    assert train.total_wait_s == pytest.approx(sum(waits))
+    assert train.wait_share > 0.9  # the loop did nothing but wait
+    train.reset_timing()
+    assert train.batches == 0 and train.total_wait_s == 0.0
+
+
+def test_the_monitor_reads_its_data_wait():
+    train = ad.from_dataloader(DataLoader(Slow(0.005), batch_size=4), keys=("x", "y"))
+    mon = af.Monitor(progress=False, warmup=0, sync_check_step=None, log_every=100)
+    with mon:
+        for _ in range(2):
+            for _ in train:
+                time.sleep(0.02)  # the "step"
+                mon.step({"loss": torch.zeros(())}, samples=4, data_wait=train.last_wait_s)
+    report = mon.report()
+    assert report.data_wait_share == pytest.approx(train.wait_share, abs=0.1)
+    assert 0.3 < report.data_wait_share < 0.8  # 20 ms per batch against 20 ms of "step"
+
+
+# ------------------------------------------------------------------------------ training
+class Dropper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(6, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(F.dropout(F.relu(self.fc1(x)), 0.3, training=self.training))
+
+
+def loss_fn(model, batch):
+    return F.cross_entropy(model(batch["x"]), batch["y"])
+
+
+def build(seed: int = 0):
+    torch.manual_seed(seed)
+    model = Dropper()
+    state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return state, af.with_clipping(max_norm=1.0)(loss_fn)
+
+
+def test_a_step_fed_by_the_adapter_equals_the_step_fed_by_hand():
+    state, step = build()
+    torch.manual_seed(7)
+    dl = DataLoader(pairs(), batch_size=8, shuffle=True)
+    by_hand = []
+    for _ in range(2):
+        for x, y in dl:
+            batch = TensorDict({"x": x, "y": y}, batch_size=[len(x)])
+            by_hand.append(step(state, batch)["loss"].clone())
+    ref = [p.detach().clone() for p in state.model.parameters()]
+
+    state, step = build()
+    torch.manual_seed(7)
+    train = ad.from_dataloader(DataLoader(pairs(), batch_size=8, shuffle=True), keys=("x", "y"))
+    fed = [step(state, batch)["loss"].clone() for _ in range(2) for batch in train]
+    assert torch.equal(torch.stack(fed), torch.stack(by_hand))
+    for p, q in zip(state.model.parameters(), ref):
+        assert torch.equal(p, q)  # same batches and the same dropout masks, bitwise
+
+
+# ------------------------------------------------------------------------------ resume
+def stateful(num_workers: int = 0) -> StatefulDataLoader:
+    return StatefulDataLoader(pairs(), batch_size=8, shuffle=True, num_workers=num_workers)
+
+
+def train_steps(state, step, it, n):
+    return [step(state, next(it))["loss"].clone() for _ in range(n)]
+
+
+@pytest.mark.parametrize("stop", [2, 5])  # mid-epoch, and right after an epoch's last batch
+def test_stateful_dataloader_resumes_exactly_through_checkpointing(tmp_path, stop):
+    state, step = build()
+    train = ad.from_dataloader(stateful(), keys=("x", "y"))
+    it = iter(train)
+    losses = train_steps(state, step, it, stop)
+    path = ckpt.save(tmp_path, state, loader=train, step=step)
+    losses += [step(state, b)["loss"].clone() for b in it]  # the rest of the epoch
+    losses += [step(state, b)["loss"].clone() for b in train]  # and one more
+    ref = [p.detach().clone() for p in state.model.parameters()]
+
+    resumed, resumed_step = build(seed=1)  # another process: other weights, other RNG
+    again = ad.from_dataloader(stateful(), keys=("x", "y"))
+    ckpt.load(path, resumed, loader=again, step=resumed_step)
+    rest = [resumed_step(resumed, b)["loss"].clone() for b in again]
+    if stop < 5:  # the rest of the saved epoch, then the next one; after an epoch's last
+        rest += [resumed_step(resumed, b)["loss"].clone() for b in again]  # batch: the next
+    assert torch.equal(torch.stack(losses[stop:]), torch.stack(rest))
+    for p, q in zip(resumed.model.parameters(), ref):
+        assert torch.equal(p, q)  # same remaining batches and the same dropout masks
+
+
+def test_stateful_dataloader_with_workers_resumes_through_state_dict():
+    torch.manual_seed(0)
+    train = ad.from_dataloader(stateful(num_workers=2), keys=("x", "y"))
+    it = iter(train)
+    seen = [next(it)["y"] for _ in range(2)]
+    position, rng = train.state_dict(), torch.get_rng_state()
+    rest = [b["y"] for b in it]
+    train.close()
+    assert len(seen + rest) == 5
+
+    torch.manual_seed(5)
+    again = ad.from_dataloader(stateful(num_workers=2), keys=("x", "y"))
+    again.load_state_dict(roundtrip(position))
+    torch.set_rng_state(rng)
+    resumed = [b["y"] for b in again]
+    again.close()
+    assert len(resumed) == 3 and all(torch.equal(a, b) for a, b in zip(resumed, rest))
+
+
+def roundtrip(obj):
+    """Through torch.save and torch.load(weights_only=True), as a checkpoint file would."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_a_position_taken_before_iterating_draws_nothing_and_resumes_exactly(tmp_path):
+    state, step = build()
+    train = ad.from_dataloader(stateful(), keys=("x", "y"))
+    before = torch.get_rng_state()
+    path = ckpt.save(tmp_path, state, loader=train, step=step)  # at step 0
+    assert torch.equal(torch.get_rng_state(), before)  # reading the position drew nothing
+    losses = [step(state, b)["loss"].clone() for _ in range(2) for b in train]
+    ref = [p.detach().clone() for p in state.model.parameters()]
+
+    resumed, resumed_step = build(seed=1)
+    again = ad.from_dataloader(stateful(), keys=("x", "y"))
+    ckpt.load(path, resumed, loader=again, step=resumed_step)
+    rest = [resumed_step(resumed, b)["loss"].clone() for _ in range(2) for b in again]
+    assert torch.equal(torch.stack(losses), torch.stack(rest))
+    for p, q in zip(resumed.model.parameters(), ref):
+        assert torch.equal(p, q)
+
+
+def test_a_position_from_another_configuration_is_refused():
+    train = ad.from_dataloader(stateful(), keys=("x", "y"))
+    next(iter(train))
+    other = ad.from_dataloader(stateful(), keys=("image", "label"))
+    with pytest.raises(ValueError, match="keys: saved"):
+        other.load_state_dict(train.state_dict())
+
+
+def test_a_plain_dataloader_has_no_position_and_says_what_to_do(tmp_path):
+    state, step = build()
+    train = ad.from_dataloader(DataLoader(pairs(), batch_size=8, shuffle=True), keys=("x", "y"))
+    it = iter(train)
+    train_steps(state, step, it, 2)
+    with pytest.raises(TypeError, match="StatefulDataLoader") as raised:
+        train.state_dict()
+    assert "re-iterates the epoch from its start" in str(raised.value)
+    with pytest.raises(TypeError, match="StatefulDataLoader"):
+        train.load_state_dict({"format": "accelfn.data.loader/1", "config": {}, "root": None})
+    with pytest.raises(TypeError, match="StatefulDataLoader"):
+        ckpt.save(tmp_path, state, loader=train, step=step)
+    # Without loader=, a resumed run starts the epoch over: all its batches come again.
+    path = ckpt.save(tmp_path, state, step=step)
+    resumed, resumed_step = build(seed=1)
+    ckpt.load(path, resumed, step=resumed_step)
+    assert len(list(train)) == 5
