@@ -65,11 +65,31 @@ def check_batch(batch: Any) -> None:
         )
 
 
-def batch_size(batch: Any) -> int:
-    """Number of samples in a (checked) batch."""
+def batch_size(batch: Any, dim: int = 0) -> int:
+    """Number of samples in a (checked) batch, counted along its batch dimension ``dim``."""
     if isinstance(batch, TensorDictBase):
-        return int(batch.batch_size[0])
-    return int(next(iter(batch.values())).shape[0])
+        return int(batch.batch_size[dim])
+    return int(next(iter(batch.values())).shape[dim])
+
+
+def check_batch_dim(batch: Any, dim: int) -> None:
+    """Raise a clear error unless every tensor of ``batch`` has the batch dimension ``dim``
+    and they agree on its size (``dim=1``: time-major ``(time, batch, ...)`` layouts)."""
+    if dim == 0:
+        return
+    if isinstance(batch, TensorDictBase):
+        if batch.batch_dims <= dim:
+            raise ValueError(
+                f"with_accumulation(..., dim={dim}) splits batch dimension {dim}, but the "
+                f"TensorDict has batch_size={list(batch.batch_size)}; build it with both "
+                f"leading dimensions, e.g. batch_size=[bptt, batch] for (time, batch) tensors")
+        return
+    sizes = {key: (value.shape[dim] if value.dim() > dim else None)
+             for key, value in batch.items()}
+    if None in sizes.values() or len(set(sizes.values())) > 1:
+        raise ValueError(
+            f"with_accumulation(..., dim={dim}) needs every tensor's dimension {dim} to be the "
+            f"batch, got sizes {sizes}; lay tensors out as (time, batch, ...) or use dim=0")
 
 
 def split_sizes(total: int, parts: int) -> list[int]:
@@ -78,9 +98,11 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def split_batch(batch: Any, parts: int) -> list[Any]:
-    """Split a batch along its first dimension into ``parts`` micro-batches (uneven allowed)."""
-    total = batch_size(batch)
+def split_batch(batch: Any, parts: int, dim: int = 0) -> list[Any]:
+    """Split a batch along its batch dimension ``dim`` into ``parts`` micro-batches (uneven
+    sizes allowed, the first ones larger by one)."""
+    check_batch_dim(batch, dim)
+    total = batch_size(batch, dim)
     if parts > total:
         raise ValueError(
             f"cannot split a batch of {total} samples into {parts} micro-batches; use a batch "
@@ -88,6 +110,6 @@ def split_batch(batch: Any, parts: int) -> list[Any]:
         )
     sizes = split_sizes(total, parts)
     if isinstance(batch, TensorDictBase):
-        return list(batch.split(sizes, dim=0))
-    chunks = {key: torch.split(value, sizes, dim=0) for key, value in batch.items()}
+        return list(batch.split(sizes, dim=dim))
+    chunks = {key: torch.split(value, sizes, dim=dim) for key, value in batch.items()}
     return [{key: chunks[key][i] for key in batch} for i in range(parts)]

@@ -25,10 +25,12 @@ from typing import Any
 
 import torch
 from tensordict import TensorDict
-from torch import Tensor, nn
+from torch import Tensor
 
 from . import compat
 from .batch import Batch, batch_size, check_batch
+from .carry import SLOT as CARRY
+from .carry import Carries, detached, takes_carry
 from .guard import NonFiniteError, nonfinite
 from .outputs import unpack
 from .protocol import (
@@ -49,7 +51,7 @@ from .state import TrainState
 
 __all__ = ["LossFn", "NonFiniteError", "Step", "apply_transform", "describe", "lift"]
 
-LossFn = Callable[[nn.Module, Batch], "Tensor | Mapping[str, Tensor]"]
+LossFn = Callable[..., "Tensor | Mapping[str, Tensor]"]  # fn(model, batch[, carry])
 _DEFAULT_GUARD = nonfinite()
 _ORDER = {name: i for i, (name, _, _) in enumerate(PHASES)}
 
@@ -126,11 +128,12 @@ class Step:
             phase: [(t, t.hooks[phase]) for t in ordered if phase in t.hooks]  # type: ignore[literal-required]
             for phase in _ORDER}
         self._key = self._prepare_key()
+        self._carry = takes_carry(fn)
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("fn", "transforms", "_hooks", "_key") and hasattr(self, "_key"):
+        if name in ("fn", "transforms", "_hooks", "_key", "_carry") and hasattr(self, "_carry"):
             raise AttributeError(f"a step is immutable: build a new one instead of setting {name}")
         object.__setattr__(self, name, value)
 
@@ -201,12 +204,27 @@ class Step:
             raise TypeError(f"{t.name}'s 'split' hook returned {plan!r}; return a Plan")
         return plan
 
-    def _forward(self, ctx: CallContext, micro: Batch) -> Any:
+    def _forward(self, ctx: CallContext, micro: Batch, index: int = 0,
+                 carried: dict[int, Any] | None = None) -> Any:
         hooks = self._hooks["forward_context"]
+        kwargs: dict[str, Any] = {}
+        if self._carry:
+            mode = "train" if ctx.training else "evaluate"
+            kwargs["carry"] = ctx.state.slot(CARRY, Carries).get(mode, index)
         if not hooks:
-            return self.fn(ctx.model, micro)
-        with entered([hook(ctx) for _, hook in hooks]):
-            return self.fn(ctx.model, micro)
+            out = self.fn(ctx.model, micro, **kwargs)
+        else:
+            with entered([hook(ctx) for _, hook in hooks]):
+                out = self.fn(ctx.model, micro, **kwargs)
+        if not self._carry:
+            return out
+        if not isinstance(out, Mapping) or "carry" not in out:
+            raise ValueError("a step function taking 'carry' returns a mapping with 'loss' and "
+                             "'carry' (None to carry nothing)")
+        assert carried is not None
+        rest = {k: v for k, v in out.items() if k != "carry"}
+        carried[index] = detached(out["carry"])
+        return rest
 
     def __call__(self, state: TrainState, batch: Batch) -> TensorDict:
         check_batch(batch)
@@ -214,7 +232,11 @@ class Step:
         try:
             plan = self._plan(ctx, batch)
             sums = Sums() if plan.sums is None else plan.sums
-            absolute = self._backward(ctx, plan, sums, plan.absolute or ctx.distributed is not None)
+            carried: dict[int, Any] = {}
+            absolute = self._backward(ctx, plan, sums, plan.absolute or ctx.distributed is not None,
+                                      carried)
+            if self._carry:
+                state.slot(CARRY, Carries).commit("train", carried)
         except BaseException as error:
             self._abort(ctx)
             if isinstance(error, torch.OutOfMemoryError):
@@ -224,12 +246,14 @@ class Step:
             return TensorDict(sums.result(divide=True), batch_size=[])
         return self._update(ctx, sums, absolute)
 
-    def _backward(self, ctx: CallContext, plan: Plan, sums: Sums, absolute: bool) -> bool:
+    def _backward(self, ctx: CallContext, plan: Plan, sums: Sums, absolute: bool,
+                  carried: dict[int, Any]) -> bool:
         """Forward and backward of every micro-batch; returns whether the micro-batches were
         weighted absolutely (gradients and metrics to be divided by the total weight)."""
         micros = plan.micros
         n = len(micros)
-        total = batch_size(micros[0]) if n == 1 else sum(batch_size(m) for m in micros)
+        dim = plan.dim
+        total = batch_size(micros[0], dim) if n == 1 else sum(batch_size(m, dim) for m in micros)
         micro_hooks = self._hooks["micro_context"]
         check = sums.weight is None  # the first micro-batch of a window: check the output
         weighted: list[bool] = []
@@ -237,17 +261,19 @@ class Step:
             if micro_hooks:
                 sync = plan.update and i == n - 1
                 with entered([hook(ctx, i, sync) for _, hook in micro_hooks]):
-                    absolute = self._micro(ctx, micro, n, total, absolute, sums, weighted,
-                                           check and i == 0)
+                    absolute = self._micro(ctx, micro, i, n, total, absolute, sums, weighted,
+                                           check and i == 0, dim, carried)
             else:
-                absolute = self._micro(ctx, micro, n, total, absolute, sums, weighted,
-                                       check and i == 0)
+                absolute = self._micro(ctx, micro, i, n, total, absolute, sums, weighted,
+                                       check and i == 0, dim, carried)
         return absolute
 
-    def _micro(self, ctx: CallContext, micro: Batch, n: int, total: int, absolute: bool,
-               sums: Sums, weighted: list[bool], check: bool) -> bool:
+    def _micro(self, ctx: CallContext, micro: Batch, index: int, n: int, total: int,
+               absolute: bool, sums: Sums, weighted: list[bool], check: bool, dim: int,
+               carried: dict[int, Any]) -> bool:
         """Forward and backward of one micro-batch, its loss weighted by its share."""
-        loss, weight, metrics = unpack(self._forward(ctx, micro), first=check)
+        out = self._forward(ctx, micro, index, carried)
+        loss, weight, metrics = unpack(out, first=check)
         if not weighted:
             weighted.append(weight is not None)
         elif weighted[0] != (weight is not None):
@@ -258,9 +284,9 @@ class Step:
             coef = weight.detach().to(torch.float32)
             absolute = True
         elif absolute:
-            coef = float(batch_size(micro))
+            coef = float(batch_size(micro, dim))
         elif n > 1:
-            coef = batch_size(micro) / total
+            coef = batch_size(micro, dim) / total
         else:
             coef = None
         objective = loss if coef is None else loss * coef
@@ -384,15 +410,19 @@ class Step:
         try:
             managers = [hook(ctx, {k: v for k, v in options.items() if k in t.evaluate_options})
                         for t, hook in hooks]
+            carried: dict[int, Any] = {}
             with torch.no_grad(), entered(managers):
                 for i, micro in enumerate(plan.micros):
-                    loss, weight, metrics = unpack(self._forward(ctx, micro), first=i == 0)
+                    out = self._forward(ctx, micro, i, carried)
+                    loss, weight, metrics = unpack(out, first=i == 0)
                     coef = None if n == 1 else (
                         weight.to(torch.float32) if weight is not None
-                        else float(batch_size(micro)))
+                        else float(batch_size(micro, plan.dim)))
                     sums.add(coef, {"loss": loss, **metrics})
         finally:
             model.train(was_training)
+        if self._carry:
+            state.slot(CARRY, Carries).commit("evaluate", carried)
         return TensorDict(sums.result(divide=n > 1), batch_size=[])
 
 

@@ -282,12 +282,14 @@ class Plan:
     call-counting split keeps them in its state; None: fresh for this call). ``absolute``
     weights micro-batches by their sample count (or ``"weight"``) and divides the gradients
     by the total at the update, instead of weighting by the share of this call's batch.
+    ``dim`` is the batch dimension samples are counted along (1 for time-major batches).
     """
 
     micros: Sequence[Batch]
     update: bool = True
     sums: Sums | None = None
     absolute: bool = False
+    dim: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,8 +53,16 @@ class TrainState:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         scheduler: Any | None = None,
+        *,
+        scheduler_every: int | str = 1,
     ) -> None:
         _check_model_and_optimizer(model, optimizer)
+        if not (scheduler_every == "epoch" or (isinstance(scheduler_every, int)
+                                               and not isinstance(scheduler_every, bool)
+                                               and scheduler_every >= 1)):
+            raise ValueError(
+                f"TrainState(scheduler_every={scheduler_every!r}): give an int N >= 1 (step the "
+                "scheduler every N real updates) or 'epoch' (step it in state.end_epoch())")
         if scheduler is not None and not hasattr(scheduler, "step"):
             raise TypeError(
                 f"scheduler must be a torch.optim.lr_scheduler scheduler, got "
@@ -72,6 +80,9 @@ class TrainState:
         self._optimizer = optimizer
         self.scheduler = scheduler
         self.step = 0  # optimizer updates attempted (skipped ones included)
+        self.epoch = 0  # epochs ended with end_epoch()
+        self.scheduler_every = scheduler_every
+        self._real_updates = 0  # updates applied since the scheduler last stepped
         self._slots: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._preparations: list[tuple[Any, Any, str]] = []
@@ -119,8 +130,22 @@ class TrainState:
         schedule twice as fast.
         """
         scheduler = self.scheduler
-        if scheduler is None:
+        if scheduler is None or self.scheduler_every == "epoch":
             return
+        self._real_updates += 1
+        if self._real_updates < int(self.scheduler_every):
+            return
+        self._real_updates = 0
+        self._advance(scheduler)
+
+    def end_epoch(self) -> None:
+        """Mark the end of an epoch: counts ``state.epoch`` and, with
+        ``scheduler_every="epoch"``, steps the scheduler (a per-epoch ``StepLR``, say)."""
+        self.epoch += 1
+        if self.scheduler is not None and self.scheduler_every == "epoch":
+            self._advance(self.scheduler)
+
+    def _advance(self, scheduler: Any) -> None:
         mark = getattr(scheduler, "last_epoch", None)
         if mark is not None and self._scheduler_mark is not None and mark != self._scheduler_mark:
             self.warn_once(
@@ -131,6 +156,13 @@ class TrainState:
                 "(or keep the scheduler out of the TrainState to step it yourself)")
         scheduler.step()
         self._scheduler_mark = getattr(scheduler, "last_epoch", None)
+
+    def reset_carry(self, evaluate: bool | None = None) -> None:
+        """Forget what the step function carries between calls (see accelfn.core.carry):
+        training's (``evaluate=False``), evaluation's (``True``) or both (None)."""
+        carries = self._slots.get("carry")
+        if carries is not None:
+            carries.reset(None if evaluate is None else ("evaluate" if evaluate else "train"))
 
     def warn_once(self, key: str, message: str) -> None:
         """Issue ``message`` as a RuntimeWarning the first time ``key`` is seen for this state."""
@@ -186,6 +218,8 @@ class TrainState:
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "step": self.step,
             "slots": slots,
+            "schedule": {"epoch": self.epoch, "real_updates": self._real_updates,
+                         "every": self.scheduler_every},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -193,6 +227,12 @@ class TrainState:
         missing = {"model", "optimizer", "scheduler", "step", "slots"} - set(state_dict)
         if missing:
             raise KeyError(f"not a TrainState checkpoint: missing {sorted(missing)}")
+        schedule = state_dict.get("schedule", {"every": self.scheduler_every})
+        if schedule.get("every", self.scheduler_every) != self.scheduler_every:
+            raise ValueError(
+                f"the checkpoint stepped its scheduler every {schedule['every']!r}, this state "
+                f"every {self.scheduler_every!r}; build the state with the checkpointed run's "
+                "scheduler_every")
         if (state_dict["scheduler"] is None) != (self.scheduler is None):
             raise ValueError(
                 "the checkpoint and this state disagree on having a scheduler; build the state "
@@ -215,6 +255,8 @@ class TrainState:
             "step": self.step,
             "slots": {name: _save(obj) for name, obj in self._slots.items()},
             "pending": dict(self._pending),
+            "schedule": {"epoch": self.epoch, "real_updates": self._real_updates,
+                         "every": self.scheduler_every},
         })
 
     def _apply(self, state_dict: dict[str, Any]) -> None:
@@ -224,6 +266,9 @@ class TrainState:
             self.scheduler.load_state_dict(state_dict["scheduler"])
             self._scheduler_mark = getattr(self.scheduler, "last_epoch", None)
         self.step = int(state_dict["step"])
+        schedule = state_dict.get("schedule", {})
+        self.epoch = int(schedule.get("epoch", 0))
+        self._real_updates = int(schedule.get("real_updates", 0))
         if "pending" in state_dict:  # a rollback
             self._pending = dict(state_dict["pending"])
         for name, saved in state_dict["slots"].items():

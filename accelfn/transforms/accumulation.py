@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..core.batch import Batch, split_batch
+from ..core.batch import Batch, check_batch_dim, split_batch
 from ..core.protocol import CallContext, Hooks, Plan, Sums, Transform
 
 __all__ = ["with_accumulation"]
@@ -36,22 +36,23 @@ class _Window:
         self.sums = Sums()
 
 
-def _split_mode(n: int) -> Hooks:
+def _split_mode(n: int, dim: int) -> Hooks:
     def split(ctx: CallContext, batch: Batch) -> Plan:
-        return Plan(split_batch(batch, n) if n > 1 else (batch,))
+        return Plan(split_batch(batch, n, dim) if n > 1 else (batch,), dim=dim)
 
     return Hooks(split=split)
 
 
-def _calls_mode(n: int) -> Hooks:
+def _calls_mode(n: int, dim: int) -> Hooks:
     def split(ctx: CallContext, batch: Batch) -> Plan:
+        check_batch_dim(batch, dim)
         if not ctx.training:
-            return Plan((batch,), absolute=True)
+            return Plan((batch,), absolute=True, dim=dim)
         window = ctx.state.slot(_SLOT, _Window)
         window.calls += 1
         if window.calls >= n:
-            return Plan((batch,), update=True, sums=window.close(), absolute=True)
-        return Plan((batch,), update=False, sums=window.sums, absolute=True)
+            return Plan((batch,), update=True, sums=window.close(), absolute=True, dim=dim)
+        return Plan((batch,), update=False, sums=window.sums, absolute=True, dim=dim)
 
     def flush(ctx: CallContext) -> Sums | None:
         window = ctx.state.slot(_SLOT, _Window)
@@ -65,7 +66,7 @@ def _calls_mode(n: int) -> Hooks:
     return Hooks(split=split, flush=flush, abort=abort)
 
 
-def with_accumulation(n: int, *, mode: str = "split") -> Transform:
+def with_accumulation(n: int, *, mode: str = "split", dim: int = 0) -> Transform:
     """Equivalent to one optimizer update on the whole batch, computed in ``n`` pieces.
 
     ``mode="split"`` splits each batch into ``n`` contiguous micro-batches (sizes may differ
@@ -84,6 +85,10 @@ def with_accumulation(n: int, *, mode: str = "split") -> Transform:
     ``"weight"``). ``step.flush(state)`` applies a short final window with the same
     weighting. Non-update calls return the window's running metrics. A call that fails
     discards the open window (its gradients are cleared).
+
+    ``dim`` is the batch dimension: ``dim=1`` splits time-major ``(time, batch, ...)``
+    tensors (a TensorDict with ``batch_size=[bptt, batch]``) along the batch, as truncated
+    backpropagation through time needs; samples are counted along it.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(
@@ -93,6 +98,11 @@ def with_accumulation(n: int, *, mode: str = "split") -> Transform:
         raise ValueError(f"with_accumulation(n) needs n >= 1, got {n}")
     if mode not in _MODES:
         raise ValueError(f"with_accumulation(mode={mode!r}) is unknown; use one of {_MODES}")
-    label = f"with_accumulation({n})" if mode == "split" else f"with_accumulation({n}, calls)"
-    return Transform("with_accumulation", _split_mode(n) if mode == "split" else _calls_mode(n),
-                     options=(("n", n), ("mode", mode)), label=label)
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
+        raise ValueError(f"with_accumulation(dim={dim!r}) must be an int >= 0 (the batch "
+                         "dimension: 0, or 1 for time-major batches)")
+    label = f"with_accumulation({n}{', calls' if mode == 'calls' else ''}" \
+            f"{f', dim={dim}' if dim else ''})"
+    hooks = _split_mode(n, dim) if mode == "split" else _calls_mode(n, dim)
+    return Transform("with_accumulation", hooks, options=(("n", n), ("mode", mode), ("dim", dim)),
+                     label=label)

@@ -1,0 +1,73 @@
+"""State a step function carries from one call to the next (truncated BPTT hidden states).
+
+A step function that takes a parameter named ``carry`` receives what it returned as
+``"carry"`` on the previous call (None on the first), detached from the graph::
+
+    def lm_step(model, batch, carry):
+        logits, hidden = model(batch["tokens"], carry)
+        return {"loss": F.cross_entropy(...), "carry": hidden}
+
+The carried values live in the TrainState (slot ``carry``) and are checkpointed with it. Under
+``with_accumulation(n)`` each micro-batch position keeps its own carry, since micro-batch
+``i`` of a batch holds the same rows as micro-batch ``i`` of the previous one; ``evaluate``
+keeps a separate one. A call that fails leaves the carry as it was. ``state.reset_carry()``
+starts over (at an epoch boundary, say).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["SLOT", "Carries", "detached", "takes_carry"]
+
+SLOT = "carry"
+
+
+def takes_carry(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` declares a parameter named ``carry``."""
+    try:
+        return "carry" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def detached(value: Any) -> Any:
+    """``value`` with every tensor detached (tensors, or tuples, lists and dicts of them)."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(detached(v) for v in value)
+    if isinstance(value, dict):
+        return {k: detached(v) for k, v in value.items()}
+    if value is None:
+        return None
+    raise TypeError(f"a carry must be tensors (or tuples, lists, dicts of them), got "
+                    f"{type(value).__name__}")
+
+
+class Carries:
+    """The carried values, by mode (``"train"``, ``"evaluate"``) and micro-batch position."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[int, Any]] = {"train": {}, "evaluate": {}}
+
+    def get(self, mode: str, index: int) -> Any:
+        return self.values[mode].get(index)
+
+    def commit(self, mode: str, new: dict[int, Any]) -> None:
+        self.values[mode].update(new)
+
+    def reset(self, mode: str | None = None) -> None:
+        for key in ([mode] if mode else list(self.values)):
+            self.values[key] = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {mode: dict(values) for mode, values in self.values.items()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.values = {"train": dict(saved.get("train", {})),
+                       "evaluate": dict(saved.get("evaluate", {}))}
