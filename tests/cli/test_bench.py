@@ -214,8 +214,10 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     assert result["dry_run"] is True
     assert result["date"] and result["device"]
     parts = result["parts"]
-    for name in ("environment", "gpu_tests", "bench_resnet50", "gpt2", "transforms", "data"):
+    for name in ("environment", "gpu_tests", "bench_resnet50", "gpt2", "transforms", "data",
+                 "float8"):
         assert parts[name]["status"] == "ok", (name, parts[name])
+    assert [s["name"] for s in parts["float8"]["result"]["sides"]] == ["bf16", "float8"]
     # every stage ran (compile with the 'eager' backend), DDP skipped with its reason
     stages = {s["name"]: s for s in parts["bench_resnet50"]["result"]["stages"]}
     assert all(s["status"] == "ok" for n, s in stages.items() if n != "ddp"), stages
