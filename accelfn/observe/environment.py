@@ -1,8 +1,8 @@
-"""``accelfn doctor``: the environment checks the seeds run by hand, with a fix for each.
+"""``accelfn doctor``: the environment checks usually run by hand, with a fix for each.
 
-The seeds start every speed-up with ``nvidia-smi``, ``nvcc --version``, ``torch.__version__``
-and ``torch.backends.cudnn.version()``. :func:`doctor` gathers the same facts in one
-structured :class:`DoctorReport`:
+Performance guides start every speed-up with ``nvidia-smi``, ``nvcc --version``,
+``torch.__version__`` and ``torch.backends.cudnn.version()``. :func:`doctor` gathers the same
+facts in one structured :class:`DoctorReport`:
 
 * versions of Python, torch, torchvision, tensordict, torchdata, numpy and nvidia-ml-py;
 * the CUDA runtime torch was built with, cuDNN, and ``nvcc`` when it is on ``PATH``;

@@ -80,7 +80,7 @@ def check_init(model: nn.Module, *, low: float = 0.1, high: float = 10.0) -> lis
 
 
 def check_model(model: nn.Module) -> list[Finding]:
-    """:func:`check_init` plus the distributed BatchNorm check of the seeds' checklist.
+    """:func:`check_init` plus the distributed BatchNorm check of the performance checklist.
 
     Under an initialised ``torch.distributed`` group of more than one process, plain
     BatchNorm layers normalise with per-GPU statistics; they should be SyncBatchNorm.

@@ -1,6 +1,6 @@
 """Profiler traces for a window of steps, in a folder TensorBoard and Perfetto open.
 
-This is the seeds' recipe made reusable::
+This is the usual profiling recipe made reusable::
 
     torch.profiler.profile(
         activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
