@@ -124,6 +124,86 @@ def test_batches_go_to_the_device_and_are_pinned_only_for_cuda():
     assert len(train) == 5 and train.batches == 5
 
 
+def pin_calls(monkeypatch) -> list[int]:
+    """Count TensorDict.pin_memory calls (the real method runs when CUDA is there)."""
+    calls: list[int] = []
+    real = TensorDict.pin_memory
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return real(self, *args, **kwargs) if torch.cuda.is_available() else self
+
+    monkeypatch.setattr(TensorDict, "pin_memory", spy)
+    return calls
+
+
+def test_unpinned_batches_are_staged_in_pinned_memory_and_pinned_ones_are_not(monkeypatch):
+    from accelfn.data import adapter
+
+    calls = pin_calls(monkeypatch)
+    dl = DataLoader(pairs(), batch_size=8)
+    node = adapter._DataLoaderNode(dl, ("x", "y"), pin=True, stateful=False)
+    node.reset()
+    next(node)
+    next(node)
+    assert len(calls) == 2  # one page-locked copy per batch
+    monkeypatch.setattr(adapter, "_all_pinned", lambda batch: True)  # e.g. pin_memory=True
+    next(node)
+    assert len(calls) == 2  # the DataLoader's pinned batch is copied as it is
+    unpinned = adapter._DataLoaderNode(dl, ("x", "y"), pin=False, stateful=False)
+    unpinned.reset()
+    next(unpinned)
+    assert len(calls) == 2
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_batches_are_copied_from_pinned_staging_memory(monkeypatch):
+    calls = pin_calls(monkeypatch)
+    train = ad.from_dataloader(DataLoader(pairs(), batch_size=8), keys=("x", "y"),
+                               device="cuda")
+    got = [b for b in train]
+    assert len(calls) == 5
+    for batch, (x, y) in zip(got, DataLoader(pairs(), batch_size=8), strict=True):
+        assert batch.device.type == "cuda" and batch["x"].is_cuda
+        assert torch.equal(batch["x"].cpu(), x) and torch.equal(batch["y"].cpu(), y)
+
+
+@cuda
+def test_a_pinning_dataloader_with_workers_is_copied_ahead_on_a_side_stream(monkeypatch):
+    calls = pin_calls(monkeypatch)
+    dl = DataLoader(pairs(), batch_size=8, pin_memory=True, num_workers=2)
+    train = ad.from_dataloader(dl, keys=("x", "y"), device="cuda")
+    assert train.root.lookahead == 1  # the next batch's copy overlaps this one's use
+    got = [b["x"].cpu() for b in train]
+    assert calls == []  # pinned by the DataLoader's own pin thread, not again
+    assert all(torch.equal(a, x) for a, (x, _) in zip(got, dl, strict=True))
+    train.close()
+
+
+@cuda
+def test_a_cuda_step_fed_by_the_adapter_equals_the_step_fed_by_hand():
+    def run(feed):
+        torch.manual_seed(0)
+        model = Dropper().cuda()
+        state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        step = af.lift(loss_fn)
+        torch.manual_seed(7)
+        for batch in feed():
+            step(state, batch)
+        return [p.detach().cpu() for p in model.parameters()]
+
+    def by_hand():
+        for x, y in DataLoader(pairs(), batch_size=8, shuffle=True):
+            yield TensorDict({"x": x, "y": y}, batch_size=[len(x)]).to("cuda")
+
+    adapted = run(lambda: ad.from_dataloader(
+        DataLoader(pairs(), batch_size=8, shuffle=True), keys=("x", "y"), device="cuda"))
+    assert all(torch.equal(p, q) for p, q in zip(adapted, run(by_hand)))
+
+
 # ------------------------------------------------------------------------------ epochs, close
 def test_each_iter_is_one_epoch_also_after_a_break():
     torch.manual_seed(3)
