@@ -102,12 +102,14 @@ class Monitor:
         log_every: read completed records and write them out every this many steps.
         warmup: leading steps left out of the summary (compilation, autotuning, start-up).
         total: expected steps, for the progress bar.
-        progress: show a console progress bar (rank 0 only); ``desc`` labels it.
+        progress: show a console progress bar (rank 0 only); ``desc`` labels it. In a
+            terminal it is redrawn in place; elsewhere (a log file, a pipe) it writes a plain
+            line each 10% of ``total`` and its last line once, at [`close`][].
         state: the run's [`TrainState`][]. A row's ``step`` is then
             ``state.step`` before the update it measured (so calls of one accumulation
             window in ``mode="calls"`` share it), and on a resumed run the files and
             trackers continue from the checkpoint's step instead of starting again at 0.
-            Without it rows count from 0. Create the monitor after loading the checkpoint.
+            Without it rows count from 0. Start the monitor after loading the checkpoint.
         jsonl: a file of one JSON row per step (rank 0 only); rows an earlier run wrote
             at the starting step or later are dropped, the rest kept.
         csv: the same rows in a CSV file, kept the same way.
