@@ -1,9 +1,9 @@
 """What a checkpoint must match in the run that loads it, and the refusals that say how.
 
-:func:`~accelfn.checkpointing.save` records signatures (parameter names, shapes and dtypes;
+``save()`` records signatures (parameter names, shapes and dtypes;
 the optimizer's class and parameter groups; the transform stack) and
-:func:`~accelfn.checkpointing.load` compares them with this run's before anything changes:
-each mismatch is a :class:`~accelfn.checkpointing.CheckpointError` naming the difference and
+``load()`` compares them with this run's before anything changes:
+each mismatch is a ``CheckpointError`` naming the difference and
 the fix.
 """
 

@@ -1,7 +1,7 @@
 """The few collectives a save or a load needs: agreeing on failures and on rank 0's values.
 
-Every stage of :func:`~accelfn.checkpointing.save` and :func:`~accelfn.checkpointing.load`
-ends with :func:`agree`: one all-reduce (MAX) of a flag, so that an error on one process
+Every stage of ``save()`` and ``load()``
+ends with ``agree()``: one all-reduce (MAX) of a flag, so that an error on one process
 raises on all of them and none is left waiting in the next collective. In a single process
 these are plain function calls.
 """

@@ -2,8 +2,8 @@
 
 A save writes into a hidden temporary directory, fsyncs every file and the directory, renames
 it to its final name and writes the ``COMMITTED`` marker (the size and SHA-256 of every file)
-last. :func:`checkpoints` and :func:`latest` only see directories with a marker, and
-:func:`read_verified` hands out a file's bytes only when they match it.
+last. ``checkpoints()`` and ``latest()`` only see directories with a marker, and
+``read_verified()`` hands out a file's bytes only when they match it.
 """
 
 from __future__ import annotations

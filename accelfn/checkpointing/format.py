@@ -9,7 +9,7 @@ A checkpoint is a directory ``<dir>/step-000000500`` holding::
     meta.json       format, step, world size, parameter names/shapes/dtypes, transform stack
     COMMITTED       written last: size and SHA-256 of every file; without it, ignored
 
-Everything stored is tensors and plain data (:func:`check_plain`), so that every file loads
+Everything stored is tensors and plain data (``check_plain()``), so that every file loads
 with ``torch.load(weights_only=True)``.
 """
 
@@ -204,7 +204,7 @@ def check_marker(marker: Any, where: str) -> dict[str, Any]:
 
 
 def check_meta(meta: Any, marker: dict[str, Any], where: str) -> dict[str, Any]:
-    """meta.json, checked against its marker and for the types :func:`load` relies on."""
+    """meta.json, checked against its marker and for the types ``load()`` relies on."""
     bad = "inconsistent metadata; load an earlier checkpoint"
     if not isinstance(meta, dict) or meta.get("format") != FORMAT \
             or meta.get("step") != marker["step"] or not META_KEYS <= set(meta):

@@ -1,11 +1,11 @@
 """load(): one call restores everything a run needs to continue exactly, whole or not at all.
 
-Everything is read and checked before anything changes (:func:`_read_and_check`); should
+Everything is read and checked before anything changes (``_read_and_check()``); should
 restoring still fail part-way, what was restored is rolled back. Every file loads with
 ``torch.load(weights_only=True)`` (DCP's metadata with the same restricted unpickler), so
 loading never runs pickled code.
 
-Under ``torchrun`` every process calls :func:`load` (it is collective).
+Under ``torchrun`` every process calls ``load()`` (it is collective).
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def _restore_state(path: Path, state: TrainState, checked: _Checked,
 
 
 def _rollback(state: TrainState, snapshot: dict[str, Any], rng: dict[str, Any]) -> None:
-    """Put back what a failed :func:`load` changed (the original error is raised after)."""
+    """Put back what a failed ``load()`` changed (the original error is raised after)."""
     pending = getattr(state, "_pending", None)
     with contextlib.suppress(Exception):
         state.load_state_dict(snapshot)

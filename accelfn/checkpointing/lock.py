@@ -1,9 +1,9 @@
 """One writer per run folder: a lock file naming its holder (pid and host), with a heartbeat.
 
-:func:`~accelfn.checkpointing.save` holds ``<dir>/.lock`` (on rank 0) from before it writes
+``save()`` holds ``<dir>/.lock`` (on rank 0) from before it writes
 its temporary directory until its checkpoint is committed and rotation is done. A second
 writer (a requeued job overlapping the old one's final save, two runs pointed at one folder)
-gets :class:`CheckpointLockedError` naming the holder. A lock whose holder is gone is taken
+gets ``CheckpointLockedError`` naming the holder. A lock whose holder is gone is taken
 over:
 
 * on the same machine (host name, boot and pid namespace all equal), when its process is
@@ -123,7 +123,7 @@ def _describe(holder: dict[str, Any]) -> str:
 
 
 class WriterLock:
-    """The lock of one save: :meth:`acquire`, :meth:`check` before committing, :meth:`release`.
+    """The lock of one save: ``acquire()``, ``check()`` before committing, ``release()``.
 
     Use it as a context manager. While held, a thread refreshes the lock's mtime every
     ``HEARTBEAT_S`` seconds.

@@ -9,7 +9,7 @@ Clusters announce the end of a job with a signal: SLURM sends SIGTERM (and SIGUS
 the time limit with ``--signal=USR1@90``), Kubernetes and torchrun's agent SIGTERM, each
 followed by SIGKILL after a grace period (torchrun: 30 s). The handler only sets a flag; the
 loop reads it between steps, where the state is consistent, saves with
-:func:`accelfn.checkpointing.save` and exits with :data:`EXIT_PREEMPTED` (75, ``EX_TEMPFAIL``:
+``accelfn.checkpointing.save()`` and exits with ``EXIT_PREEMPTED`` (75, ``EX_TEMPFAIL``:
 "try again"), which a job script can tell apart from success (0) and from a crash (1, or
 128 + signal)::
 

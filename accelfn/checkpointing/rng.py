@@ -1,7 +1,7 @@
 """RNG states of this process as tensors and plain data: Python, NumPy, torch CPU, CUDA.
 
 Stored as tensors and ints (not the generators' pickles), so that a checkpoint loads with
-``torch.load(weights_only=True)``. Restoring is validated first: :func:`rng_setters` checks a
+``torch.load(weights_only=True)``. Restoring is validated first: ``rng_setters()`` checks a
 saved state whole and returns the setters without calling any.
 """
 

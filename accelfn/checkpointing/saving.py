@@ -2,13 +2,13 @@
 
 Writes are atomic: everything goes to a hidden temporary directory, is fsynced, the directory
 is renamed, every file is checked against what was written, and the ``COMMITTED`` marker is
-written last; :func:`~accelfn.checkpointing.latest` and :func:`~accelfn.checkpointing.load`
+written last; ``latest()`` and ``load()``
 never use a directory without it, and rotation (``keep``) deletes old checkpoints only after
 the new one is committed. One writer at a time: a save holds the folder's lock (see
-:mod:`.lock`) from before its first write until rotation is done, so the leftovers it deletes
+``lock``) from before its first write until rotation is done, so the leftovers it deletes
 are those of saves that died, never another live writer's files.
 
-Under ``torchrun`` every process calls :func:`save` (it is collective): with DDP, rank 0
+Under ``torchrun`` every process calls ``save()`` (it is collective): with DDP, rank 0
 writes the replicated state and every rank its own RNG states and loader position; with FSDP2
 (DTensor parameters) model and optimizer are written by all ranks through DCP.
 """
