@@ -283,6 +283,17 @@ def build(seed: int = 0):
     return state, af.with_clipping(max_norm=1.0)(loss_fn)
 
 
+def test_a_step_refuses_the_dataloaders_tuples_and_takes_the_adapters_batches():
+    state, step = build()
+    dl = DataLoader(pairs(), batch_size=8)
+    with pytest.raises(TypeError, match="a batch must be a TensorDict or a mapping of tensors, "
+                                        "got list"):
+        step(state, next(iter(dl)))  # the issue: a stock DataLoader cannot feed a step
+    assert state.step == 0
+    metrics = step(state, next(iter(ad.from_dataloader(dl, keys=("x", "y")))))
+    assert state.step == 1 and torch.isfinite(metrics["loss"])
+
+
 def test_a_step_fed_by_the_adapter_equals_the_step_fed_by_hand():
     state, step = build()
     torch.manual_seed(7)
