@@ -179,7 +179,7 @@ class Monitor:
                     "accelfn.observe.sinks.Sink)")
         self.state = state
         self._plot_path = plot
-        #: where :meth:`close` wrote the plot (``None``: not asked for, or not written)
+        #: where [`close`][] wrote the plot (``None``: not asked for, or not written)
         self.plot_file: Path | None = None
         self._gpu = GPUSampler(gpu_index, interval=gpu_interval) \
             if (self._cuda or gpu_index is not None) else None

@@ -159,8 +159,8 @@ def figure(report: MonitorReport, *, title: str | None = None) -> Any:
 
 
 def plot_report(report: MonitorReport, path: str | Path, *, title: str | None = None) -> Path:
-    """Write :func:`figure` of ``report`` as a PNG to ``path`` (see
-    :meth:`MonitorReport.plot`); return the path."""
+    """Write [`figure`][] of ``report`` as a PNG to ``path`` (see
+    [`MonitorReport.plot`][accelfn.observe.report.MonitorReport.plot]); return the path."""
     fig = figure(report, title=title)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

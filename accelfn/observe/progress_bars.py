@@ -91,7 +91,7 @@ class LineBar:
 
     With a ``total``, one line each time another ``every`` of it is done (``every=0.1``:
     10%, 20%, ... 90%); without one, a line every ``interval`` seconds. The last line is
-    written by :meth:`close` (after the caller has set the final postfix), once: not when it
+    written by [`close`][] (after the caller has set the final postfix), once: not when it
     would repeat the last line written.
     """
 
@@ -143,7 +143,7 @@ def make_bar(total: int | None, desc: str, file: IO[str] | None, *,
     """A console progress bar on ``file`` (default ``sys.stderr``).
 
     In a terminal: tqdm when installed, else a built-in one-line bar. Elsewhere: a
-    :class:`LineBar` writing a plain line each ``every`` of ``total``.
+    [`LineBar`][] writing a plain line each ``every`` of ``total``.
     """
     file = file if file is not None else sys.stderr
     if not is_terminal(file):
@@ -159,7 +159,7 @@ def make_bar(total: int | None, desc: str, file: IO[str] | None, *,
 def progress(iterable: Iterable[T], *, total: int | None = None, desc: str = "",
              disable: bool | None = None, file: IO[str] | None = None,
              every: float = 0.1) -> Iterator[T]:
-    """Iterate with a console progress bar (see :func:`make_bar`).
+    """Iterate with a console progress bar (see [`make_bar`][]).
 
     Shown on rank 0 only when ``torch.distributed`` is initialised; ``disable=True`` hides
     it. ``total`` defaults to ``len(iterable)`` when it has one. Outside a terminal a plain

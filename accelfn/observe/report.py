@@ -1,5 +1,5 @@
 """The monitor's report: the numbers of a run, its verdict and findings, as text, JSON and
-a plot; and the checklist's :class:`Thresholds` it is judged against."""
+a plot; and the checklist's [`Thresholds`][] it is judged against."""
 
 from __future__ import annotations
 
