@@ -1,6 +1,6 @@
-"""``accelfn bench``: the seeds' staged ResNet-50 case study, reproduced on this machine.
+"""``accelfn bench``: the staged ResNet-50 case study, reproduced on this machine.
 
-The seeds report, on one V100: baseline 312 img/s, then pinned memory and workers 387 (+24%),
+Published on one V100: baseline 312 img/s, then pinned memory and workers 387 (+24%),
 AMP 542 (+40%), ``torch.compile`` 798 (+47%), 4-GPU DDP 2832 (3.55x). This harness runs the
 same story on your hardware, one stage after the other, each adding one technique to the
 previous ones, on preloaded uint8 images (synthetic, or the embedded digits upscaled):
@@ -12,7 +12,7 @@ baseline            ``torch.utils.data.DataLoader`` (no workers, no pinning) wit
                     torchvision transforms (random crop with padding, flip, normalise), fp32,
                     eager, a hand-written loop
 dataloader_tuned    the same loop, ``num_workers``, ``pin_memory``, ``persistent_workers``,
-                    ``prefetch_factor`` (the seeds' first stage)
+                    ``prefetch_factor`` (the case study's first stage)
 accelfn_data        ``accelfn.data.loader``: one gather per batch, augmentation on whole batches
                     on the device; the loop is an accelfn step
 amp                 ``af.with_amp`` (bf16; fp16 with loss scaling where bf16 is missing)
@@ -24,7 +24,7 @@ ddp                 ``af.distributed`` on every GPU under ``torchrun`` (skipped,
 
 For each stage: samples/s, mean step time, first-step time (compilation), peak memory,
 speedup against the previous stage and the baseline, MFU where the GPU's peak is known, and
-the seeds' ratio for the same stage. The same run also measures accelfn's per-step overhead:
+the published ratio for the same stage. The same run also measures accelfn's per-step overhead:
 the last single-device stack (without compile) against the same loop written by hand, steps
 interleaved on fixed device batches (medians).
 
@@ -40,7 +40,7 @@ the machine's load average exceeds its CPU cores (the figures then vary from run
 Also ``python -m accelfn.cli.bench``. The package, in the order a run goes through it:
 
 ==============  =============================================================================
-``config``      the stages, the seeds' figures, :class:`BenchConfig` and the command line
+``config``      the stages, the published figures, :class:`BenchConfig` and the command line
                 that reproduces a configuration
 ``workload``    the images, models, optimizer, both data pipelines and the step of a stage
 ``stages``      each stage trained and timed, DDP under ``torchrun``, the overhead check,

@@ -1,4 +1,4 @@
-"""``accelfn bench``'s configuration: the stages of the case study, the seeds' figures, the
+"""``accelfn bench``'s configuration: the stages of the case study, its published figures, the
 options of a run (:class:`BenchConfig`) and the command line that reproduces them."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ __all__ = [
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 MODELS = ("resnet50", "resnet18", "cnn", "mlp")
 
-#: The seeds' ResNet-50 case study on one V100 (images/s; ``ddp`` on 4 GPUs), by stage.
+#: The published ResNet-50 case study on one V100 (images/s; ``ddp`` on 4 GPUs), by stage.
 SEED_CASE_STUDY: dict[str, dict[str, float]] = {
     "baseline": {"samples_per_s": 312.0},
     "dataloader_tuned": {"samples_per_s": 387.0, "speedup_vs_previous": 387 / 312},

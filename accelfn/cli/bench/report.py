@@ -136,7 +136,8 @@ def _notes(cfg: BenchConfig, device: torch.device) -> list[str]:
         "peak_memory_mib: torch.cuda.max_memory_allocated over the stage; activation_mib: "
         "bytes autograd saved for backward in one step (parameters excluded); state_mib: "
         "parameters, buffers and optimizer state",
-        "seed_v100: the seeds' ResNet-50 case study on one V100 (ddp: 4 GPUs); compare "
+        "seed_v100: the published ResNet-50 case study on one V100 (312 -> 387 -> 542 -> 798 "
+        "images/s; ddp: 2832 on 4 GPUs); compare "
         "ratios, not absolute numbers, across machines",
     ]
     if device.type != "cuda":
@@ -163,7 +164,7 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
 
 def format_table(result: dict[str, Any]) -> str:
     """The stages as a text table, the overhead line and the summary."""
-    head = ("stage", "samples/s", "step ms", "vs prev", "vs base", "seeds V100", "peak MiB",
+    head = ("stage", "samples/s", "step ms", "vs prev", "vs base", "V100 pub.", "peak MiB",
             "act. MiB", "MFU", "note")
     rows: list[tuple[str, ...]] = []
     for s in result["stages"]:
@@ -203,7 +204,7 @@ def format_table(result: dict[str, Any]) -> str:
     if sm.get("single_device_speedup"):
         lines.append(
             f"single device: x{sm['single_device_speedup']:.2f} over the baseline "
-            f"(seeds on a V100: x{sm['seed_v100_single_gpu_speedup']:.2f})")
+            f"(published, ResNet-50 on a V100: x{sm['seed_v100_single_gpu_speedup']:.2f})")
     m = result["machine"]
     lines += [f"warning: {w}" for w in result.get("warnings", ())]
     lines.append(f"{m['device_name']} ({m['device']}), torch {m['torch']}, "
@@ -213,7 +214,7 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def plot_bench(result: dict[str, Any], path: str | Path) -> Path | None:
-    """A bar chart of samples/s per stage with speedups over the baseline (and the seeds'
+    """A bar chart of samples/s per stage with speedups over the baseline (and the published
     ratios); returns ``None`` (and says so) when matplotlib is not installed."""
     try:
         import matplotlib
@@ -237,7 +238,7 @@ def plot_bench(result: dict[str, Any], path: str | Path) -> Path | None:
         seed = s.get("seed_v100", {}).get("speedup_vs_previous")
         if s["speedup_vs_previous"] is not None:
             label += f"\n(prev x{s['speedup_vs_previous']:.2f}"
-            label += f"; seeds x{seed:.2f})" if seed else ")"
+            label += f"; V100 x{seed:.2f})" if seed else ")"
         ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8)
     m, c = result["machine"], result["config"]

@@ -231,7 +231,7 @@ def _overhead(stage: Stage, cfg: BenchConfig, data: TensorDict, init: dict[str, 
     """accelfn's step against the same update written by hand, on fixed device batches.
 
     Three sides, interleaved step by step: the hand-written loop (autocast, and GradScaler
-    for fp16, as in the seeds), the accelfn step (with its default non-finite guard) and the
+    for fp16, as in the case study), the accelfn step (with its default non-finite guard) and the
     accelfn step with ``with_nonfinite(policy="off")``. Compile is left out (both sides would
     compile the same model; accelfn adds the same Python around it)."""
     import accelfn as af
