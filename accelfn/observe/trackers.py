@@ -36,8 +36,9 @@ class WandbSink:
         run: an existing run (from your own ``wandb.init``) to log into; it is not finished
             by the sink. Without it the sink calls ``wandb.init(**init)`` when opened.
         prefix: put before every field name (``"train/"`` groups the panels).
-        rewind: on a resumed run, rewind the run to the resumed step instead of keeping the
-            steps it holds (needs ``id=`` and a W&B server that offers run rewind).
+        rewind: on a resumed run, rewind the W&B run to just before the resumed step and
+            log those steps again, instead of keeping the values it holds (needs ``id`` and
+            a W&B server that offers run rewind).
         **init: arguments of ``wandb.init`` (``project``, ``id``, ``name``, ``config``,
             ``dir``, ``mode``...). Give ``id`` so that a resumed run continues the same run.
     """
