@@ -32,45 +32,19 @@ __all__ = ["check_metadata", "load_sharded", "parse_metadata", "rewrite_metadata
 _ITEM_OVERHEAD = 1 << 20  # torch.save's zip records around a chunk's bytes (about 2 KB)
 
 
-# ------------------------------------------------------------------------------ compat
-# compat: torch.distributed.checkpoint.filesystem._StorageInfo and metadata._MEM_FORMAT_ENCODING
-def _private_metadata_classes() -> list[Any]:
-    """DCP metadata classes that are private in torch (to move to accelfn.core.compat)."""
-    from torch.distributed.checkpoint import filesystem, metadata
-
-    return [metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo]
-
-
-# compat: the fields of torch.distributed.checkpoint.filesystem._StorageInfo
-def _storage_entries(metadata: Any) -> list[tuple[Any, Any, Any, Any]]:
-    """``(index, relative_path, offset, length)`` of every item in DCP metadata's
-    ``storage_data`` (values are the private ``_StorageInfo``; to move to accelfn.core.compat)."""
-    return [(index, getattr(info, "relative_path", None), getattr(info, "offset", None),
-             getattr(info, "length", None)) for index, info in metadata.storage_data.items()]
-
-
-# compat: torch._weights_only_unpickler.Unpickler
-def _weights_only_unpickle(data: bytes) -> Any:
-    """Unpickle with torch's weights-only unpickler (to move to accelfn.core.compat)."""
-    from torch import _weights_only_unpickler
-
-    unpickler = _weights_only_unpickler.Unpickler
-    return unpickler(io.BytesIO(data), encoding="ASCII").load()  # type: ignore[no-untyped-call]
-
-
 # ------------------------------------------------------------------------------ metadata
 def _safe_globals() -> list[Any]:
     from torch.distributed.checkpoint import metadata as md
 
     return [md.Metadata, md.TensorStorageMetadata, md.BytesStorageMetadata,
             md.ChunkStorageMetadata, md.TensorProperties, md.MetadataIndex, md.StorageMeta,
-            *_private_metadata_classes()]
+            *compat.dcp_private_metadata_classes()]
 
 
 def _load_metadata(data: bytes) -> Any:
     """DCP metadata through torch's weights-only unpickler (DCP itself uses ``pickle.load``)."""
     with torch.serialization.safe_globals(_safe_globals()):
-        return _weights_only_unpickle(data)
+        return compat.weights_only_unpickle(data)
 
 
 def rewrite_metadata(path: Path) -> None:
@@ -108,7 +82,7 @@ def check_metadata(metadata: Any, listed: Mapping[str, Any], where: Path,
     if not isinstance(metadata, Metadata) or not isinstance(metadata.storage_data, dict):
         raise CheckpointError(f"{where} is not DCP metadata")
     ends: dict[str, int] = {}
-    for index, rel_path, offset, length in _storage_entries(metadata):
+    for index, rel_path, offset, length in compat.dcp_storage_entries(metadata):
         rel = f"{SHARDED_DIR}/{rel_path}"
         if not isinstance(rel_path, str) or not is_checkpoint_file(rel) or rel not in listed \
                 or rel == f"{SHARDED_DIR}/.metadata":

@@ -18,7 +18,10 @@ from torch import Tensor, nn
 __all__ = [
     "aten_observer",
     "compile_backends",
+    "compile_counters",
     "compile_modes",
+    "dcp_private_metadata_classes",
+    "dcp_storage_entries",
     "foreach_copy_",
     "foreach_div_",
     "foreach_lerp_",
@@ -30,7 +33,9 @@ __all__ = [
     "scaler_scale",
     "set_nested_element",
     "step_supports_amp_scaling",
+    "stop_node_thread",
     "unwrap_compiled",
+    "weights_only_unpickle",
 ]
 
 
@@ -147,3 +152,52 @@ def module_apply(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> nn.Module
     (the parameters stay the same objects, so optimizers built on them still hold them)."""
     applied: nn.Module = module._apply(fn)  # type: ignore[no-untyped-call]  # unannotated
     return applied
+
+
+def dcp_private_metadata_classes() -> list[Any]:
+    """The classes DCP pickles into its metadata that torch keeps private
+    (``metadata._MEM_FORMAT_ENCODING``, ``filesystem._StorageInfo``): allowed globals for
+    the weights-only unpickler."""
+    from torch.distributed.checkpoint import filesystem, metadata
+
+    return [metadata._MEM_FORMAT_ENCODING, filesystem._StorageInfo]
+
+
+def dcp_storage_entries(metadata: Any) -> list[tuple[Any, Any, Any, Any]]:
+    """``(index, relative_path, offset, length)`` of every item in DCP metadata's
+    ``storage_data`` (its values are the private ``filesystem._StorageInfo``)."""
+    return [(index, getattr(info, "relative_path", None), getattr(info, "offset", None),
+             getattr(info, "length", None)) for index, info in metadata.storage_data.items()]
+
+
+def weights_only_unpickle(data: bytes) -> Any:
+    """Unpickle ``data`` with torch's weights-only unpickler (``torch._weights_only_unpickler``),
+    honouring ``torch.serialization.safe_globals``."""
+    import io
+
+    from torch import _weights_only_unpickler
+
+    unpickler = _weights_only_unpickler.Unpickler
+    return unpickler(io.BytesIO(data), encoding="ASCII").load()  # type: ignore[no-untyped-call]
+
+
+def stop_node_thread(node: Any) -> None:
+    """Stop the background thread of a torchdata ``Prefetcher`` or ``PinMemory`` node, if it
+    has one (torchdata 0.11 keeps it as ``node._it`` with a ``_shutdown()`` method and offers
+    no public way to stop it)."""
+    worker = getattr(node, "_it", None)
+    if worker is not None and callable(getattr(worker, "_shutdown", None)):
+        worker._shutdown()
+
+
+def compile_counters() -> dict[str, dict[str, int]]:
+    """A copy of ``torch._dynamo.utils.counters``: what ``torch.compile`` did in this process.
+
+    Groups and keys used by accelfn: ``stats.unique_graphs`` (graphs compiled),
+    ``stats.calls_captured`` (operations traced into them), ``inductor.fxgraph_cache_hit`` /
+    ``fxgraph_cache_miss`` and ``aot_autograd.autograd_cache_hit`` / ``autograd_cache_miss``
+    (compiled code found in, or missing from, inductor's caches).
+    """
+    from torch._dynamo.utils import counters
+
+    return {group: dict(values) for group, values in counters.items()}

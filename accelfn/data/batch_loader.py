@@ -16,6 +16,8 @@ from typing import Any
 from tensordict import TensorDictBase
 from torchdata.nodes import BaseNode
 
+from ..core import compat
+
 __all__ = ["STATE_FORMAT", "BatchLoader", "is_reading_state", "reading_state"]
 
 STATE_FORMAT = "accelfn.data.loader/1"
@@ -76,17 +78,6 @@ class _Iterator(Iterator[TensorDictBase]):
         return batch
 
 
-def shutdown_node_thread(node: BaseNode[Any]) -> None:  # compat: torchdata private API
-    """Stop the background thread of a ``Prefetcher`` or ``PinMemory`` node, if it has one.
-
-    torchdata 0.11 keeps it as ``node._it`` (a ``_SingleThreadedMapper``) with a
-    ``_shutdown()`` method, and offers no public way to stop it.
-    """
-    worker = getattr(node, "_it", None)
-    if worker is not None and callable(getattr(worker, "_shutdown", None)):
-        worker._shutdown()
-
-
 def _stop_threads(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) -> None:
     """Stop every background thread of the graph below ``root`` and call ``close_fns``."""
     seen: set[int] = set()
@@ -96,7 +87,7 @@ def _stop_threads(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) 
         if id(node) in seen:
             continue
         seen.add(id(node))
-        shutdown_node_thread(node)
+        compat.stop_node_thread(node)
         todo.extend(v for v in vars(node).values() if isinstance(v, BaseNode))
     for fn in close_fns:
         fn()

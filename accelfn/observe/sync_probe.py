@@ -161,8 +161,6 @@ def _emulated_sync(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return None
 
 
-# compat: torch.utils._python_dispatch.TorchDispatchMode is a private torch API; this
-# function belongs in accelfn.core.compat (as ``aten_observer``) and lives here until then.
 # Emulation cannot tell a tensor that would live on the GPU from one that stays on the CPU
 # by design. torch's optimizers keep their step counters on the CPU and read them with
 # ``.item()``: not a sync on a GPU, so not reported.

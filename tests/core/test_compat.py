@@ -107,3 +107,51 @@ def test_no_module_outside_compat_names_a_private_torch_attribute():
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} .{node.attr}")
     assert not offenders, "private torch APIs outside accelfn/core/compat.py:\n" + "\n".join(
         offenders)
+
+
+def test_dcp_private_metadata_classes_and_storage_entries(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    classes = compat.dcp_private_metadata_classes()
+    assert [c.__name__ for c in classes] == ["_MEM_FORMAT_ENCODING", "_StorageInfo"]
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=str(tmp_path))
+    metadata = FileSystemReader(str(tmp_path)).read_metadata()
+    entries = compat.dcp_storage_entries(metadata)
+    assert len(entries) == 1 and isinstance(entries[0][1], str) and entries[0][3] > 0
+
+
+def test_weights_only_unpickle_refuses_arbitrary_globals():
+    import pickle
+
+    assert compat.weights_only_unpickle(pickle.dumps({"a": [1, 2.5]}, protocol=2)) == {"a": [1, 2.5]}
+    with pytest.raises(Exception, match="not an allowed global"):
+        compat.weights_only_unpickle(pickle.dumps(print, protocol=2))
+
+
+def test_stop_node_thread_stops_a_prefetcher():
+    from torchdata.nodes import IterableWrapper, Prefetcher
+
+    node = Prefetcher(IterableWrapper(range(100)), prefetch_factor=2)
+    next(iter(node))
+    compat.stop_node_thread(node)
+    worker = getattr(node, "_it", None)
+    assert worker is not None and worker._thread is not None
+    worker._thread.join(timeout=5)
+    assert not worker._thread.is_alive()
+
+
+def test_compile_counters_count_graphs_and_are_a_copy():
+    torch._dynamo.reset()
+    before = compat.compile_counters()
+
+    def f(x):
+        return torch.sin(x) + 1
+
+    torch.compile(f, backend="eager")(torch.ones(3))
+    after = compat.compile_counters()
+    graphs = after["stats"]["unique_graphs"] - before.get("stats", {}).get("unique_graphs", 0)
+    assert graphs == 1 and after["stats"]["calls_captured"] >= 2
+    after["stats"]["unique_graphs"] += 100  # a copy: torch's counters are untouched
+    assert compat.compile_counters()["stats"]["unique_graphs"] == after["stats"]["unique_graphs"] - 100
+    torch._dynamo.reset()
