@@ -11,7 +11,13 @@ This module only re-exports the public API, grouped by layer.
 from . import checkpointing, data
 
 # checkpointing
-from .checkpointing import EXIT_PREEMPTED, CheckpointError, CheckpointInfo, PreemptionGuard
+from .checkpointing import (
+    EXIT_PREEMPTED,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointLockedError,
+    PreemptionGuard,
+)
 
 # core: the step protocol, the engine, TrainState, processes
 from .core.engine import Step, apply_transform, describe, lift
@@ -51,7 +57,14 @@ from .observe.sync_probe import SyncProbe
 # recipes
 from .recipes.early_stopping import EarlyStopping
 from .recipes.memory_format import channels_last, is_channels_last
-from .recipes.param_groups import NO_DECAY_TYPES, freeze, no_decay_names, param_groups, unfreeze
+from .recipes.param_groups import (
+    NO_DECAY_TYPES,
+    freeze,
+    is_norm_layer,
+    no_decay_names,
+    param_groups,
+    unfreeze,
+)
 from .recipes.schedules import (
     WarmupPlateau,
     one_cycle,
@@ -80,6 +93,7 @@ __all__ = [
     "CallContext",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointLockedError",
     "Decision",
     "Diagnostics",
     "EarlyStopping",
@@ -114,6 +128,7 @@ __all__ = [
     "init_distributed",
     "is_channels_last",
     "is_main_process",
+    "is_norm_layer",
     "lift",
     "no_decay_names",
     "one_cycle",

@@ -232,7 +232,8 @@ def _ema(schedule: _Schedule, options: tuple[tuple[str, Any], ...], label: str,
         _SLOT, Hooks(average=average, after_update=after_update,
                      evaluate_context=evaluate_context),
         options=options, label=label,
-        commutes=frozenset({"with_amp"}),  # its after_update reads the weights amp leaves be
+        # its after_update reads the weights, which these after_update hooks leave as they are
+        commutes=frozenset({"with_amp", "with_float8"}),
         evaluate_options=("weights",))
 
 
