@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from tensordict import TensorDict
 from torch import nn
 
 import accelfn as af
@@ -53,17 +54,18 @@ class DigitNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.blocks(self.stem(x))
-        return self.head(h.mean(dim=(2, 3)))
+        logits: torch.Tensor = self.head(h.mean(dim=(2, 3)))
+        return logits
 
 
-def digit_step(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+def digit_step(model: nn.Module, batch: TensorDict) -> dict[str, torch.Tensor]:
     """The pure step function: loss and accuracy of one batch."""
     logits = model(batch["image"])
     loss = F.cross_entropy(logits, batch["label"], label_smoothing=0.05)
     return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).float().mean()}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--steps", type=int, default=None, help="train for this many updates")
@@ -107,8 +109,7 @@ def main(argv: list[str] | None = None) -> dict:
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=total)
     state = af.TrainState(model, optimizer, scheduler=scheduler)
 
-    step = digit_step
-    step = af.with_clipping(max_norm=1.0)(step)
+    step = af.with_clipping(max_norm=1.0)(digit_step)
     step = af.with_accumulation(args.accumulation)(step)
     step = af.with_amp(dtype=torch.float16 if args.fp16 else None)(step)
     step = af.distributed(step)
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.distributed.all_reduce(stats)
     accuracy = float(stats[0] / stats[1])
 
-    report = {
+    report: dict[str, float | str] = {
         "updates": state.step,
         "held_out_accuracy": round(accuracy, 4),
         "train_seconds": round(elapsed, 2),
