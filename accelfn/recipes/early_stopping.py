@@ -36,9 +36,10 @@ def _model_of(target: TrainState | nn.Module) -> nn.Module:
 
 
 class EarlyStopping:
-    """Equivalent to the seeds' ``EarlyStopping(patience, min_delta, restore_best_weights)``:
-    stop after ``patience`` evaluations in a row without an improvement larger than
-    ``min_delta``, and load the best weights back when stopping.
+    """Equivalent to the usual hand-written early-stopping class,
+    ``EarlyStopping(patience, min_delta, restore_best_weights)``: stop after ``patience``
+    evaluations in a row without an improvement larger than ``min_delta``, and load the best
+    weights back when stopping.
 
     ``mode="min"`` (a loss) improves when ``metric < best - min_delta``; ``mode="max"`` (an
     accuracy) when ``metric > best + min_delta``; a NaN metric never improves. The first

@@ -165,7 +165,7 @@ def one_cycle(
     ``pct_start = warmup_steps / total_steps``. ``cycle_momentum`` defaults to True only for
     optimizers that have momentum (``betas``, or SGD with ``momentum > 0``), where torch's
     default would switch momentum on for plain SGD. ``total_steps`` counts optimizer
-    updates: ``epochs * steps_per_epoch`` in the seeds' notation.
+    updates: ``epochs * steps_per_epoch`` in ``OneCycleLR``'s notation.
     """
     _check_optimizer("one_cycle", optimizer)
     _check_steps("one_cycle", 0 if warmup_steps is None else warmup_steps, total_steps)
