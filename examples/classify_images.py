@@ -23,7 +23,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-import torchvision
+import torchvision  # type: ignore[import-untyped]  # torchvision ships no py.typed marker
 from tensordict import TensorDict
 
 import accelfn as af
@@ -52,13 +52,13 @@ def dataset(args: argparse.Namespace) -> tuple[TensorDict, int]:
     return td, int(td["label"].max()) + 1
 
 
-def resnet_step(model: torch.nn.Module, batch) -> dict[str, torch.Tensor]:
+def resnet_step(model: torch.nn.Module, batch: TensorDict) -> dict[str, torch.Tensor]:
     logits = model(batch["image"])
     loss = F.cross_entropy(logits, batch["label"], label_smoothing=0.1)
     return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).float().mean()}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", default=None, help="an image folder (one folder a class)")
     parser.add_argument("--preloaded", default=None, help="a folder written by preload")
@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  total_steps=args.steps)
     state = af.TrainState(model, optimizer, scheduler=scheduler)
 
-    step = resnet_step
-    step = af.checkpointed(every=2)(step)
+    step = af.checkpointed(every=2)(resnet_step)
     step = af.with_clipping(max_norm=2.0)(step)
     step = af.with_accumulation(args.accumulation)(step)
     step = af.with_amp(step)
@@ -144,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         totals += torch.stack([own, ema, torch.tensor(n, dtype=torch.float64, device=device)])
     if af.world_size() > 1:
         torch.distributed.all_reduce(totals)
-    report = {
+    report: dict[str, float] = {
         "updates": state.step,
         "val_accuracy": round(float(totals[0] / totals[2]), 4),
         "val_accuracy_ema": round(float(totals[1] / totals[2]), 4),
