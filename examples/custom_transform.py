@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tensordict import TensorDict
 from torch import nn
 
 import accelfn as af
@@ -56,13 +57,13 @@ def with_gradient_noise(*, std: float = 0.01, seed: int = 0) -> af.Transform:
                         label=f"with_gradient_noise({std:g})")
 
 
-def mlp_step(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+def mlp_step(model: nn.Module, batch: TensorDict) -> dict[str, torch.Tensor]:
     logits = model(batch["image"].flatten(1))
     loss = F.cross_entropy(logits, batch["label"])
     return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).float().mean()}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, float | None]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--std", type=float, default=0.01)
@@ -90,9 +91,10 @@ def main(argv: list[str] | None = None) -> dict:
             metrics = step(state, batch)
             if state.step >= args.steps:
                 break
-    summary = {"updates": state.step,
-               "loss": None if metrics is None else float(metrics["loss"]),
-               "accuracy": None if metrics is None else float(metrics["accuracy"])}
+    summary: dict[str, float | None] = {
+        "updates": state.step,
+        "loss": None if metrics is None else float(metrics["loss"]),
+        "accuracy": None if metrics is None else float(metrics["accuracy"])}
     checkpointing.save(args.out, state, loader=train, step=step, keep=2)
     if af.is_main_process():
         print(json.dumps(summary))
