@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.machinery
 import json
 import math
 import os
@@ -43,8 +44,10 @@ def stdlib_text(limit_bytes: int = 1_500_000) -> list[bytes]:
     """Docstrings of the standard library's modules, classes and functions, as documents."""
     docs: list[bytes] = []
     total = 0
-    names = sorted(m.name for m in pkgutil.iter_modules() if m.module_finder.path.startswith(
-        os.path.dirname(os.__file__)) and not m.name.startswith("_"))
+    stdlib = os.path.dirname(os.__file__)
+    names = sorted(m.name for m in pkgutil.iter_modules()
+                   if isinstance(m.module_finder, importlib.machinery.FileFinder)
+                   and m.module_finder.path.startswith(stdlib) and not m.name.startswith("_"))
     for name in names:
         if name in {"antigravity", "this", "idlelib", "tkinter", "turtle", "turtledemo"}:
             continue
@@ -109,7 +112,8 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                            v.transpose(1, 2), is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 
 
 class GPT(nn.Module):
@@ -125,18 +129,20 @@ class GPT(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
+                bias = getattr(module, "bias", None)  # Embedding has none, Linear may not
+                if isinstance(bias, torch.Tensor):
+                    nn.init.zeros_(bias)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(ids.shape[1], device=ids.device)
         h = self.embed(ids) + self.pos(pos)
         for block in self.blocks:
             h = block(h)
-        return self.head(self.ln(h))
+        logits: torch.Tensor = self.head(self.ln(h))
+        return logits
 
 
-def lm_step(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+def lm_step(model: nn.Module, batch: TensorDict) -> dict[str, torch.Tensor]:
     """Token-mean cross-entropy over real (unpadded) targets; the token count is the weight."""
     tokens, mask = batch["tokens"], batch["mask"]
     logits = model(tokens[:, :-1])
@@ -160,7 +166,7 @@ def generate(model: nn.Module, prompt: bytes, n: int, seq_len: int) -> str:
 # ------------------------------------------------------------------------------ main
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--stop-at", type=int, default=None)
@@ -199,8 +205,7 @@ def main(argv: list[str] | None = None) -> dict:
     ], milestones=[warmup])
     state = af.TrainState(model, optimizer, scheduler=scheduler)
 
-    step = lm_step
-    step = af.checkpointed(step)
+    step = af.checkpointed(lm_step)
     step = af.with_clipping(max_norm=1.0)(step)
     step = af.with_accumulation(args.accumulation)(step)
     step = af.with_amp(step)
@@ -238,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     result = step.evaluate(state, val)
     val_loss = float(result["loss"])
-    report = {
+    report: dict[str, float | str] = {
         "updates": state.step,
         "val_loss": round(val_loss, 4),
         "val_bits_per_byte": round(val_loss / math.log(2), 4),
