@@ -20,7 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from tensordict import TensorDict
+from tensordict import TensorDictBase
 from torch import nn
 
 import accelfn as af
@@ -58,7 +58,7 @@ class DigitNet(nn.Module):
         return logits
 
 
-def digit_step(model: nn.Module, batch: TensorDict) -> dict[str, torch.Tensor]:
+def digit_step(model: nn.Module, batch: TensorDictBase) -> dict[str, torch.Tensor]:
     """The pure step function: loss and accuracy of one batch."""
     logits = model(batch["image"])
     loss = F.cross_entropy(logits, batch["label"], label_smoothing=0.05)

@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 import torchvision  # type: ignore[import-untyped]  # torchvision ships no py.typed marker
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 
 import accelfn as af
 from accelfn import checkpointing, data
@@ -52,7 +52,7 @@ def dataset(args: argparse.Namespace) -> tuple[TensorDict, int]:
     return td, int(td["label"].max()) + 1
 
 
-def resnet_step(model: torch.nn.Module, batch: TensorDict) -> dict[str, torch.Tensor]:
+def resnet_step(model: torch.nn.Module, batch: TensorDictBase) -> dict[str, torch.Tensor]:
     logits = model(batch["image"])
     loss = F.cross_entropy(logits, batch["label"], label_smoothing=0.1)
     return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).float().mean()}

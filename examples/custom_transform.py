@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tensordict import TensorDict
+from tensordict import TensorDictBase
 from torch import nn
 
 import accelfn as af
@@ -57,7 +57,7 @@ def with_gradient_noise(*, std: float = 0.01, seed: int = 0) -> af.Transform:
                         label=f"with_gradient_noise({std:g})")
 
 
-def mlp_step(model: nn.Module, batch: TensorDict) -> dict[str, torch.Tensor]:
+def mlp_step(model: nn.Module, batch: TensorDictBase) -> dict[str, torch.Tensor]:
     logits = model(batch["image"].flatten(1))
     loss = F.cross_entropy(logits, batch["label"])
     return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).float().mean()}

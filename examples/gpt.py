@@ -28,7 +28,7 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 import accelfn as af
@@ -142,7 +142,7 @@ class GPT(nn.Module):
         return logits
 
 
-def lm_step(model: nn.Module, batch: TensorDict) -> dict[str, torch.Tensor]:
+def lm_step(model: nn.Module, batch: TensorDictBase) -> dict[str, torch.Tensor]:
     """Token-mean cross-entropy over real (unpadded) targets; the token count is the weight."""
     tokens, mask = batch["tokens"], batch["mask"]
     logits = model(tokens[:, :-1])
