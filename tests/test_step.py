@@ -242,3 +242,28 @@ def test_out_of_memory_leaves_state_intact_and_says_what_helps():
     assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
     assert before[1] == after[1]
     assert all(p.grad is None for p in state.model.parameters())
+
+
+def test_misuse_errors_name_the_fix():
+    state = _state()
+
+    def calls_backward(model, batch):
+        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        loss.backward()
+        return loss
+
+    with pytest.raises(RuntimeError, match=r"called backward\(\) itself: return the loss"):
+        af.lift(calls_backward)(state, make_batch())
+    assert all(p.grad is None for p in state.model.parameters())
+
+    def item_metric(model, batch):
+        logits = model(batch["x"])
+        return {"loss": F.cross_entropy(logits, batch["y"]),
+                "accuracy": (logits.argmax(-1) == batch["y"]).float().mean().item()}
+
+    with pytest.raises(ValueError, match=r"'accuracy' is a Python float: return the tensor, "
+                                         r"not \.item\(\)"):
+        af.lift(item_metric)(state, make_batch())
+    with pytest.raises(ValueError, match=r"returned a Python float: return the loss tensor"):
+        af.lift(lambda m, b: F.cross_entropy(m(b["x"]), b["y"]).item())(state, make_batch())
+    af.lift(classify)(state, make_batch())  # the next step works

@@ -293,7 +293,15 @@ class Step:
         sums.add(coef, metrics, {"loss": objective})
         for _, hook in self._hooks["scale_loss"]:
             objective = hook(ctx, objective)
-        objective.backward()  # type: ignore[no-untyped-call]
+        try:
+            objective.backward()  # type: ignore[no-untyped-call]
+        except RuntimeError as error:
+            if "backward through the graph a second time" in str(error):
+                raise RuntimeError(
+                    "the step function called backward() itself: return the loss instead and "
+                    "let the step differentiate it (once, weighted and scaled as the stack "
+                    f"needs) ({error})") from error
+            raise
         return absolute
 
     def _abort(self, ctx: CallContext) -> None:

@@ -14,6 +14,10 @@ __all__ = ["unpack"]
 
 def unpack(out: Any, first: bool) -> tuple[Tensor, Tensor | None, dict[str, Tensor]]:
     """Split ``out`` into (loss, weight or None, metrics); ``first`` checks the shapes."""
+    if isinstance(out, (int, float)):
+        raise ValueError(
+            f"the step function returned a Python {type(out).__name__}: return the loss tensor, "
+            "not .item() (accelfn differentiates it; reading it on the host syncs the device)")
     if isinstance(out, Tensor):
         loss, weight, metrics = out, None, {}
     elif type(out) is dict and "loss" in out:
@@ -35,6 +39,10 @@ def unpack(out: Any, first: bool) -> tuple[Tensor, Tensor | None, dict[str, Tens
             "a mapping with 'loss' (and optional 'weight' and scalar metrics)"
         )
     if first:
+        if isinstance(loss, (int, float)):
+            raise ValueError(
+                f"the loss is a Python {type(loss).__name__}: return the tensor, not .item() "
+                "(accelfn differentiates it; reading it on the host syncs the device)")
         if not isinstance(loss, Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, Tensor) else type(loss).__name__
             raise ValueError(
@@ -47,8 +55,13 @@ def unpack(out: Any, first: bool) -> tuple[Tensor, Tensor | None, dict[str, Tens
                 "parameters (was it detached, or computed under torch.no_grad()?)"
             )
         if weight is not None and (not isinstance(weight, Tensor) or weight.dim() != 0):
-            raise ValueError("'weight' must be a scalar tensor (e.g. the number of tokens)")
+            raise ValueError("'weight' must be a scalar tensor (e.g. the number of tokens); "
+                             "return the tensor, not .item()")
         for k, v in metrics.items():
+            if isinstance(v, (int, float)):
+                raise ValueError(
+                    f"metric {k!r} is a Python {type(v).__name__}: return the tensor, not "
+                    ".item() (metrics stay on the device; .item() syncs it every step)")
             if not isinstance(v, Tensor) or v.dim() != 0:
                 raise ValueError(
                     f"metric {k!r} must be a scalar tensor; compute it on the device and reduce"
