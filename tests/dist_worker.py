@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/test_distributed.py: every distributed case in one launch.
+"""Run under torchrun by tests/transforms/test_distributed.py: every distributed case in one launch.
 
 Each rank trains on its own slice of a global batch; rank 0 saves the final parameters of
 each case (and every rank its all-reduce counts) for the test to compare with a

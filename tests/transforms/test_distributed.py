@@ -15,7 +15,7 @@ from reference import reference_update
 
 import accelfn as af
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where dist_worker.py is
 
 
 def free_port() -> int:

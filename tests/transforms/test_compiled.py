@@ -1,0 +1,311 @@
+"""compiled(regional=True) and compiled(cache=...): block-wise compilation against eager
+PyTorch, graphs that do not grow with depth, stacking with checkpointed and distributed, and a
+compile cache file that warms a fresh process (torch's cache counters, not timings).
+
+Run as a script, this file is the worker of its subprocess tests:
+``python test_compiled.py cache <file> <out.json>`` (one process compiling with the cache file)
+and, under torchrun, ``python test_compiled.py distributed <out_dir>``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pytest
+import torch
+from conftest import Net, as_dict, classify, make_batch
+from reference import reference_update
+
+import accelfn as af
+from accelfn.core import compat
+from accelfn.transforms.compile import read_cache, write_cache
+
+HERE = Path(__file__).resolve()
+TOL = {"atol": 1e-5, "rtol": 1e-4}  # fp32: inductor fuses and reorders reductions
+
+
+def graphs() -> int:
+    return compat.compile_counters().get("stats", {}).get("unique_graphs", 0)
+
+
+def captured() -> int:
+    return compat.compile_counters().get("stats", {}).get("calls_captured", 0)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def train(step, model, steps=3, lr=0.1):
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9))
+    for i in range(steps):
+        step(state, make_batch(n=10, seed=i))
+    return state
+
+
+def reference(model, steps=3, lr=0.1):
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for i in range(steps):
+        reference_update(model, optimizer, as_dict(make_batch(n=10, seed=i)), classify)
+    return model
+
+
+def assert_close(m1, m2):
+    for (name, a), b in zip(m1.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, **TOL, msg=f"parameter {name}")
+
+
+def gradients(model, fn=classify):
+    model.zero_grad(set_to_none=True)
+    fn(model, make_batch(n=10, seed=7))["loss"].backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------- regional
+
+
+@pytest.mark.compile
+def test_regional_compiles_each_block_once_and_matches_eager(fresh_dynamo):
+    torch.manual_seed(0)
+    base = Net(depth=3)
+    m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+    step = af.compiled(regional=True)(classify)
+    g0 = graphs()
+    with torch._dynamo.config.patch(error_on_recompile=True):  # blocks 2 and 3 reuse block 1's
+        state = train(step, m1)
+    assert graphs() - g0 == 1  # one graph (forward and its backward) for the three blocks
+    assert_close(m1, reference(m2))
+    prepared = step.prepare(state)
+    assert prepared.model is m1  # the rest of the model stays eager, unwrapped
+    assert list(m1.state_dict()) == list(base.state_dict())
+    assert all(b.__dict__["_accelfn_tags"] == ("compile",) for b in m1.blocks)
+    got, want = gradients(prepared.model), gradients(m2)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
+
+
+@pytest.mark.compile
+def test_regional_graphs_do_not_grow_with_depth_whole_model_ones_do(fresh_dynamo):
+    # backend="eager" traces with dynamo only (what the count depends on), in seconds
+    counts = {}
+    for regional in (True, False):
+        for depth in (2, 6):
+            torch._dynamo.reset()
+            g, c = graphs(), captured()
+            torch.manual_seed(0)
+            train(af.compiled(regional=regional, backend="eager")(classify), Net(depth=depth),
+                  steps=2)
+            counts[regional, depth] = (graphs() - g, captured() - c)
+    assert counts[True, 2] == counts[True, 6] == (1, counts[True, 2][1])
+    assert counts[False, 6][0] == counts[False, 2][0] == 1
+    assert counts[False, 6][1] > counts[False, 2][1] + 3 * counts[True, 2][1]
+
+
+@pytest.mark.compile
+def test_regional_with_checkpointed_in_either_order_matches_eager(fresh_dynamo):
+    torch.manual_seed(0)
+    base = Net(depth=3)
+    expected = reference(copy.deepcopy(base))
+    g0 = graphs()
+    for build in (lambda f: af.compiled(regional=True)(af.checkpointed(f)),
+                  lambda f: af.checkpointed(af.compiled(regional=True)(f))):
+        model = copy.deepcopy(base)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            train(build(classify), model)
+        assert_close(model, expected)
+        # checkpoint wrapping ran first: the compiled region holds the checkpointed forward
+        assert all(b.__dict__["_accelfn_tags"] == ("checkpoint", "compile") for b in model.blocks)
+    assert graphs() - g0 == 1  # the second order reused the first one's compiled code
+
+
+def test_regional_without_repeated_blocks_says_how_to_fix():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4))
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = af.compiled(regional=True)(classify)
+    with pytest.raises(ValueError, match=r"no repeated blocks.*use compiled\(\)"):
+        step(state, make_batch())
+
+
+def test_options_are_checked_and_described(tmp_path):
+    with pytest.raises(TypeError, match="booleans"):
+        af.compiled(regional="yes")
+    with pytest.raises(TypeError, match="path of a file"):
+        af.compiled(cache=3)
+    with pytest.raises(ValueError, match="backend='inductor'"):
+        af.compiled(cache=tmp_path / "c.bin", backend="eager")
+    step = af.compiled(regional=True, cache=tmp_path / "c.bin")(classify)
+    assert repr(step).startswith("compiled(regional, cache) ∘ ")
+    assert af.compiled(regional=True) == af.compiled(regional=True) != af.compiled()
+
+
+# ----------------------------------------------------------------------- distributed
+
+
+def distributed_main(out_dir: str) -> None:
+    """Under torchrun: regional compilation with checkpointing inside DDP and FSDP2, each
+    stacking order, every rank on its rows of the global batch (tests/dist_worker.py's)."""
+    import torch.distributed as dist
+    from dist_worker import RANK_ROWS, STEPS, global_batch
+
+    af.init_distributed()
+    rank = dist.get_rank()
+    cases = {
+        "ddp_outer": lambda: af.compiled(regional=True, backend="aot_eager")(
+            af.checkpointed(af.distributed(classify))),
+        "ddp_inner": lambda: af.distributed(af.checkpointed(
+            af.compiled(regional=True, backend="aot_eager")(classify))),
+        "fsdp_outer": lambda: af.compiled(regional=True, backend="aot_eager")(
+            af.distributed(strategy="fsdp")(af.checkpointed(classify))),
+        "fsdp_inner": lambda: af.checkpointed(af.distributed(strategy="fsdp")(
+            af.compiled(regional=True, backend="aot_eager")(classify))),
+    }
+    results = {}
+    for name, build in cases.items():
+        torch.manual_seed(0)
+        model = Net()
+        keys = list(model.state_dict())
+        state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        step = build()
+        g = graphs()
+        for i in range(STEPS):
+            step(state, {k: v[RANK_ROWS[rank]] for k, v in global_batch(i).items()})
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
+                  for n, p in model.named_parameters()}
+        results[name] = {"params": params, "graphs": graphs() - g,
+                         "keys_kept": list(model.state_dict()) == keys}
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.compile
+@pytest.mark.distributed
+def test_regional_under_ddp_and_fsdp_in_either_order_equals_one_process(tmp_path):
+    import socket
+
+    from dist_worker import STEPS, global_batch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={port}", str(HERE), "distributed",
+           str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i in range(STEPS):
+        reference_update(model, optimizer, global_batch(i), classify)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+        for case, got in results.items():
+            assert got["keys_kept"], case
+            assert got["graphs"] <= 1, (case, got["graphs"])  # the first case compiles
+            for name, value in model.named_parameters():
+                torch.testing.assert_close(got["params"][name], value.detach(), **TOL,
+                                           msg=f"{case} rank {rank} {name}")
+
+
+# ----------------------------------------------------------------------- the cache file
+
+
+def cache_main(path: str, out: str) -> None:
+    """One fresh process: two compiled updates with ``cache=path``; what torch's caches did."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        train(af.compiled(cache=path)(classify), Net(depth=1), steps=2)
+    counters = compat.compile_counters()
+    Path(out).write_text(json.dumps({
+        "inductor": counters.get("inductor", {}), "aot_autograd": counters.get("aot_autograd", {}),
+        "warnings": [str(w.message) for w in caught if "compile cache" in str(w.message)]}))
+
+
+def run_cache_worker(tmp_path: Path, cache: Path, name: str) -> dict:
+    inductor_dir = tmp_path / f"inductor-{name}"  # empty: a fresh machine
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, str(HERE), "cache", str(cache), str(out)], capture_output=True,
+        text=True, timeout=900, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def cold_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cache")
+    cache = tmp / "ckpt" / "compile-cache.bin"
+    return tmp, cache, run_cache_worker(tmp, cache, "cold")
+
+
+@pytest.mark.compile
+def test_cache_file_makes_a_fresh_process_hit_instead_of_compile(cold_run, tmp_path):
+    tmp, cache, cold = cold_run
+    assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2  # compiled: forward, backward
+    assert cold["inductor"].get("fxgraph_cache_hit", 0) == 0 and cold["warnings"] == []
+    payload, problem = read_cache(cache, {"torch": str(torch.__version__)})
+    assert problem is None and payload
+    assert not [p for p in cache.parent.iterdir() if p.name != cache.name]  # no temp file left
+    copy_ = tmp_path / "compile-cache.bin"
+    copy_.write_bytes(cache.read_bytes())
+    warm = run_cache_worker(tmp_path, copy_, "warm")
+    assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
+    assert warm["inductor"]["fxgraph_cache_hit"] == cold["inductor"]["fxgraph_cache_miss"]
+    assert warm["aot_autograd"].get("autograd_cache_hit", 0) >= 1 and warm["warnings"] == []
+    assert copy_.read_bytes() == cache.read_bytes()  # nothing new compiled: not rewritten
+
+
+@pytest.mark.compile
+def test_cache_of_another_torch_version_recompiles_with_a_note(cold_run, tmp_path):
+    _, cache, cold = cold_run
+    payload, _ = read_cache(cache, {})
+    forged = tmp_path / "compile-cache.bin"
+    write_cache(forged, {"torch": "1.0.0", "device": "cpu x86_64"}, payload)
+    run = run_cache_worker(tmp_path, forged, "forged")
+    assert run["inductor"].get("fxgraph_cache_hit", 0) == 0
+    assert run["inductor"]["fxgraph_cache_miss"] == cold["inductor"]["fxgraph_cache_miss"]
+    assert len(run["warnings"]) == 1  # once, though two updates ran
+    assert "torch '1.0.0'" in run["warnings"][0] and "compiling from scratch" in run["warnings"][0]
+    again, problem = read_cache(forged, {"torch": str(torch.__version__)})
+    assert problem is None and again  # replaced by this run's, for this torch
+
+
+def test_cache_file_format_refuses_damage_and_other_devices(tmp_path):
+    path = tmp_path / "c.bin"
+    here = {"torch": str(torch.__version__), "device": "cpu x86_64"}
+    assert read_cache(path, here) == (None, None)  # no file: nothing to say
+    write_cache(path, here, b"artifacts")
+    assert read_cache(path, here) == (b"artifacts", None)
+    assert "device 'cpu x86_64' (this run: 'cuda NVIDIA H200 sm_90')" in read_cache(
+        path, {**here, "device": "cuda NVIDIA H200 sm_90"})[1]
+    path.write_bytes(path.read_bytes()[:-2])
+    assert read_cache(path, here) == (None, "is truncated or damaged")
+    path.write_bytes(b"something else")
+    assert read_cache(path, here)[1] == "is not an accelfn compile cache"
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="names a directory"):
+        af.compiled(cache=tmp_path)(classify).prepare(state)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "cache":
+        cache_main(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "distributed":
+        distributed_main(sys.argv[2])
+    else:
+        raise SystemExit(f"unknown worker {sys.argv[1]!r}")
