@@ -15,10 +15,11 @@ import argparse
 import csv
 import os
 import time
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
-from tensordict import TensorDict
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 import accelfn as af
@@ -26,13 +27,13 @@ from accelfn import checkpointing, data
 from accelfn.data.datasets import digits
 
 
-def loss_fn(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+def loss_fn(model: nn.Module, batch: TensorDictBase) -> dict[str, torch.Tensor]:
     logits = model(batch["image"].flatten(1))
     loss = F.cross_entropy(logits, batch["label"])
     return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).float().mean()}
 
 
-def evaluate(step: af.Step, state: af.TrainState, batches) -> float:
+def evaluate(step: af.Step, state: af.TrainState, batches: Iterable[TensorDictBase]) -> float:
     """Held-out accuracy, summed over processes."""
     device = state.device
     totals = torch.zeros(2, dtype=torch.float64, device=device)
@@ -45,7 +46,7 @@ def evaluate(step: af.Step, state: af.TrainState, batches) -> float:
     return float(totals[0] / totals[1])
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--log-every", type=int, default=10)
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     if af.is_main_process():
         print(f"step: {af.describe(step)}")
-    log_rows: list[dict] = []
+    log_rows: list[dict[str, float]] = []
     pending: list[tuple[int, TensorDict]] = []  # device metrics, read every log_every
     main_process = af.is_main_process()
     accuracy = 0.0
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> dict:
             if len(pending) == args.log_every:
                 for update, metrics in pending:       # one read for many updates
                     log_rows.append({"update": update, "epoch": epoch,
-                                     **{k: round(float(v), 5) for k, v in metrics.items()}})
+                                     **{k: round(float(v), 5) for k, v in metrics.items()
+                                        if isinstance(v, torch.Tensor)}})  # metrics are flat
                 pending.clear()
         accuracy = evaluate(step, state, test)
         if main_process:
