@@ -17,6 +17,7 @@ run: setup
 test: setup
 	$(BIN)/ruff check accelfn tests benchmarks examples docs
 	$(BIN)/python -m mypy
+	$(BIN)/python -m mypy examples
 	$(BIN)/python -m pytest -q
 
 # The site in site/; its API reference is generated from the docstrings (mkdocstrings).
