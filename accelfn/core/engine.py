@@ -213,6 +213,9 @@ class Step:
             kwargs["carry"] = ctx.state.slot(CARRY, Carries).get(mode, index)
         if not hooks:
             out = self.fn(ctx.model, micro, **kwargs)
+        elif len(hooks) == 1:  # the common case (autocast): no context stack
+            with hooks[0][1](ctx):
+                out = self.fn(ctx.model, micro, **kwargs)
         else:
             with entered([hook(ctx) for _, hook in hooks]):
                 out = self.fn(ctx.model, micro, **kwargs)
