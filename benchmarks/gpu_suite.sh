@@ -49,7 +49,7 @@ fi
 STARTED="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
 STAMP="$(date -u +%Y%m%d-%H%M%S)"
 if [[ $DRY_RUN -eq 1 ]]; then
-  BUDGET="${BUDGET:-400}"
+  BUDGET="${BUDGET:-1200}"
   OUT="${OUT:-${TMPDIR:-/tmp}/accelfn-gpu-suite-dry-run-$STAMP.json}"
 else
   BUDGET="${BUDGET:-450}"
@@ -100,7 +100,7 @@ if [[ $DRY_RUN -eq 1 ]]; then
   GPT=(--tiny --compile --compile-backend eager)
   TRANSFORMS=(--quick --steps 2 --compile --compile-backend eager)
   DATA=(--samples 1024 --batch-size 128 --repeats 1 --workers 1)
-  T_TESTS=90; T_BENCH=120; T_GPT=60; T_TRANSFORMS=150; T_DATA=60
+  T_TESTS=180; T_BENCH=240; T_GPT=240; T_TRANSFORMS=240; T_DATA=120  # a loaded CI machine
 else
   if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     echo "[gpu-suite] no CUDA GPU here; use --dry-run to check the suite on a CPU" >&2
@@ -139,7 +139,7 @@ run_part transforms "$T_TRANSFORMS" "$PYTHON" benchmarks/transforms.py "${TRANSF
   "${DEV[@]}" --json "$WORK/transforms.json"
 
 run_part data "$T_DATA" --stdout-json "$PYTHON" benchmarks/data.py "${DATA[@]}" "${DEV[@]}"
-run_part float8 "$(( DRY_RUN ? 120 : 300 ))" --stdout-json "$PYTHON" benchmarks/float8.py $( ((DRY_RUN)) && echo --dry-run )  # float8 vs bf16 GPT tokens/s
+run_part float8 "$(( DRY_RUN ? 240 : 300 ))" --stdout-json "$PYTHON" benchmarks/float8.py $( ((DRY_RUN)) && echo --dry-run )  # float8 vs bf16 GPT tokens/s
 
 REPORT=(--work "$WORK" --out "$OUT" --budget "$BUDGET" --started "$STARTED"
         --seconds "$(( SECONDS - START_S ))")

@@ -208,7 +208,7 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--dry-run", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900, check=False)
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["dry_run"] is True
