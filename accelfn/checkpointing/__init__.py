@@ -13,9 +13,10 @@ The package by concern: ``format`` (names, errors, plain data), ``files`` (atomi
 digests, listing and rotation), ``lock`` (one writer per folder), ``checks`` (what a
 checkpoint must match), ``dcp`` (sharded state through torch.distributed.checkpoint), ``rng``
 (RNG states), ``collective`` (agreeing across processes), ``saving`` and ``loading`` (the two
-calls), ``preemption``.
+calls), ``background`` (asynchronous saves), ``preemption``.
 """
 
+from .background import AsyncSave
 from .files import checkpoints, latest
 from .format import CheckpointError, CheckpointInfo
 from .loading import load
@@ -26,6 +27,7 @@ from .saving import save
 
 __all__ = [
     "EXIT_PREEMPTED",
+    "AsyncSave",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointLockedError",

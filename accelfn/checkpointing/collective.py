@@ -3,7 +3,8 @@
 Every stage of ``save()`` and ``load()``
 ends with ``agree()``: one all-reduce (MAX) of a flag, so that an error on one process
 raises on all of them and none is left waiting in the next collective. In a single process
-these are plain function calls.
+these are plain function calls. Each takes an optional ``group`` (default: the default
+process group); an asynchronous save's background thread passes its own (see ``background``).
 """
 
 from __future__ import annotations
@@ -27,48 +28,48 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _collective_device() -> torch.device:
-    if dist.get_backend() == "nccl":
+def _collective_device(group: Any = None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def anyone(flag: bool) -> bool:
+def anyone(flag: bool, group: Any = None) -> bool:
     """Whether ``flag`` is set on any process (one all-reduce of an int; local otherwise)."""
     if rank_world()[1] == 1:
         return flag
-    t = torch.tensor([int(flag)], dtype=torch.int32, device=_collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=_collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 
 
-def from_rank0(value: T) -> T:
+def from_rank0(value: T, group: Any = None) -> T:
     """Rank 0's ``value`` on every process."""
     if rank_world()[1] == 1:
         return value
     box: list[Any] = [value]
-    dist.broadcast_object_list(box, src=0, device=_collective_device())
+    dist.broadcast_object_list(box, src=0, group=group, device=_collective_device(group))
     result: T = box[0]
     return result
 
 
 def agree(error: BaseException | None, what: str,
-          kind: type[Exception] = CheckpointError) -> None:
+          kind: type[Exception] = CheckpointError, group: Any = None) -> None:
     """Raise on every process if any process failed ``what``: its own error where it failed,
     a ``kind`` saying so on the others."""
-    if anyone(error is not None):
-        told = gather(None if error is None else f"{type(error).__name__}: {error}")
+    if anyone(error is not None, group):
+        told = gather(None if error is None else f"{type(error).__name__}: {error}", group)
         if error is not None:
             raise error
         rank, message = next((r, m) for r, m in enumerate(told) if m is not None)
         raise kind(f"{what} failed on another process (rank {rank}: {message})")
 
 
-def gather(value: Any) -> list[Any]:
+def gather(value: Any, group: Any = None) -> list[Any]:
     """Every process' ``value``, in rank order (``[value]`` in a single process)."""
     world = rank_world()[1]
     if world == 1:
         return [value]
     out: list[Any] = [None] * world
-    dist.all_gather_object(out, value)
+    dist.all_gather_object(out, value, group=group)
     return out

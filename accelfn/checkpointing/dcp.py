@@ -15,6 +15,7 @@ import pickle
 import re
 import warnings
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from .files import digest_file, write_bytes
 from .format import SHARDED_DIR, CheckpointError, is_checkpoint_file
 
 __all__ = ["check_metadata", "load_sharded", "parse_metadata", "rewrite_metadata", "save_sharded",
-           "shard_owner", "verify_shards"]
+           "shard_owner", "sharded_state", "start_sharded", "verify_shards", "wait_sharded"]
 
 _ITEM_OVERHEAD = 1 << 20  # torch.save's zip records around a chunk's bytes (about 2 KB)
 
@@ -173,6 +174,9 @@ def _state(state: TrainState, with_optimizer: bool) -> dict[str, Any]:
     return {"model": get_model_state_dict(state.model)}
 
 
+_SINGLE_SAVE = ".*assuming the intent is to save in a single process.*"
+
+
 @contextlib.contextmanager
 def _quiet_single_process() -> Iterator[None]:
     with warnings.catch_warnings():
@@ -183,6 +187,14 @@ def _quiet_single_process() -> Iterator[None]:
 
 def _group_up() -> bool:
     return dist.is_available() and dist.is_initialized()  # type: ignore[no-untyped-call]
+
+
+def _write_error(error: BaseException, path: Path) -> OSError:
+    """DCP's ``CheckpointException`` (a BaseException) as the OSError ``save()`` raises."""
+    first = _first_failure(error)
+    code = first.errno if isinstance(first, OSError) else None
+    return OSError(code, f"writing the sharded checkpoint into {path} failed "
+                         f"({_failures(error)})")
 
 
 def save_sharded(path: Path, state: TrainState, with_optimizer: bool) -> None:
@@ -197,10 +209,58 @@ def save_sharded(path: Path, state: TrainState, with_optimizer: bool) -> None:
                                   storage_writer=FileSystemWriter(path, sync_files=True),
                                   no_dist=not _group_up())
     except CheckpointException as error:  # a BaseException: never let it escape as one
-        first = _first_failure(error)
-        code = first.errno if isinstance(first, OSError) else None
-        raise OSError(code, f"writing the sharded checkpoint into {path} failed "
-                            f"({_failures(error)})") from error
+        raise _write_error(error, path) from error
+
+
+def sharded_state(state: TrainState, with_optimizer: bool) -> dict[str, Any]:
+    """What [`save_sharded`][] writes: DCP's state dicts of the model (and optimizer)."""
+    return _state(state, with_optimizer)
+
+
+class _Staged:
+    """An ``AsyncStager`` for a state dict that is already a staged host copy (nothing to do)."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def start_sharded(path: Path, staged: dict[str, Any], group: Any) -> Future[Any]:
+    """``dcp.async_save`` of ``staged`` (a host copy from [`sharded_state`][]) into ``path``:
+    DCP plans and writes in its own thread (collective over ``group``); the Future is done
+    when every shard is written (fsynced) and the metadata too."""
+    from torch.distributed.checkpoint import state_dict_saver
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    if not _group_up():  # DCP's save warns of it from its own thread, where no
+        warnings.filterwarnings("ignore", message=_SINGLE_SAVE)  # catch_warnings reaches
+    future = state_dict_saver.async_save(
+        staged, storage_writer=FileSystemWriter(path, sync_files=True), async_stager=_Staged(),
+        process_group=group, no_dist=not _group_up())
+    if not isinstance(future, Future):  # an AsyncSaveResponse (only with a staging Future)
+        future = future.upload_completion
+    return future
+
+
+def wait_sharded(future: Future[Any], path: Path) -> None:
+    """Wait for [`start_sharded`][]'s write; raise OSError if it failed."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        future.result()
+    except CheckpointException as error:  # a BaseException: never let it escape as one
+        raise _write_error(error, path) from error
 
 
 def load_sharded(path: Path, state: TrainState, with_optimizer: bool, metadata: Any) -> None:

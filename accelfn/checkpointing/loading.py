@@ -19,7 +19,7 @@ from typing import Any
 
 from ..core.engine import Step
 from ..core.state import TrainState
-from . import checks
+from . import background, checks
 from .collective import agree, anyone, from_rank0, rank_world
 from .dcp import check_metadata, load_sharded, parse_metadata, verify_shards
 from .files import (
@@ -178,7 +178,9 @@ def load(
     SHA-256), the model's parameter names, shapes and dtypes, the optimizer and its
     parameters, the scheduler, the transform stack (when ``step`` is given) and the loader's
     configuration. Should restoring still fail part-way, what was restored is rolled back
-    (``load`` keeps a host copy of the state meanwhile) and the error is raised.
+    (``load`` keeps a host copy of the state meanwhile) and the error is raised. An
+    asynchronous [`save`][] of this process still writing is waited for first (and its error
+    raised, if it failed and ``wait()`` did not raise it already).
 
     Args:
         path: a checkpoint directory, or a run's folder (then its newest committed one).
@@ -201,6 +203,7 @@ def load(
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"load() takes an accelfn.TrainState, got {type(state).__name__}")
+    background.wait_previous("load")  # an asynchronous save of this process commits first
     rank, world = rank_world()
     error: BaseException | None = None
     resolved: Path | None = None

@@ -20,18 +20,27 @@ import secrets
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 
 from ..core.engine import Step
 from ..core.state import TrainState
-from . import files
+from . import background, files
+from .background import AsyncSave
 from .checks import is_sharded, model_signature, optimizer_signature, stack_signature
 from .collective import agree, from_rank0, gather, rank_world
-from .dcp import rewrite_metadata, save_sharded, shard_owner
+from .dcp import (
+    rewrite_metadata,
+    save_sharded,
+    shard_owner,
+    sharded_state,
+    start_sharded,
+    wait_sharded,
+)
 from .files import Digests
 from .format import (
     FORMAT,
@@ -49,6 +58,18 @@ from .rng import rng_state
 __all__ = ["save"]
 
 
+@overload
+def save(directory: str | os.PathLike[str], state: TrainState, *, loader: Any | None = ...,
+         step: Step | None = ..., keep: int | None = ..., extra: Any = ...,
+         sharded: bool | None = ..., asynchronous: Literal[False] = ...) -> Path: ...
+@overload
+def save(directory: str | os.PathLike[str], state: TrainState, *, loader: Any | None = ...,
+         step: Step | None = ..., keep: int | None = ..., extra: Any = ...,
+         sharded: bool | None = ..., asynchronous: Literal[True]) -> AsyncSave: ...
+@overload
+def save(directory: str | os.PathLike[str], state: TrainState, *, loader: Any | None = ...,
+         step: Step | None = ..., keep: int | None = ..., extra: Any = ...,
+         sharded: bool | None = ..., asynchronous: bool) -> Path | AsyncSave: ...
 def save(
     directory: str | os.PathLike[str],
     state: TrainState,
@@ -58,7 +79,8 @@ def save(
     keep: int | None = None,
     extra: Any = None,
     sharded: bool | None = None,
-) -> Path:
+    asynchronous: bool = False,
+) -> Path | AsyncSave:
     """Equivalent to ``torch.save`` of the whole run (state, RNG states, loader position), atomic.
 
     That is ``torch.save({"state": state.state_dict(), "loader": loader.state_dict(),
@@ -66,6 +88,19 @@ def save(
     ``directory/step-<state.step>`` only once it is complete (see the module docstring); the
     path is returned.
     Saving reads no random number generator, so it does not change the run.
+
+    With ``asynchronous=True`` the call returns once the state is *staged*: every tensor to be
+    saved is copied into host memory (pinned when the state is on a GPU; that buffer is kept
+    for the next save). A background thread then writes that copy, checks it and commits it
+    exactly as a synchronous save does (sharded state through
+    ``torch.distributed.checkpoint.async_save``), and releases the folder's lock. Training
+    may change the state as soon as ``save`` returns: the checkpoint holds the state as it was
+    at the call. The returned [`AsyncSave`][] has ``wait()`` (the path, or the save's error)
+    and ``done()``. The next ``save()`` or [`load`][] in this process waits for it first and
+    raises its error if it failed and ``wait()`` did not raise it already. A process killed
+    before the commit leaves the previous checkpoint the newest, as with a synchronous save.
+    Costs: one host copy of the saved state while it is written, and the writing's CPU time
+    in a background thread.
 
     Args:
         directory: the run's checkpoint folder (created if needed).
@@ -80,13 +115,20 @@ def save(
             [`load`][] as ``info.extra``.
         sharded: write model and optimizer with ``torch.distributed.checkpoint``; the default
             when the parameters are DTensors (FSDP2).
+        asynchronous: return after staging, with an [`AsyncSave`][], and write in the
+            background (under ``torchrun`` every process passes the same value).
+
+    Returns:
+        The committed checkpoint's directory; with ``asynchronous=True`` an [`AsyncSave`][]
+        whose ``wait()`` returns it.
 
     Raises:
         TypeError: ``extra`` or a state entry is not tensors and plain data.
         ValueError: ``keep < 1``.
         RuntimeError: a transform refuses to be saved now (an open accumulation window).
         OSError: writing failed, or a file changed before the commit; nothing was committed
-            and earlier checkpoints are intact.
+            and earlier checkpoints are intact (asynchronously: raised by ``wait()``, or by
+            the next ``save()`` or ``load()``).
         CheckpointLockedError: (an OSError) another live process is saving into
             ``directory``; the message names its pid and host.
     """
@@ -97,9 +139,13 @@ def save(
     if loader is not None and not callable(getattr(loader, "state_dict", None)):
         raise TypeError(f"loader={type(loader).__name__} has no state_dict(); pass an "
                         "accelfn.data loader or another object with state_dict()")
+    if not isinstance(asynchronous, bool):
+        raise TypeError(f"asynchronous={asynchronous!r}: pass True or False")
+    background.wait_previous("save")  # one save at a time; a failed one is reported first
     rank, world = rank_world()
     root = Path(directory)
     sharded = is_sharded(state.model) if sharded is None else bool(sharded)
+    group = background.save_group() if asynchronous else None  # collective, once
 
     # 1. Gather and check everything on every process before anything is written; rank 0
     #    takes the folder's lock (one writer at a time) and makes the temporary directory.
@@ -107,7 +153,7 @@ def save(
     lock: WriterLock | None = None
     tmp: Path | None = None
     try:
-        work = _gather(state, loader, step, extra, sharded, rank, world)
+        work = _gather(state, loader, step, extra, sharded, rank, world, keep)
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             lock = WriterLock(root).acquire()
@@ -115,28 +161,65 @@ def save(
             tmp.mkdir()
     except BaseException as exc:  # every process must hear of it
         error = exc
-    final: Path | None = None
     try:
         agree(error, "preparing the checkpoint")
         tmp = Path(from_rank0(str(tmp)))
-        written = _write(tmp, state, work, rank, world)
-        final = _commit(root, tmp, state.step, work, written, lock, rank, world)
+    except BaseException:
+        _abandon(rank, tmp, lock)
+        raise
+    shards = tmp / SHARDED_DIR
+    if not asynchronous:
+        work.write_shards = lambda: save_sharded(shards, state, work.optimizer_in_dcp)
+        return _finish(root, tmp, work, lock, rank, world, None)
+    try:
+        try:  # the only copy made in the loop: what is written from here on
+            staged = background.stage({  # (only rank 0 writes the payload)
+                "payload": work.payload if rank == 0 else {}, "per_rank": work.per_rank,
+                "dcp": sharded_state(state, work.optimizer_in_dcp) if sharded else None})
+            work.payload, work.per_rank = staged["payload"], staged["per_rank"]
+        except BaseException as exc:
+            error = exc
+        agree(error, "staging the checkpoint", OSError)
+        if sharded:
+            future = start_sharded(shards, staged["dcp"], group)
+            work.write_shards, work.shards_running = lambda: wait_sharded(future, shards), True
+        del staged
+    except BaseException:
+        _abandon(rank, tmp, lock)
+        raise
+    return background.start(root, state.step,
+                            lambda: _finish(root, tmp, work, lock, rank, world, group))
+
+
+def _abandon(rank: int, tmp: Path | None, lock: WriterLock | None) -> None:
+    """A save that failed before its commit: remove what it wrote, release the lock."""
+    if rank == 0 and tmp is not None:  # only what this save wrote
+        shutil.rmtree(tmp, ignore_errors=True)
+    if lock is not None:
+        lock.release()
+
+
+def _finish(root: Path, tmp: Path, work: _Work, lock: WriterLock | None, rank: int,
+            world: int, group: Any) -> Path:
+    """2.-4. Write, commit and rotate, then release the lock (in the caller, or in the
+    background thread of an asynchronous save, whose collectives go over ``group``)."""
+    try:
+        written = _write(tmp, work, rank, world, group)
+        final = _commit(root, tmp, work, written, lock, rank, world, group)
         if rank == 0:  # 4. Only now: delete what is beyond `keep`, and leftovers of crashed
             try:       #    saves (under the lock, nobody else is writing here)
-                files.rotate(root, keep, final)
+                files.rotate(root, work.keep, final)
             except OSError as exc:  # the new checkpoint is committed; do not fail the save
                 warnings.warn(f"checkpoint rotation in {root} failed: {exc}", stacklevel=2)
     except BaseException:
-        if rank == 0 and tmp is not None:  # only what this save wrote
-            shutil.rmtree(tmp, ignore_errors=True)
+        _abandon(rank, tmp, lock)
         raise
-    finally:
-        if lock is not None:
-            lock.release()
+    if lock is not None:
+        lock.release()
     if world > 1:
         import torch.distributed as dist
 
-        dist.barrier()  # nobody returns (and reads the directory) before rotation is done
+        dist.barrier(group=group)  # nobody returns (and reads the directory) before rotation
     return final
 
 
@@ -147,10 +230,14 @@ class _Work:
     meta: dict[str, Any]
     sharded: bool
     optimizer_in_dcp: bool
+    step: int
+    keep: int | None = None
+    write_shards: Callable[[], None] | None = None  # DCP's write (or the wait for it)
+    shards_running: bool = False  # DCP's write was started already (asynchronous)
 
 
 def _gather(state: TrainState, loader: Any, step: Step | None, extra: Any, sharded: bool,
-            rank: int, world: int) -> _Work:
+            rank: int, world: int, keep: int | None) -> _Work:
     stack = stack_signature(step)
     full = state.state_dict()
     optimizer_in_dcp = sharded and bool(state.optimizer.state)
@@ -180,10 +267,10 @@ def _gather(state: TrainState, loader: Any, step: Step | None, extra: Any, shard
         "stack": stack,
         "loader": loader is not None,
     }
-    return _Work(payload, per_rank, meta, sharded, optimizer_in_dcp)
+    return _Work(payload, per_rank, meta, sharded, optimizer_in_dcp, state.step, keep)
 
 
-def _write(tmp: Path, state: TrainState, work: _Work, rank: int, world: int) -> Digests:
+def _write(tmp: Path, work: _Work, rank: int, world: int, group: Any) -> Digests:
     """2. Write into the hidden temporary directory, every process its own files; the
     digests of what this process wrote."""
     error: BaseException | None = None
@@ -195,23 +282,26 @@ def _write(tmp: Path, state: TrainState, work: _Work, rank: int, world: int) -> 
     except BaseException as exc:
         error = exc
     if work.sharded:
-        agree(error, "writing the checkpoint", OSError)
-        try:  # collective: every process writes its shards, then checksums them
-            save_sharded(tmp / SHARDED_DIR, state, work.optimizer_in_dcp)
+        if not work.shards_running:  # nobody starts DCP's collective write alone
+            agree(error, "writing the checkpoint", OSError, group)
+        try:  # collective: every process writes its shards (or waits for DCP's thread to,
+            assert work.write_shards is not None  # which talks over `group` meanwhile)
+            work.write_shards()
             for file in sorted((tmp / SHARDED_DIR).iterdir()):
                 rel = f"{SHARDED_DIR}/{file.name}"
                 if file.name != ".metadata" and shard_owner(rel, world) == rank:
                     written[rel] = files.digest_file(file)
         except BaseException as exc:
-            error = exc
-    agree(error, "writing the checkpoint", OSError)
+            error = error or exc
+    agree(error, "writing the checkpoint", OSError, group)
     return written
 
 
-def _commit(root: Path, tmp: Path, step: int, work: _Work, written: Digests,
-            lock: WriterLock | None, rank: int, world: int) -> Path:
+def _commit(root: Path, tmp: Path, work: _Work, written: Digests, lock: WriterLock | None,
+            rank: int, world: int, group: Any) -> Path:
     """3. Rename the complete directory, check every file in it, write the marker last."""
-    listed = {k: v for part in gather(written) for k, v in part.items()}
+    step = work.step
+    listed = {k: v for part in gather(written, group) for k, v in part.items()}
     error: BaseException | None = None
     final: Path | None = None
     if rank == 0:
@@ -231,14 +321,14 @@ def _commit(root: Path, tmp: Path, step: int, work: _Work, written: Digests,
             files.fsync_dir(root)
         except BaseException as exc:
             error = exc
-    agree(error, "committing the checkpoint", OSError)
-    final = Path(from_rank0(str(final)))
+    agree(error, "committing the checkpoint", OSError, group)
+    final = Path(from_rank0(str(final), group))
     try:
         try:  # every process checks what it wrote, where it now is
             files.verify_written(final, written)
         except BaseException as exc:
             error = exc
-        agree(error, "checking the checkpoint before committing it", OSError)
+        agree(error, "checking the checkpoint before committing it", OSError, group)
         if rank == 0:
             try:
                 assert lock is not None
@@ -249,7 +339,7 @@ def _commit(root: Path, tmp: Path, step: int, work: _Work, written: Digests,
                 files.fsync_dir(final)
             except BaseException as exc:
                 error = exc
-        agree(error, "committing the checkpoint", OSError)
+        agree(error, "committing the checkpoint", OSError, group)
     except BaseException:
         if rank == 0:  # never committed: nobody may take it for a checkpoint
             files.remove_checkpoint(final)
