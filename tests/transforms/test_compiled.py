@@ -248,13 +248,13 @@ def run_cache_worker(tmp_path: Path, cache: Path, name: str) -> dict:
 @pytest.fixture(scope="module")
 def cold_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cache")
-    cache = tmp / "ckpt" / "compile-cache.bin"
+    cache = tmp / "ckpt" / "compile-cache.bin"  # beside the checkpoints, in their directory
     return tmp, cache, run_cache_worker(tmp, cache, "cold")
 
 
 @pytest.mark.compile
 def test_cache_file_makes_a_fresh_process_hit_instead_of_compile(cold_run, tmp_path):
-    tmp, cache, cold = cold_run
+    _, cache, cold = cold_run
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2  # compiled: forward, backward
     assert cold["inductor"].get("fxgraph_cache_hit", 0) == 0 and cold["warnings"] == []
     payload, problem = read_cache(cache, {"torch": str(torch.__version__)})

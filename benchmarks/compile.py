@@ -1,0 +1,260 @@
+"""Regional compilation and the compile cache file, as ratios measured in one run.
+
+On a 12-block GPT (``benchmarks/gpt2.py``'s model; 64 wide on a CPU, GPT-2 small's width on
+a GPU), every compile is timed in a fresh process whose ``TORCHINDUCTOR_CACHE_DIR`` is a new,
+empty temporary directory (a fresh machine):
+
+* ``regional``: the cold compile time of ``af.compiled(regional=True)`` (each block compiled,
+  one compiled code for all twelve) against ``af.compiled()`` (the whole model), and the
+  steady step time of the two (and of eager) interleaved in one process, medians.
+  Targets: compile time <= 0.5x of the whole model's, steady step within 5%.
+* ``cache``: the time to the first compiled step of a resumed job, cold (no cache file) and
+  from the cache file that the cold process wrote (``af.compiled(cache=...)``), each in a
+  fresh process with an empty inductor cache. Target: <= 0.2x of cold.
+
+``compile_s`` is the first step's time less a steady step's. The machine's load average is
+recorded at the start and the end of every process (timings on a shared machine vary).
+
+    python benchmarks/compile.py [--json out.json] [--quick] [--only regional,cache]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gpt2 import GPTConfig, lm_loss, make_model, make_optimizer, token_batches
+
+import accelfn as af
+from accelfn.core import compat
+from accelfn.observe.timing import environment, interleaved, resolve_device, sync
+
+SECTIONS = ("regional", "cache")
+TARGETS = {"regional_compile": 0.5, "regional_steady": 0.05, "cache": 0.2}
+
+
+def _config(args: argparse.Namespace, device: torch.device) -> GPTConfig:
+    if args.quick:
+        return GPTConfig(vocab=256, seq=32, layers=4, dim=32, heads=2)
+    if device.type == "cuda":
+        return GPTConfig(layers=12)
+    return GPTConfig(vocab=512, seq=64, layers=12, dim=64, heads=4)
+
+
+def _load() -> list[float] | None:
+    with contextlib.suppress(OSError, AttributeError):
+        return [round(x, 2) for x in os.getloadavg()]
+    return None
+
+
+def _counters() -> dict[str, int]:
+    c = compat.compile_counters()
+    return {"graphs": c.get("stats", {}).get("unique_graphs", 0),
+            "ops_traced": c.get("stats", {}).get("calls_captured", 0),
+            "fxgraph_cache_hit": c.get("inductor", {}).get("fxgraph_cache_hit", 0),
+            "fxgraph_cache_miss": c.get("inductor", {}).get("fxgraph_cache_miss", 0),
+            "autograd_cache_hit": c.get("aot_autograd", {}).get("autograd_cache_hit", 0)}
+
+
+# ----------------------------------------------------------------------- one fresh process
+def probe(args: argparse.Namespace) -> dict[str, Any]:
+    """In a fresh process: the first compiled step (cold or from the cache file), then steady
+    steps; for ``regional``, steady steps of whole-model, regional and eager interleaved."""
+    load = _load()
+    device = resolve_device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    c = _config(args, device)
+    batches = token_batches(c, args.batch_size, 4, device)
+    cursor = iter(range(10**9))
+
+    def side(regional: bool | None, cache: str | None = None) -> Any:
+        model = make_model(c, device)
+        step: Any = af.lift(lm_loss)
+        if regional is not None:
+            step = af.compiled(regional=regional, cache=cache)(step)
+        state = af.TrainState(model, make_optimizer(model))
+        return lambda: step(state, batches[next(cursor) % len(batches)])
+
+    kind = args.probe
+    one = side(kind == "regional", args.cache_file)
+    t0 = time.perf_counter()
+    one()
+    sync(device)
+    first = time.perf_counter() - t0
+    counters = _counters()
+    out: dict[str, Any] = {"probe": kind, "first_step_s": first, **counters,
+                           "torch_threads": torch.get_num_threads()}
+    if kind == "regional":  # the steady comparison: compile the others in this process too
+        whole, eager = side(False), side(None)
+        whole()
+        eager()
+        sync(device)
+        t_whole, t_regional, t_eager = interleaved([whole, one, eager], args.steps, device)
+        out.update(whole_step_ms=statistics.median(t_whole) * 1e3,
+                   regional_step_ms=statistics.median(t_regional) * 1e3,
+                   eager_step_ms=statistics.median(t_eager) * 1e3)
+        steady = statistics.median(t_regional)
+    else:
+        steady = statistics.median(interleaved([one], max(3, args.steps // 4), device)[0])
+        out["step_ms"] = steady * 1e3
+    out["compile_s"] = first - steady
+    if args.cache_file and os.path.exists(args.cache_file):
+        out["cache_file_mib"] = os.path.getsize(args.cache_file) / 2**20
+    out["load_average"], out["load_average_end"] = load, _load()
+    return out
+
+
+def _run_probe(args: argparse.Namespace, kind: str, cache_file: str | None, log: Any,
+               inductor: str | None = None) -> dict[str, Any]:
+    """``kind`` in a fresh process, with an empty inductor cache unless ``inductor`` is given
+    (then that directory, as a restart on the same machine finds it)."""
+    with contextlib.ExitStack() as stack:
+        if inductor is None:
+            inductor = stack.enter_context(tempfile.TemporaryDirectory(prefix="accelfn-ind-"))
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor}
+        cmd = [sys.executable, __file__, "--probe", kind, "--device", args.device,
+               "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        if args.quick:
+            cmd.append("--quick")
+        if cache_file:
+            cmd += ["--cache-file", cache_file]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
+                              timeout=args.timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {kind} probe failed:\n{proc.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result["process_s"] = time.perf_counter() - t0
+    log(f"  {kind}: first step {result['first_step_s']:.1f} s "
+        f"(load {result['load_average'][0] if result['load_average'] else '?'})")
+    return result
+
+
+def _round(x: Any) -> Any:
+    if isinstance(x, float):
+        return round(x, 4)
+    if isinstance(x, dict):
+        return {k: _round(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_round(v) for v in x]
+    return x
+
+
+def bench_regional(args: argparse.Namespace, whole: dict[str, Any], log: Any) -> dict[str, Any]:
+    regional = _run_probe(args, "regional", None, log)
+    compile_ratio = regional["compile_s"] / whole["compile_s"]
+    steady = regional["regional_step_ms"] / regional["whole_step_ms"]
+    return {
+        "whole": whole, "regional": regional,
+        "compile_ratio": compile_ratio,
+        "steady_ratio": steady,
+        "speedup_vs_eager": {"whole": regional["eager_step_ms"] / regional["whole_step_ms"],
+                             "regional": regional["eager_step_ms"] / regional["regional_step_ms"]},
+        "targets": {"compile_ratio": f"<= {TARGETS['regional_compile']}",
+                    "steady_ratio": f"within {TARGETS['regional_steady']:.0%} of 1"},
+        "met": {"compile_ratio": compile_ratio <= TARGETS["regional_compile"],
+                "steady_ratio": abs(steady - 1) <= TARGETS["regional_steady"]},
+        "note": "compile_ratio = regional / whole-model cold compile_s, each in a fresh "
+                "process with an empty TORCHINDUCTOR_CACHE_DIR; steady_ratio = regional / "
+                "whole-model median step, interleaved in the regional probe's process",
+    }
+
+
+def bench_cache(args: argparse.Namespace, cold: dict[str, Any], cache_file: str,
+                inductor: str, log: Any) -> dict[str, Any]:
+    if not os.path.exists(cache_file):
+        raise RuntimeError("the cold probe wrote no compile cache file")
+    warm = _run_probe(args, "warm", cache_file, log)
+    local = _run_probe(args, "warm", None, log, inductor=inductor)
+    ratio = warm["first_step_s"] / cold["first_step_s"]
+    return {
+        "cold": cold, "warm": warm, "same_machine": local,
+        "first_step_ratio": ratio,
+        "compile_ratio": warm["compile_s"] / cold["compile_s"],
+        "same_machine_ratio": local["first_step_s"] / cold["first_step_s"],
+        "target": f"first_step_ratio <= {TARGETS['cache']}",
+        "met": ratio <= TARGETS["cache"],
+        "note": "time to the first compiled step (whole model) of a resumed job; each in a "
+                "fresh process with an empty TORCHINDUCTOR_CACHE_DIR; cold has no cache file "
+                "and writes it (af.compiled(cache=...)), warm loads it. The cold process is "
+                "the regional section's whole-model one. same_machine: a restart without the "
+                "file that finds the cold process' own TORCHINDUCTOR_CACHE_DIR (compiled C++ "
+                "kernels and ISA probes included), for comparison",
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=",".join(SECTIONS))
+    p.add_argument("--device", default="auto")
+    p.add_argument("--quick", action="store_true", help="a 4-block toy: checks the script")
+    p.add_argument("--steps", type=int, default=30, help="steady steps timed per side")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads in each process (default: torch's; 1 steadies step "
+                        "times on a shared CPU)")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per process")
+    p.add_argument("--json", help="write the results here")
+    p.add_argument("--probe", choices=("whole", "regional", "warm"),
+                   help=argparse.SUPPRESS)
+    p.add_argument("--cache-file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.probe:
+        print(json.dumps(probe(args)))
+        return 0
+    device = resolve_device(args.device)
+    args.device = str(device)
+    only = [s for s in args.only.split(",") if s]
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        p.error(f"--only {unknown}: the sections are {', '.join(SECTIONS)}")
+    c = _config(args, device)
+
+    def log(s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
+    result: dict[str, Any] = {
+        "benchmark": "compile", "machine": environment(device),
+        "model": {**copy.deepcopy(vars(c)), "batch": args.batch_size},
+        "command": " ".join(["python", "benchmarks/compile.py", *(argv or sys.argv[1:])]),
+    }
+    with tempfile.TemporaryDirectory(prefix="accelfn-ckpt-") as ckpt, \
+            tempfile.TemporaryDirectory(prefix="accelfn-ind-") as inductor:
+        cache_file = os.path.join(ckpt, "compile-cache.bin")  # beside the checkpoints
+        log("whole model, cold (writes the cache file):")
+        whole = _run_probe(args, "whole", cache_file, log, inductor=inductor)
+        if "regional" in only:
+            log("regional:")
+            result["regional"] = bench_regional(args, whole, log)
+        if "cache" in only:
+            log("cache:")
+            result["cache"] = bench_cache(args, whole, cache_file, inductor, log)
+    result["machine"]["load_average_end"] = _load()
+    text = json.dumps(_round(result), indent=2)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
