@@ -88,3 +88,12 @@ def assert_params_equal(m1, m2, exact: bool = True, atol: float = 0.0, rtol: flo
 
 def as_dict(batch) -> dict:
     return {k: v for k, v in batch.items()}
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (for torchrun rendezvous in tests)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

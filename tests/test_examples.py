@@ -189,7 +189,7 @@ TORCHRUN_CASES = {
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(TORCHRUN_CASES))
 def test_examples_run_under_torchrun(name, tmp_path):
-    from test_distributed import free_port
+    from conftest import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}",

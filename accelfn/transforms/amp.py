@@ -99,10 +99,11 @@ def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: fl
 
     label = "auto" if dtype is None else _DTYPES[dtype]
     extra = f", fp32={len(fp32)} module spec(s)" if fp32 else ""
-    hooks = Hooks(islands=islands, forward_context=forward_context)
-    if dtype != torch.bfloat16:  # fp16 (or a dtype chosen on the device): a loss scaler
-        hooks.update(scale_loss=scale_loss, unscale=unscale, after_update=after_update,
-                     abort=abort)
+    if dtype == torch.bfloat16:  # no loss scaling: autocast only
+        hooks = Hooks(islands=islands, forward_context=forward_context)
+    else:  # fp16, or a dtype chosen on the device: a loss scaler
+        hooks = Hooks(islands=islands, forward_context=forward_context, scale_loss=scale_loss,
+                      unscale=unscale, after_update=after_update, abort=abort)
     return Transform(
         _SLOT,
         hooks,

@@ -124,7 +124,8 @@ def test_dcp_private_metadata_classes_and_storage_entries(tmp_path):
 def test_weights_only_unpickle_refuses_arbitrary_globals():
     import pickle
 
-    assert compat.weights_only_unpickle(pickle.dumps({"a": [1, 2.5]}, protocol=2)) == {"a": [1, 2.5]}
+    data = pickle.dumps({"a": [1, 2.5]}, protocol=2)
+    assert compat.weights_only_unpickle(data) == {"a": [1, 2.5]}
     with pytest.raises(Exception, match="not an allowed global"):
         compat.weights_only_unpickle(pickle.dumps(print, protocol=2))
 

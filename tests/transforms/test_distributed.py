@@ -9,21 +9,13 @@ import sys
 
 import pytest
 import torch
-from conftest import Net, classify, make_batch, token_loss
+from conftest import Net, classify, free_port, make_batch, token_loss
 from dist_worker import CASES, STEPS, global_batch
 from reference import reference_update
 
 import accelfn as af
 
-HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where dist_worker.py is
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: dist_worker.py
 
 
 @pytest.fixture(scope="module")
