@@ -118,10 +118,13 @@ def wait_previous(caller: str) -> None:
     failed and no ``wait()`` raised it yet (then ``caller`` did nothing)."""
     global _pending
     with _lock:
-        handle, _pending = _pending, None
+        handle = _pending
     if handle is None:
         return
     handle._done.wait()
+    with _lock:  # only now: an interrupted wait leaves it for the next call
+        if _pending is handle:
+            _pending = None
     if handle._error is not None and not handle._reported:
         handle._reported = True
         error = handle._error

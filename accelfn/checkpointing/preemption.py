@@ -181,11 +181,22 @@ class PreemptionGuard:
         """Save with [`accelfn.checkpointing.save`][] (on every process) and exit.
 
         Equivalent to ``save(directory, state, **save_options); sys.exit(exit_code)``; the
-        process group, if any, is destroyed first.
+        process group, if any, is destroyed first. An asynchronous save still running is
+        waited for first; if it failed unseen, its error is a warning here (this save is
+        what the restart needs), and with ``asynchronous=True`` the save is waited for too.
         """
+        import warnings
+
+        from .background import AsyncSave, wait_previous
         from .saving import save
 
-        path = save(directory, state, **save_options)
+        try:
+            wait_previous("save")
+        except Exception as error:
+            warnings.warn(f"an earlier asynchronous checkpoint failed ({type(error).__name__}: "
+                          f"{error}); saving the preemption checkpoint anyway", stacklevel=2)
+        saved = save(directory, state, **save_options)
+        path = saved.wait() if isinstance(saved, AsyncSave) else saved
         main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()

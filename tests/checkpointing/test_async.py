@@ -239,10 +239,59 @@ def test_a_failed_sharded_write_is_an_oserror_with_its_errno(tmp_path, monkeypat
     assert ckpt.checkpoints(tmp_path) == [] and list(tmp_path.iterdir()) == []
 
 
+def test_a_preemption_checkpoint_is_written_after_an_unseen_failure(tmp_path, monkeypatch,
+                                                                   capsys):
+    state, loader, step, _ = trained()
+    gate = Gate(monkeypatch, fail=OSError(errno.EIO, "Input/output error"))
+    ckpt.save(tmp_path, state, loader=loader, step=step, asynchronous=True)  # never waited on
+    assert gate.reached.wait(60)
+    gate.open()
+    monkeypatch.undo()
+    guard = ckpt.PreemptionGuard()
+    with pytest.warns(UserWarning, match=r"earlier asynchronous checkpoint failed \(OSError: "
+                                         r"\[Errno 5\] Input/output error"), \
+            pytest.raises(SystemExit) as exited:
+        guard.checkpoint_and_exit(tmp_path, state, loader=loader, step=step, asynchronous=True)
+    assert exited.value.code == ckpt.EXIT_PREEMPTED
+    path = tmp_path / "step-000000002"
+    assert ckpt.checkpoints(tmp_path) == [path]  # committed before the exit
+    assert f"saved {path}; exiting" in capsys.readouterr().err
+
+
 def test_asynchronous_must_be_a_bool(tmp_path):
     state = trained(1)[0]
     with pytest.raises(TypeError, match="pass True or False"):
         ckpt.save(tmp_path, state, asynchronous="yes")  # type: ignore[call-overload]
+
+
+EXITING = """
+import sys, torch
+from accelfn import checkpointing
+from accelfn.checkpointing import files
+if sys.argv[2] == "fail":
+    def write_torch(path, obj):
+        raise OSError(28, "No space left on device")
+    files.write_torch = write_torch
+torch.manual_seed(0)
+model = torch.nn.Linear(512, 512)
+import accelfn as af
+state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+checkpointing.save(sys.argv[1], state, asynchronous=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["ok", "fail"])
+def test_a_script_that_ends_lets_the_save_finish(tmp_path, how):
+    proc = subprocess.run([sys.executable, "-c", EXITING, str(tmp_path), how], env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if how == "ok":  # committed before the interpreter exited
+        assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-000000000"]
+        assert "RuntimeWarning" not in proc.stderr
+    else:  # nobody saw the error: said at exit
+        assert ckpt.checkpoints(tmp_path) == [] and list(tmp_path.iterdir()) == []
+        assert "the asynchronous save of step 0 into" in proc.stderr
+        assert "OSError: [Errno 28] No space left on device" in proc.stderr
 
 
 # ------------------------------------------------------------------ killed while writing
