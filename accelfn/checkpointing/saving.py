@@ -11,6 +11,9 @@ are those of saves that died, never another live writer's files.
 Under ``torchrun`` every process calls ``save()`` (it is collective): with DDP, rank 0
 writes the replicated state and every rank its own RNG states and loader position; with FSDP2
 (DTensor parameters) model and optimizer are written by all ranks through DCP.
+
+``save(..., asynchronous=True)`` runs step 1 and a staging copy in the caller and steps 2-4
+(``_finish``) in a background thread (see ``background``): the same writes, checks and commit.
 """
 
 from __future__ import annotations
