@@ -204,20 +204,61 @@ expect different ratios (see the performance guide).
 
 
 def overhead(r: dict[str, Any], name: str) -> str:
-    rows = ["| configuration | hand-written ms/step | accelfn ms/step | ratio | added us/step |",
-            "|---|---:|---:|---:|---:|"]
-    for label, key in (("MLP 64-512-512-10, batch 256", "default"),
-                       ("MLP 64-16-16-10, batch 8", "tiny")):
-        o = r[key]
-        rows.append(f"| {label} | {o['hand_written_step_ms']:.4f} | {o['accelfn_step_ms']:.4f} "
-                    f"| {o['ratio']:.4f} | {o['added_us_per_step']:.1f} |")
-    stack = r["default"]["stack"]
-    return (f"### Step overhead ({r['date']}, {r['machine']}, load average "
-            f"{r['load_average']:.2f})\n\n`{r['command']}` -> `{name}`. Stack: `{stack}` "
-            f"against the same loop written by hand (same TensorDict batch and metrics), "
-            f"{r['default']['timing']}. Parameters bitwise equal: "
-            f"{r['default']['parameters_bitwise_equal'] and r['tiny']['parameters_bitwise_equal']}"
-            f". Targets: ratio <= 1.01, added <= 20 us.\n\n" + "\n".join(rows))
+    sides = ("accelfn", "same_features", "fabric", "accelerate")
+    labels = {"accelfn": "accelfn", "same_features": "hand-written, same features",
+              "fabric": "Lightning Fabric", "accelerate": "HF Accelerate"}
+    rows = ["| model | precision | plain loop us/step | "
+            + " | ".join(f"{labels[s]} ratio" for s in sides) + " | accelfn added us |",
+            "|---|---|---:|" + "---:|" * len(sides) + "---:|"]
+    for c in r["configs"]:
+        cells = [f"{c[s]['ratio']:.3f}" if s in c else "not installed" for s in sides]
+        rows.append(f"| {c['model']}, batch {c['batch']} | {c['precision']} | "
+                    f"{c['plain_step_us']:,.0f} | " + " | ".join(cells)
+                    + f" | {c['accelfn']['added_us']:,.0f} |")
+    bitwise = all(c["parameters_bitwise_equal_to_plain"] for c in r["configs"])
+    load = r["load_average"]
+    return (f"### Step overhead against the plain loop ({r['date']}, {r['machine']}, load "
+            f"average {load[0]:.2f} at the start, {load[3]:.2f} at the end)\n\n"
+            f"`python benchmarks/overhead.py` -> `{name}`. Baseline: {r['baseline']}. accelfn: "
+            f"{r['accelfn']}. {r['timing']}. Parameters bitwise equal to the plain loop: "
+            f"{bitwise}. Targets: tiny <= {r['targets']['tiny']}, medium <= "
+            f"{r['targets']['medium']}.\n\n" + "\n".join(rows))
+
+
+def compile_(r: dict[str, Any], name: str) -> str:
+    g, c, m = r["regional"], r["cache"], r["model"]
+    load = r["machine"]["load_average"]
+    rows = ["| measurement | value | target | met |", "|---|---:|---|---|",
+            f"| regional / whole-model cold compile time | {_x(g['compile_ratio'])} | "
+            f"{g['targets']['compile_ratio']} | {g['met']['compile_ratio']} |",
+            f"| regional / whole-model steady step time | {_x(g['steady_ratio'])} | "
+            f"{g['targets']['steady_ratio']} | {g['met']['steady_ratio']} |",
+            f"| first compiled step after resume, cache file / cold | "
+            f"{_x(c['first_step_ratio'])} | {c['target']} | {c['met']} |",
+            f"| same, restart that finds its own inductor cache / cold | "
+            f"{_x(c['same_machine_ratio'])} | | |"]
+    return (f"### Compilation ({r['machine']['date'][:10]}, {r['machine']['cpu']}, "
+            f"{r['machine']['cpu_cores']} cores, load average {load[0]:.2f})\n\n"
+            f"`{r['command']}` -> `{name}`. GPT of {m['layers']} blocks, width {m['dim']}, "
+            f"sequence {m['seq']}, batch {m['batch']}; each measurement in a fresh process "
+            f"with an empty inductor cache. Whole-model cold compile "
+            f"{g['whole']['compile_s']:.0f} s, regional {g['regional']['compile_s']:.0f} s; "
+            f"first step from the cache file {c['warm']['first_step_s']:.0f} s against "
+            f"{c['cold']['first_step_s']:.0f} s cold.\n\n" + "\n".join(rows))
+
+
+def checkpoint(r: dict[str, Any], name: str) -> str:
+    load = r["load_average"]
+    before = load["before"][0] if isinstance(load, dict) else load[0]
+    return (f"### Asynchronous checkpoints ({r['date']}, {r['machine']}, load average "
+            f"{before:.2f})\n\n`{r['command']}` -> `{name}`. {r['model']}, "
+            f"{r['parameters'] / 1e6:.1f}M parameters ({r['bytes'] / 2**20:,.0f} MiB); "
+            f"{r['timing']}.\n\n"
+            "| save | blocking s (median) |\n|---|---:|\n"
+            f"| synchronous | {r['sync_blocking_s']:.3f} |\n"
+            f"| `asynchronous=True` | {r['async_blocking_s']:.3f} |\n\n"
+            f"Ratio {_x(r['ratio'])} (target <= {r['target']}, met: {r['meets_target']}); the "
+            f"asynchronous save committed {r['async_time_to_commit_s']:.2f} s after the call.")
 
 
 def render(paths: list[Path]) -> str:
@@ -233,6 +274,10 @@ def render(paths: list[Path]) -> str:
             sections.append(transforms(r, name))
         elif kind == "gpt2":
             sections.append(gpt2(r, name))
+        elif kind == "compile":
+            sections.append(compile_(r, name))
+        elif kind == "checkpoint":
+            sections.append(checkpoint(r, name))
         elif kind == "overhead":
             sections.append(overhead(r, name))
         elif kind == "benchmarks/gpu_suite.sh" and not r.get("dry_run"):
