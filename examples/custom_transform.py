@@ -4,6 +4,8 @@
     torchrun --nproc_per_node=2 examples/custom_transform.py
     python examples/custom_transform.py --steps 300 --resume runs/noise
 
+Time: about 4 s on a shared 2-core CPU (load average 3: 4.3 CPU-seconds), 200 updates.
+
 ``with_gradient_noise`` follows the same public protocol as accelfn's own transforms: an
 immutable ``accelfn.Transform`` record declaring one hook in the ``gradients`` phase (after
 unscaling and micro-batch weighting, before clipping), with its random generator kept in a
@@ -17,6 +19,7 @@ import argparse
 import json
 from typing import Any
 
+import run_options  # examples/run_options.py: --out, --resume, --overwrite, --allow-resharding
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDictBase
@@ -67,11 +70,11 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--std", type=float, default=0.01)
-    parser.add_argument("--out", default="runs/noise")
-    parser.add_argument("--resume", default=None)
+    run_options.add_arguments(parser)
     args = parser.parse_args(argv)
 
     device = af.init_distributed()
+    out = run_options.run_folder(args, "noise")
     torch.manual_seed(0)
     dataset = digits()
     train = data.loader(dataset, batch_size=32, device=device,
@@ -81,10 +84,14 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     state = af.TrainState(model, optimizer)
     step = af.distributed(af.with_clipping(max_norm=1.0)(with_gradient_noise(std=args.std)(
         mlp_step)))
-    if args.resume:
-        checkpointing.load(args.resume, state, loader=train, step=step)
+    run_options.resume(args, state, loader=train, step=step)
     if af.is_main_process():
         print(af.describe(step))
+        if state.step >= args.steps:
+            print(run_options.nothing_to_train(
+                out, state.step, args.steps, args.steps,
+                f"Pass --steps N with N > {state.step} (and --resume) to train longer"))
+    trained = state.step < args.steps
     metrics = None
     while state.step < args.steps:
         for batch in train:
@@ -95,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
         "updates": state.step,
         "loss": None if metrics is None else float(metrics["loss"]),
         "accuracy": None if metrics is None else float(metrics["accuracy"])}
-    checkpointing.save(args.out, state, loader=train, step=step, keep=2)
+    if trained:
+        checkpointing.save(out, state, loader=train, step=step, keep=2)
     if af.is_main_process():
         print(json.dumps(summary))
     train.close()  # stop background threads before the process group goes

@@ -4,9 +4,12 @@
     torchrun --nproc_per_node=2 examples/hand_written_loop.py
     python examples/hand_written_loop.py --epochs 6 --resume runs/loop
 
+Time: about 4 s on a shared 2-core CPU (load average 3: 4.3 CPU-seconds), 4 epochs.
+
 Nothing here is owned by accelfn but the step: the loop, the epoch structure, when to
 evaluate, what to log (read from the device every ``--log-every`` updates only), and when to
-save are plain Python.
+save are plain Python. Each run writes into ``runs/loop/<date>-<time>`` (``--out``,
+``--resume``, ``--overwrite``, ``--allow-resharding`` as in classify_digits.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import time
 from collections.abc import Iterable
 
+import run_options  # examples/run_options.py: --out, --resume, --overwrite, --allow-resharding
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
@@ -50,11 +54,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--out", default="runs/loop")
-    parser.add_argument("--resume", default=None)
+    run_options.add_arguments(parser)
     args = parser.parse_args(argv)
 
     device = af.init_distributed()
+    out = run_options.run_folder(args, "loop")
     torch.manual_seed(0)
     dataset = digits()
     is_test = torch.arange(len(dataset)) % 5 == 0
@@ -69,16 +73,20 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     step = af.distributed(af.with_amp(af.with_accumulation(2)(af.with_clipping(loss_fn))))
 
     start_epoch = 0
-    if args.resume:
-        info = checkpointing.load(args.resume, state, step=step)
+    info = run_options.resume(args, state, loader=None, step=step)  # epochs restart the loader
+    if info is not None:
         start_epoch = int(info.extra["epoch"]) + 1
 
     if af.is_main_process():
         print(f"step: {af.describe(step)}")
+        if start_epoch >= args.epochs:
+            print(f"{out}: the run already trained its {start_epoch} epoch(s); nothing to "
+                  f"train. Pass --epochs N with N > {start_epoch} (and --resume) to train "
+                  "longer")
     log_rows: list[dict[str, float]] = []
     pending: list[tuple[int, TensorDict]] = []  # device metrics, read every log_every
     main_process = af.is_main_process()
-    accuracy = 0.0
+    accuracy = evaluate(step, state, test) if start_epoch >= args.epochs else 0.0
     for epoch in range(start_epoch, args.epochs):
         for group in optimizer.param_groups:           # a hand-written step decay
             group["lr"] = 3e-3 * (0.5 ** epoch)
@@ -95,12 +103,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if main_process:
             print(f"epoch {epoch}: held-out accuracy {accuracy:.3f} "
                   f"({time.perf_counter() - t0:.1f} s)")
-        checkpointing.save(args.out, state, step=step, keep=1, extra={"epoch": epoch})
+        checkpointing.save(out, state, step=step, keep=1, extra={"epoch": epoch})
     if main_process and log_rows:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "log.csv"), "w", newline="") as f:
+        path = os.path.join(out, "log.csv")
+        continued = info is not None and os.path.exists(path)  # a resumed run appends
+        with open(path, "a" if continued else "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=list(log_rows[0]))
-            writer.writeheader()
+            if not continued:
+                writer.writeheader()
             writer.writerows(log_rows)
     train.close()  # stop background threads before the process group goes
     test.close()

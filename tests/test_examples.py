@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,11 @@ from accelfn import checkpointing
 from accelfn.testing import check_transform, plain_update
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+if EXAMPLES not in sys.path:  # the examples import their sibling run_options.py
+    sys.path.insert(0, EXAMPLES)
+SCRIPTS = sorted(f[:-3] for f in os.listdir(EXAMPLES)
+                 if f.endswith(".py") and f != "run_options.py")
 
 
 def load_example(name: str):
@@ -175,30 +181,171 @@ def test_image_example_from_an_image_folder_and_resume(tmp_path):
     assert again["updates"] == 4 and 0.0 <= again["val_accuracy"] <= 1.0
 
 
+TINY_GPT = ["--text-bytes", "30000", "--batch-size", "8", "--seq-len", "32", "--dim", "32",
+            "--depth", "2", "--quiet"]
+TINY_IMAGES = ["--size", "16", "--batch-size", "8", "--quiet"]
+# name: (the 2-process run, the 1-process resume of it, the updates the resume ends at)
 TORCHRUN_CASES = {
-    "classify_digits": ["--steps", "6", "--quiet"],
-    "custom_transform": ["--steps", "6"],
-    "hand_written_loop": ["--epochs", "1"],
-    "classify_images": ["--steps", "2", "--size", "16", "--batch-size", "8", "--quiet"],
-    "gpt": ["--steps", "3", "--fsdp", "--text-bytes", "30000", "--batch-size", "8",
-            "--seq-len", "32", "--dim", "32", "--depth", "2", "--quiet"],
+    "classify_digits": (["--steps", "6", "--stop-at", "3", "--quiet"], ["--steps", "6", "--quiet"],
+                        6),
+    "custom_transform": (["--steps", "6"], ["--steps", "8"], 8),
+    "hand_written_loop": (["--epochs", "1"], ["--epochs", "2"], None),
+    "classify_images": (["--steps", "4", "--stop-at", "2", *TINY_IMAGES],
+                        ["--steps", "4", *TINY_IMAGES], 4),
+    "gpt": (["--steps", "4", "--stop-at", "2", "--fsdp", *TINY_GPT],
+            ["--steps", "4", "--fsdp", *TINY_GPT], 4),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(TORCHRUN_CASES))
-def test_examples_run_under_torchrun(name, tmp_path):
+def test_examples_run_under_torchrun_and_resume_in_one_process(name, tmp_path, capsys):
     from conftest import free_port
 
+    run, resume, updates = TORCHRUN_CASES[name]
+    out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           os.path.join(ROOT, "examples", f"{name}.py"), *TORCHRUN_CASES[name],
-           "--out", str(tmp_path / name)]
+           os.path.join(EXAMPLES, f"{name}.py"), *run, "--out", str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "distributed(" in proc.stdout
+    saved = checkpointing.latest(out)
+    assert saved is not None
+
+    example = load_example(name)
+    with pytest.raises(SystemExit) as refused:  # 2 processes wrote it, 1 resumes it
+        example.main([*resume, "--resume", str(out)])
+    assert "written by 2 process(es) and this run has 1: pass --allow-resharding" in str(
+        refused.value.code)
+    capsys.readouterr()
+    report = example.main([*resume, "--resume", str(out), "--allow-resharding"])
+    assert f"resumed {saved}, written by 2 process(es), in 1" in capsys.readouterr().out
+    done = int(saved.name.split("-")[1])
+    if updates is None:  # epochs: the second one, all of it in one process
+        assert report["updates"] > done
+    else:
+        assert report["updates"] == updates > done
+    assert checkpointing.latest(out).name == f"step-{report['updates']:09d}"
+
+
+def checkpoint_names(folder) -> list[str]:
+    return [p.name for p in checkpointing.checkpoints(folder)]
+
+
+def test_every_example_has_the_run_options(capsys):
+    for name in SCRIPTS:
+        with pytest.raises(SystemExit) as done:
+            load_example(name).main(["--help"])
+        assert done.value.code == 0
+        printed = capsys.readouterr().out
+        for flag in ("--out", "--resume", "--overwrite", "--allow-resharding"):
+            assert flag in printed, (name, flag)
+
+
+@pytest.mark.slow
+def test_each_run_writes_a_folder_of_its_own(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    example = load_example("custom_transform")
+    example.main(["--steps", "3"])
+    example.main(["--steps", "3"])  # most likely within the same second as the first
+    runs = sorted((tmp_path / "runs" / "noise").iterdir())
+    assert len(runs) == 2
+    for run in runs:  # no step-000000003.1: each run has its own
+        assert checkpoint_names(run) == ["step-000000003"]
+
+    with pytest.raises(SystemExit) as refused:  # another run's folder
+        example.main(["--steps", "3", "--out", str(runs[0])])
+    message = str(refused.value.code)
+    assert f"{runs[0]} holds the checkpoints of another run (step-000000003)" in message
+    assert f"--resume {runs[0]}" in message and "--overwrite" in message
+    assert checkpoint_names(runs[0]) == ["step-000000003"]  # untouched
+
+    example.main(["--steps", "4", "--out", str(runs[0]), "--overwrite"])
+    assert checkpoint_names(runs[0]) == ["step-000000004"]
+    # runs/noise names the run whose checkpoint is newest; it continues in its own folder
+    again = example.main(["--steps", "6", "--resume", "runs/noise"])
+    assert again["updates"] == 6
+    assert checkpoint_names(runs[0]) == ["step-000000004", "step-000000006"]
+    assert checkpoint_names(runs[1]) == ["step-000000003"]
+    assert sorted((tmp_path / "runs" / "noise").iterdir()) == runs
+
+    with pytest.raises(SystemExit, match="no complete checkpoint"):
+        example.main(["--resume", str(tmp_path / "nothing-here")])
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_says_so_and_writes_nothing(tmp_path, capsys):
+    noise = load_example("custom_transform")
+    out = str(tmp_path / "noise")
+    noise.main(["--steps", "3", "--out", out])
+    capsys.readouterr()
+    noise.main(["--steps", "3", "--resume", out])
+    assert (f"{out}: the run already reached its last update (3 of 3); nothing to train. "
+            "Pass --steps N with N > 3 (and --resume) to train longer"
+            in capsys.readouterr().out.splitlines())
+    assert checkpoint_names(out) == ["step-000000003"]  # no second copy of the same step
+    assert noise.main(["--steps", "5", "--resume", out])["updates"] == 5  # as it said
+
+    digits = load_example("classify_digits")  # a schedule spanning --steps
+    out = str(tmp_path / "digits")
+    digits.main(["--steps", "4", "--stop-at", "2", "--out", out, "--quiet"])
+    capsys.readouterr()
+    digits.main(["--steps", "4", "--stop-at", "2", "--resume", out, "--quiet"])
+    assert (f"{out}: already at --stop-at 2 (2 of 4 updates); raise --stop-at or leave it out "
+            "to continue" in capsys.readouterr().out.splitlines())
+    assert digits.main(["--steps", "4", "--resume", out, "--quiet"])["updates"] == 4
+    capsys.readouterr()
+    report = digits.main(["--steps", "4", "--resume", out, "--quiet"])
+    printed = capsys.readouterr().out
+    assert (f"{out}: the run already reached its last update (4 of 4); nothing to train. Its "
+            "learning-rate schedule ends there: to train longer, start a new run (without "
+            "--resume) with more updates, e.g. --steps 8" in printed.splitlines())
+    assert report["updates"] == 4 and 0.0 <= report["held_out_accuracy"] <= 1.0
+    assert "plot" not in report and checkpoint_names(out) == ["step-000000002",
+                                                               "step-000000004"]
+    with pytest.raises(SystemExit, match=r"belongs to a run of 4 updates .* resume with "
+                                         r"--steps 4, or start a new run"):
+        digits.main(["--steps", "8", "--resume", out, "--quiet"])
+
+    loop = load_example("hand_written_loop")
+    out = str(tmp_path / "loop")
+    loop.main(["--epochs", "1", "--out", out])
+    capsys.readouterr()
+    again = loop.main(["--epochs", "1", "--resume", out])
+    assert (f"{out}: the run already trained its 1 epoch(s); nothing to train. Pass --epochs N "
+            "with N > 1 (and --resume) to train longer" in capsys.readouterr().out.splitlines())
+    assert again["held_out_accuracy"] > 0.5 and len(checkpoint_names(out)) == 1
+
+
+@pytest.mark.slow
+def test_image_example_ema_keeps_up_with_the_weights(tmp_path, capsys):
+    images = load_example("classify_images")
+    report = images.main(["--steps", "30", "--size", "16", "--batch-size", "32", "--quiet",
+                          "--out", str(tmp_path / "run")])
+    assert report["val_accuracy"] > 0.5  # it learned: chance is 0.1
+    # the average of a short run forgets its random start (a plain decay 0.99 kept 74% of it)
+    assert report["val_accuracy_ema"] >= report["val_accuracy"] - 0.05
+    lines = [line for line in capsys.readouterr().out.splitlines() if "with their EMA" in line]
+    assert len(lines) == 1
+    assert f"val accuracy {report['val_accuracy']:.3f} with the trained weights, " \
+           f"{report['val_accuracy_ema']:.3f} with their EMA" in lines[0]
+
+
+def test_every_example_states_how_long_it_takes_on_a_cpu():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    index = open(os.path.join(ROOT, "docs", "index.md")).read()
+    timed = re.compile(r"\d+(\.\d+)? (min|s) on a (shared )?(\d-core )?CPU")
+    for name in SCRIPTS:
+        doc = load_example(name).__doc__
+        assert timed.search(doc), f"{name}.py: its docstring gives no CPU time"
+        for page, text in (("README.md", readme), ("docs/index.md", index)):
+            lines = [ln for ln in text.splitlines() if f"{name}.py" in ln]
+            assert lines, f"{page} does not list {name}.py"
+            assert any(re.search(r"\(?\d+(\.\d+)? (min|s)\b", ln) for ln in lines), \
+                f"{page}: no time for {name}.py"
 
 
 @pytest.mark.slow
