@@ -56,7 +56,8 @@ def autocast(bf16: bool) -> Any:
 
 
 # ------------------------------------------------------------------------------ the sides
-def plain_side(model: nn.Module, x: torch.Tensor, y: torch.Tensor, bf16: bool) -> Callable[[], None]:
+def plain_side(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+               bf16: bool) -> Callable[[], None]:
     """The loop people write: nothing added."""
     optimizer = make_optimizer(model)
 
