@@ -11,6 +11,18 @@ never for a skipped update), so every count below is a count of **optimizer upda
     state = af.TrainState(model, optimizer, scheduler=scheduler)
 
 (with ``with_accumulation(n, mode="calls")`` an update happens every ``n`` calls: divide.)
+
+Past its end every schedule holds its final learning rate, so a run that trains longer than
+``total_steps`` (a resumed run extended, a miscounted ``len(loader)``) continues at the rate
+it ended on, as nanoGPT's schedule does:
+
+* [`warmup_cosine`][]: ``min_lr`` from update ``total_steps`` on (torch's
+  ``CosineAnnealingLR`` climbs back up towards ``lr``, a cosine of period ``2 * T_max``);
+* [`warmup_linear`][]: ``lr * end_factor`` (as torch's ``LinearLR`` does);
+* [`one_cycle`][]: its final rate ``max_lr / div_factor / final_div_factor`` and final
+  momentum (torch's ``OneCycleLR`` overshoots by one update, then raises ``ValueError``);
+* [`warmup_plateau`][]: has no end; after warmup only [`WarmupPlateau.observe`][] changes
+  the rate.
 Torch's schedulers write a tensor learning rate in place (``fill_``), so they keep working
 when ``compiled(optimizer=True)`` holds each group's ``lr`` as a tensor, and the optimizer
 step never recompiles. The step's metrics report ``lr`` (of the first parameter group).
@@ -34,6 +46,26 @@ from torch.optim.lr_scheduler import (
 )
 
 __all__ = ["WarmupPlateau", "one_cycle", "warmup_cosine", "warmup_linear", "warmup_plateau"]
+
+
+class _HeldCosine(CosineAnnealingLR):
+    """``CosineAnnealingLR`` holding ``eta_min`` from ``T_max`` on (torch's climbs back up)."""
+
+    def get_lr(self) -> list[float | torch.Tensor]:
+        if self.last_epoch >= self.T_max:
+            return [self.eta_min for _ in self.optimizer.param_groups]
+        return super().get_lr()
+
+
+class _HeldOneCycle(OneCycleLR):
+    """``OneCycleLR`` holding its final rate (and momentum) from ``total_steps - 1`` on
+    (torch's overshoots at ``total_steps`` and raises after it)."""
+
+    def get_lr(self) -> list[float | torch.Tensor]:
+        if self.last_epoch >= self.total_steps:
+            return [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
+                    for g in self.optimizer.param_groups]
+        return super().get_lr()
 
 
 def _check_optimizer(fn: str, optimizer: Any) -> None:
@@ -80,13 +112,15 @@ def warmup_cosine(
 ) -> LRScheduler:
     """Equivalent to ``SequentialLR(optimizer, [LinearLR(optimizer, start_factor, 1.0,
     warmup_steps), CosineAnnealingLR(optimizer, total_steps - warmup_steps, eta_min=min_lr)],
-    milestones=[warmup_steps])``.
+    milestones=[warmup_steps])`` for the first ``total_steps`` updates, then ``min_lr``.
 
     The learning rate of update ``t`` (counting from 0) for a group of base rate ``lr`` is:
 
         t <  warmup_steps:  lr * (start_factor + (1 - start_factor) * t / warmup_steps)
         t >= warmup_steps:  min_lr + (lr - min_lr) * (1 + cos(pi * (t - warmup_steps)
                                                       / (total_steps - warmup_steps))) / 2
+        t >= total_steps:   min_lr (held for as long as training goes on, as nanoGPT does;
+                            torch's CosineAnnealingLR would climb back up towards lr)
 
     ``start_factor`` defaults to ``1 / (warmup_steps + 1)``, so warmup climbs
     ``lr * (t + 1) / (warmup_steps + 1)`` and reaches ``lr`` at ``t = warmup_steps``.
@@ -98,10 +132,10 @@ def warmup_cosine(
     if not isinstance(min_lr, (int, float)) or min_lr < 0:
         raise ValueError(f"warmup_cosine(min_lr={min_lr!r}) must be a number >= 0")
     if warmup_steps == 0:
-        return CosineAnnealingLR(optimizer, T_max=total_steps, eta_min=float(min_lr))
+        return _HeldCosine(optimizer, T_max=total_steps, eta_min=float(min_lr))
     factor = _start_factor("warmup_cosine", start_factor, warmup_steps)
     warmup = _warmup(optimizer, warmup_steps, factor)
-    decay = CosineAnnealingLR(optimizer, T_max=total_steps - warmup_steps, eta_min=float(min_lr))
+    decay = _HeldCosine(optimizer, T_max=total_steps - warmup_steps, eta_min=float(min_lr))
     return SequentialLR(optimizer, [warmup, decay], milestones=[warmup_steps])
 
 
@@ -118,8 +152,9 @@ def warmup_linear(
     milestones=[warmup_steps])``.
 
     Linear warmup to each group's ``lr``, then linear decay to ``lr * end_factor`` at update
-    ``total_steps`` (``end_factor`` is relative to each group, as in ``LinearLR``).
-    ``start_factor`` defaults to ``1 / (warmup_steps + 1)`` (see [`warmup_cosine`][]).
+    ``total_steps`` (``end_factor`` is relative to each group, as in ``LinearLR``), held
+    after it. ``start_factor`` defaults to ``1 / (warmup_steps + 1)`` (see
+    [`warmup_cosine`][]).
     """
     _check_optimizer("warmup_linear", optimizer)
     _check_steps("warmup_linear", warmup_steps, total_steps)
@@ -159,7 +194,9 @@ def one_cycle(
 ) -> LRScheduler:
     """Equivalent to ``OneCycleLR(optimizer, max_lr, total_steps=total_steps,
     pct_start=pct_start, ...)`` (its own warmup: from ``max_lr / div_factor`` up to
-    ``max_lr``, then annealing to ``max_lr / div_factor / final_div_factor``).
+    ``max_lr``, then annealing to ``max_lr / div_factor / final_div_factor``) for the first
+    ``total_steps`` updates; after them the final rate and momentum are held (torch's
+    ``OneCycleLR`` overshoots at update ``total_steps`` and raises ``ValueError`` at the next).
 
     ``max_lr`` defaults to each group's current ``lr``. ``warmup_steps``, when given, sets
     ``pct_start = warmup_steps / total_steps``. ``cycle_momentum`` defaults to True only for
@@ -185,7 +222,7 @@ def one_cycle(
     elif cycle_momentum and not _has_momentum(optimizer):
         raise ValueError("one_cycle(cycle_momentum=True) needs an optimizer with momentum "
                          "(SGD(momentum>0), Adam/AdamW betas)")
-    return OneCycleLR(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=pct_start,
+    return _HeldOneCycle(optimizer, max_lr=max_lr, total_steps=total_steps, pct_start=pct_start,
                       anneal_strategy=anneal_strategy, div_factor=div_factor,
                       final_div_factor=final_div_factor, three_phase=three_phase,
                       cycle_momentum=cycle_momentum)
@@ -202,7 +239,8 @@ class WarmupPlateau:
     no-op once warmup is over); call [`observe`][] with the validation metric where the
     loop evaluates. Metrics observed during warmup are ignored (the warmup owns the learning
     rate then); ``observe`` reads the metric on the host (``float``), which is a sync, so
-    call it at evaluation time only.
+    call it at evaluation time only. It has no end: after warmup, updates never change the
+    rate; only reductions by ``observe`` do (down to ``min_lr``), for as long as it runs.
     """
 
     def __init__(self, optimizer: Optimizer, warmup: LinearLR | None,
@@ -285,8 +323,8 @@ def warmup_plateau(
     ``ReduceLROnPlateau(optimizer, mode, factor, patience, threshold, threshold_mode,
     cooldown, min_lr)`` fed with ``observe(val_metric)`` at each evaluation.
 
-    ``patience`` and ``cooldown`` count observations (evaluations), as in torch. See
-    [`WarmupPlateau`][] for the loop.
+    ``patience`` and ``cooldown`` count observations (evaluations), as in torch. It has no
+    end (no ``total_steps``). See [`WarmupPlateau`][] for the loop.
     """
     _check_optimizer("warmup_plateau", optimizer)
     _check_steps("warmup_plateau", warmup_steps, None)

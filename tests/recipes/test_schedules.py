@@ -186,6 +186,95 @@ def test_warmup_plateau_checkpoint_round_trip_through_train_state(net):
         [0.001])
 
 
+# ----------------------------------------------------------------- past the end
+def nanogpt_get_lr(it, learning_rate, warmup_iters, lr_decay_iters, min_lr):
+    """nanoGPT's train.py get_lr, verbatim but for the arguments."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    decay_ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    assert 0 <= decay_ratio <= 1
+    coeff = 0.5 * (1.0 + math.cos(math.pi * decay_ratio))
+    return min_lr + coeff * (learning_rate - min_lr)
+
+
+@pytest.mark.parametrize("warmup,min_lr", [(4, 6e-5), (4, 0.0), (0, 6e-5)])
+def test_warmup_cosine_holds_min_lr_past_total_steps(warmup, min_lr):
+    opt = two_groups(lr_a=6e-4, lr_b=6e-4)
+    sched = warmup_cosine(opt, warmup_steps=warmup, total_steps=20, min_lr=min_lr)
+    got = [lrs[0] for lrs in lrs_over(opt, sched, 80)]
+    assert got[20:] == [min_lr] * 60  # the reported climb: 4.1e-4 at update 40
+    assert all(a >= b for a, b in zip(got[warmup:], got[warmup + 1:]))  # never climbs back
+    expected = [nanogpt_get_lr(t, 6e-4, warmup, 20, min_lr) for t in range(80)]
+    assert got == pytest.approx(expected, rel=1e-9, abs=1e-15)
+
+
+def test_warmup_cosine_past_its_end_survives_a_checkpoint():
+    opt = two_groups()
+    sched = warmup_cosine(opt, warmup_steps=2, total_steps=6, min_lr=1e-3)
+    lrs_over(opt, sched, 9)
+    opt2 = two_groups()
+    sched2 = warmup_cosine(opt2, warmup_steps=2, total_steps=6, min_lr=1e-3)
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(sched.state_dict())
+    assert lrs_over(opt2, sched2, 5) == lrs_over(opt, sched, 5) == [[1e-3, 1e-3]] * 5
+
+
+@pytest.mark.parametrize("warmup", [2, 0])
+def test_warmup_linear_holds_its_end_factor_past_total_steps(warmup):
+    opt = two_groups()
+    sched = warmup_linear(opt, warmup_steps=warmup, total_steps=8, end_factor=0.1)
+    got = lrs_over(opt, sched, 40)
+    assert got[8] == pytest.approx([0.01, 0.002], rel=1e-9)
+    assert all(lrs == got[8] for lrs in got[8:])
+
+
+def test_one_cycle_holds_its_final_rate_and_momentum_past_total_steps():
+    opt = torch.optim.AdamW(Net().parameters(), lr=1e-3)
+    sched = one_cycle(opt, total_steps=20)
+    ref_opt = torch.optim.AdamW(Net().parameters(), lr=1e-3)
+    ref = OneCycleLR(ref_opt, max_lr=1e-3, total_steps=20)
+    got, betas = [], []
+    for t in range(60):  # torch's OneCycleLR raises at its 21st step
+        got.append(float(opt.param_groups[0]["lr"]))
+        betas.append(opt.param_groups[0]["betas"])
+        if t < 20:
+            assert got[-1] == ref_opt.param_groups[0]["lr"], t
+            assert betas[-1] == ref_opt.param_groups[0]["betas"], t
+            ref_opt.step()
+            ref.step()
+        opt.step()
+        sched.step()
+    final = 1e-3 / 25 / 1e4
+    assert got[19] == pytest.approx(final)
+    assert got[19:] == [got[19]] * 41 and betas[19:] == [betas[19]] * 41
+    with pytest.raises(ValueError, match="Tried to step"):
+        ref.step()  # what torch does at this point (we held instead)
+
+
+def test_one_cycle_holds_a_tensor_learning_rate_in_place():
+    opt = two_groups()
+    for g in opt.param_groups:
+        g["lr"] = torch.tensor(float(g["lr"]))
+    sched = one_cycle(opt, total_steps=5)
+    tensors = [g["lr"] for g in opt.param_groups]
+    got = lrs_over(opt, sched, 12)
+    assert got[4:] == [got[4]] * 8
+    assert [g["lr"] for g in opt.param_groups] == tensors  # the same tensors
+
+
+def test_warmup_plateau_has_no_end_updates_never_change_the_rate_after_warmup():
+    opt = two_groups()
+    sched = warmup_plateau(opt, warmup_steps=3, factor=0.5, patience=0, min_lr=0.03)
+    got = lrs_over(opt, sched, 500)
+    assert got[3:] == [[0.1, 0.02]] * 497  # no total_steps: the base rates, held
+    for metric in (1.0, 2.0, 3.0, 4.0):
+        sched.observe(metric)  # patience 0: each worse metric halves, down to min_lr
+    assert sched.get_last_lr() == pytest.approx([0.03, 0.02])
+    assert lrs_over(opt, sched, 100)[-1] == pytest.approx([0.03, 0.02])
+
+
 # ----------------------------------------------------------------- inside the step
 def test_scheduler_steps_once_per_update_under_accumulation(net):
     (m1, o1), (m2, o2) = clone_setup(net, momentum=0.9)
