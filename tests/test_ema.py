@@ -38,10 +38,10 @@ def assert_matches_averaged_model(state, ref: AveragedModel, buffers: bool = Tru
     ema = ema_values(state)
     for name, p in ref.module.named_parameters():
         assert torch.equal(ema[name], p), f"{name}: max {(ema[name] - p).abs().max()}"
-    if buffers:
+    if buffers:  # all of them: the integer num_batches_tracked too
         for name, b in ref.module.named_buffers():
-            if b.is_floating_point():
-                assert torch.equal(ema[f"buffer:{name}"], b), name
+            assert ema[f"buffer:{name}"].dtype == b.dtype, name
+            assert torch.equal(ema[f"buffer:{name}"], b), (name, ema[f"buffer:{name}"], b)
 
 
 @pytest.mark.parametrize("micro", [1, 2])
@@ -59,8 +59,39 @@ def test_equals_averaged_model_step_by_step(micro):
         assert_matches_averaged_model(state, ref)  # bitwise, after every update
     ema = ema_values(state)
     assert not torch.equal(ema["head.weight"], m1.head.weight)  # really an average
-    # integer buffers follow the model (AveragedModel would average and truncate them)
-    assert torch.equal(ema["buffer:bn.num_batches_tracked"], m1.bn.num_batches_tracked)
+    got, want = ema_state_dict(state), ref.module.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:  # what the docs promise: the whole state_dict, bitwise
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("decay", [0.9, 0.4])
+@pytest.mark.parametrize("warmup", [False, True])
+def test_the_batch_counter_is_averaged_model_s_over_many_updates(decay, warmup):
+    # num_batches_tracked: AveragedModel averages it in float and truncates it back (it is
+    # not the model's count); the report had 20 (the model's) against 10
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(BNNet(), torch.optim.SGD, lr=0.05, momentum=0.9)
+    ref = AveragedModel(m2, multi_avg_fn=get_ema_multi_avg_fn(decay), use_buffers=True)
+    step = with_ema(decay=decay, warmup=warmup)(af.with_accumulation(2)(classify))
+    state = af.TrainState(m1, o1)
+    for i in range(12):
+        batch = make_batch(seed=i)
+        step(state, batch)
+        reference_update(m2, o2, as_dict(batch), classify, micro=2)
+        if warmup:  # the same decay ramp, as a float, by hand
+            n = int(ref.n_averaged)
+            ref.multi_avg_fn = get_ema_multi_avg_fn(min(decay, (1 + n) / (10 + n)))
+        ref.update_parameters(m2)
+        if not warmup:
+            assert_matches_averaged_model(state, ref)  # bitwise, after every update
+    counter = ema_values(state)["buffer:bn.num_batches_tracked"]
+    want = ref.module.bn.num_batches_tracked
+    assert counter.dtype == torch.int64 and m1.bn.num_batches_tracked.item() == 24
+    if warmup:  # the decay is a float32 device tensor here: the counter still agrees
+        assert counter.item() == want.item()
+    else:
+        assert torch.equal(counter, want) and counter.item() < 24
 
 
 def test_buffers_copy_equals_averaged_model_without_buffers():

@@ -12,8 +12,9 @@
 
 The average lives on the model's device, is updated with device-side weights and flags (no
 host sync, skipped updates leave it untouched), by one foreach ``lerp`` per device and dtype
-(or per-tensor ops for ``formula="weighted_sum"``), and is saved in the state's ``with_ema``
-slot by ``state.state_dict()``.
+(or per-tensor ops for ``formula="weighted_sum"``; integer buffers by a truncated weighted
+sum, as ``AveragedModel`` does), and is saved in the state's ``with_ema`` slot by
+``state.state_dict()``.
 """
 
 from __future__ import annotations
@@ -76,18 +77,15 @@ class _EmaWeights:
         self.updates = torch.zeros((), dtype=torch.int64, device=device)
         self.formula = formula
         # averaged (floating) entries, grouped by device and dtype for one foreach call each;
-        # other buffers (BatchNorm's num_batches_tracked) are copied from the model, or
-        # averaged and truncated with formula="weighted_sum" (as AveragedModel's avg_fn does)
+        # other buffers (BatchNorm's num_batches_tracked) are averaged and truncated back to
+        # integers, as AveragedModel does with either formula
         self.groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-        self.copied: list[int] = []
         self.truncated: list[int] = []
         for i, v in enumerate(self.values):
             if v.is_floating_point() or v.is_complex():
                 self.groups.setdefault((v.device, v.dtype), []).append(i)
-            elif formula == "weighted_sum":
-                self.truncated.append(i)
             else:
-                self.copied.append(i)
+                self.truncated.append(i)
         self._constants: dict[float, Tensor] = {}
 
     # ----------------------------------------------------------------- model side
@@ -136,9 +134,7 @@ class _EmaWeights:
             self._lerp(sources, decay, due)
         else:
             self._weighted_sum(sources, decay, due)
-        for i in self.copied:
-            v = self.values[i]
-            v.copy_(torch.where(due.to(v.device), sources[i].detach(), v))
+        self._truncated(sources, decay, due)
         self.n_averaged += due
         if warm_epoch:  # torchvision's n_averaged.fill_(0): the next average copies too
             self.n_averaged.zero_()
@@ -157,8 +153,8 @@ class _EmaWeights:
 
     def _weighted_sum(self, sources: list[Tensor], decay: Tensor | float, due: Tensor) -> None:
         """torchvision's ExponentialMovingAverage avg_fn: ``decay * ema + (1 - decay) * w``
-        with the same roundings, integer buffers included (truncated by ``copy_``); the first
-        average copies, a skipped one leaves the value as it was (selected, not weighted)."""
+        with the same roundings; the first average copies, a skipped one leaves the value as
+        it was (selected, not weighted)."""
         first = self.n_averaged == 0
         for index in self.groups.values():
             for i in index:
@@ -168,10 +164,17 @@ class _EmaWeights:
                 new.add_(torch.mul(src, 1 - d))  # a + b: the rounding of d * v + (1 - d) * w
                 torch.where(first.to(v.device), src, new, out=new)
                 torch.where(due.to(v.device), new, v, out=v)
+
+    def _truncated(self, sources: list[Tensor], decay: Tensor | float, due: Tensor) -> None:
+        """Integer buffers, with either formula: ``ema * decay + w * (1 - decay)`` in floating
+        point, truncated back to the integer dtype by ``copy_``, as ``get_ema_multi_avg_fn``
+        and torchvision's avg_fn both do (one formula: their products and sum round alike);
+        the first average copies, a skipped one leaves the value as it was."""
+        first = self.n_averaged == 0
         for i in self.truncated:
             v, src = self.values[i], sources[i].detach()
             d = decay.to(v.device) if isinstance(decay, Tensor) else decay
-            new = (d * v + (1 - d) * src).to(v.dtype)  # the truncation AveragedModel's copy_ makes
+            new = (v * d + src * (1 - d)).to(v.dtype)  # the truncation AveragedModel's copy_ makes
             v.copy_(torch.where(due.to(v.device), torch.where(first.to(v.device), src, new), v))
 
     # ----------------------------------------------------------------- checkpoint
@@ -266,9 +269,12 @@ def with_ema(
     device. ``every=k`` averages after every ``k``-th real update only. ``warmup=True`` uses
     ``min(decay, (1 + n) / (10 + n))`` for the ``n``-th average (TensorFlow's
     ``ExponentialMovingAverage(num_updates=...)``), so early averages forget the
-    initialisation faster. Floating buffers (BatchNorm statistics) are averaged like the
-    weights (``buffers="average"``) or used as the model has them (``buffers="copy"``, i.e.
-    ``use_buffers=False``); integer buffers are copied from the model.
+    initialisation faster. Buffers (BatchNorm statistics) are averaged like the weights
+    (``buffers="average"``) or used as the model has them (``buffers="copy"``, i.e.
+    ``use_buffers=False``). Averaged, every tensor of ``AveragedModel.module.state_dict()``
+    is reproduced bitwise, integer buffers included: ``num_batches_tracked`` is averaged in
+    floating point and truncated back to an integer, as ``AveragedModel`` does (BatchNorm
+    reads it only with ``momentum=None``).
 
     torchvision's classification recipe (``--model-ema``) is these options:
 
