@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 examples/classify_digits.py     # several processes
     python examples/classify_digits.py --resume runs/digits     # continue its newest run
 
-Time: about 7 s on a shared 2-core CPU (load average 3: 8.5 CPU-seconds), 8 epochs.
+Time: 7 s on a 2-core CPU shared with other work (load average 3), 8 epochs.
 
 The step function is pure; speed comes from the transforms stacked on it. Batches come from
 an accelfn.data pipeline that augments them on the device (random crop with padding,

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 examples/custom_transform.py
     python examples/custom_transform.py --steps 300 --resume runs/noise
 
-Time: about 4 s on a shared 2-core CPU (load average 3: 4.3 CPU-seconds), 200 updates.
+Time: 4.5 s on a 2-core CPU shared with other work (load average 3), 200 updates.
 
 ``with_gradient_noise`` follows the same public protocol as accelfn's own transforms: an
 immutable ``accelfn.Transform`` record declaring one hook in the ``gradients`` phase (after

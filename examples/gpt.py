@@ -1,14 +1,12 @@
 """A GPT-style byte-level language model trained with accelfn on embedded text.
 
-    python examples/gpt.py                                        # one CPU or GPU, 60 updates
-    python examples/gpt.py --full                                 # 150 updates
+    python examples/gpt.py                                        # one CPU or GPU
     python examples/gpt.py --compile --steps 300                  # torch.compile the model
     torchrun --nproc_per_node=2 examples/gpt.py --fsdp            # FSDP2 across processes
     python examples/gpt.py --resume runs/gpt                      # continue the newest run
 
-Time: about 5 min on a shared 2-core CPU (load average 6: 3.1 CPU-minutes) for the default
-run (validation about 3.8 bits per byte); ``--full`` (the earlier default) took 4.7 min in an
-earlier measurement.
+Time: 43 s on a 2-core CPU with little else running (load average 1), 4 min on the same
+machine shared with other work (load average 5); validation about 2.6 bits per byte.
 
 The text is the documentation of Python's standard library (every module's docstring, which
 ships with every Python), cut into documents and packed into sequences with padding at
@@ -175,16 +173,9 @@ def generate(model: nn.Module, prompt: bytes, n: int, seq_len: int) -> str:
 # ------------------------------------------------------------------------------ main
 
 
-QUICK = {"steps": 60}   # the default: a first run of a few minutes on a CPU
-FULL = {"steps": 150}   # --full
-
-
 def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--full", action="store_true",
-                        help=f"the longer run: --steps {FULL['steps']} (default: "
-                             f"--steps {QUICK['steps']})")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer updates")
+    parser.add_argument("--steps", type=int, default=150, help="optimizer updates")
     parser.add_argument("--stop-at", type=int, default=None,
                         help="save and stop after this many updates (continue with --resume)")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -199,7 +190,6 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser.add_argument("--quiet", action="store_true")
     run_options.add_arguments(parser)
     args = parser.parse_args(argv)
-    args.steps = args.steps or (FULL if args.full else QUICK)["steps"]
 
     device = af.init_distributed()
     out = run_options.run_folder(args, "gpt")

@@ -4,7 +4,7 @@
     torchrun --nproc_per_node=2 examples/hand_written_loop.py
     python examples/hand_written_loop.py --epochs 6 --resume runs/loop
 
-Time: about 4 s on a shared 2-core CPU (load average 3: 4.3 CPU-seconds), 4 epochs.
+Time: 4.5 s on a 2-core CPU shared with other work (load average 3), 4 epochs.
 
 Nothing here is owned by accelfn but the step: the loop, the epoch structure, when to
 evaluate, what to log (read from the device every ``--log-every`` updates only), and when to

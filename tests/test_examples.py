@@ -323,10 +323,10 @@ def test_resuming_a_finished_run_says_so_and_writes_nothing(tmp_path, capsys):
 @pytest.mark.slow
 def test_image_example_ema_keeps_up_with_the_weights(tmp_path, capsys):
     images = load_example("classify_images")
-    report = images.main(["--steps", "30", "--size", "16", "--batch-size", "32", "--quiet",
-                          "--out", str(tmp_path / "run")])
-    assert report["val_accuracy"] > 0.25  # it learned in 30 updates: chance is 0.1
-    # the average of a short run forgets its random start (a plain decay 0.99 kept 74% of it)
+    report = images.main(["--steps", "40", "--quiet", "--out", str(tmp_path / "run")])
+    assert report["val_accuracy"] > 0.5  # it learned: chance is 0.1 (0.74 measured)
+    # the average of a short run forgets its random start: a plain decay of 0.99 kept
+    # 0.99^40 = 67% of it (EMA accuracy 0.21 against 0.74 here)
     assert report["val_accuracy_ema"] >= report["val_accuracy"] - 0.05
     lines = [line for line in capsys.readouterr().out.splitlines() if "with their EMA" in line]
     assert len(lines) == 1
