@@ -87,6 +87,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     pending: list[tuple[int, TensorDict]] = []  # device metrics, read every log_every
     main_process = af.is_main_process()
     accuracy = evaluate(step, state, test) if start_epoch >= args.epochs else 0.0
+    def flush(epoch: int) -> None:
+        for update, metrics in pending:               # one read for many updates
+            log_rows.append({"update": update, "epoch": epoch,
+                             **{k: round(float(v), 5) for k, v in metrics.items()
+                                if isinstance(v, torch.Tensor)}})  # metrics are flat
+        pending.clear()
+
     for epoch in range(start_epoch, args.epochs):
         for group in optimizer.param_groups:           # a hand-written step decay
             group["lr"] = 3e-3 * (0.5 ** epoch)
@@ -94,11 +101,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         for batch in train:
             pending.append((state.step, step(state, batch)))
             if len(pending) == args.log_every:
-                for update, metrics in pending:       # one read for many updates
-                    log_rows.append({"update": update, "epoch": epoch,
-                                     **{k: round(float(v), 5) for k, v in metrics.items()
-                                        if isinstance(v, torch.Tensor)}})  # metrics are flat
-                pending.clear()
+                flush(epoch)
+        flush(epoch)                                  # the epoch's last few
         accuracy = evaluate(step, state, test)
         if main_process:
             print(f"epoch {epoch}: held-out accuracy {accuracy:.3f} "

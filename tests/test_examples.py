@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import csv
 import importlib.util
 import os
 import re
@@ -141,6 +142,10 @@ def test_hand_written_loop_example(tmp_path):
     again = example.main(["--epochs", "3", "--out", out, "--resume",
                           out])
     assert again["updates"] == report["updates"] * 3 // 2
+    with open(os.path.join(out, "log.csv")) as f:  # the resumed run continued the log
+        rows = list(csv.DictReader(f))
+    assert [int(r["update"]) for r in rows] == list(range(again["updates"]))
+    assert [r["epoch"] for r in rows][-1] == "2"
 
 
 @pytest.mark.slow
@@ -205,13 +210,18 @@ def test_examples_run_under_torchrun_and_resume_in_one_process(name, tmp_path, c
 
     run, resume, updates = TORCHRUN_CASES[name]
     out = tmp_path / name
+    default_folder = name == "custom_transform"  # the processes agree on a new runs/noise/<t>
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           os.path.join(EXAMPLES, f"{name}.py"), *run, "--out", str(out)]
+           os.path.join(EXAMPLES, f"{name}.py"), *run,
+           *([] if default_folder else ["--out", str(out)])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env,
+                          cwd=tmp_path if default_folder else ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "distributed(" in proc.stdout
+    if default_folder:
+        (out,) = (tmp_path / "runs" / "noise").iterdir()  # one folder for both processes
     saved = checkpointing.latest(out)
     assert saved is not None
 
