@@ -129,7 +129,7 @@ def run_folder(args: argparse.Namespace, name: str) -> str:
                 raise SystemExit(
                     f"{out} holds the checkpoints of another run ({others[-1].name}): pass "
                     f"--resume {out} to continue it, --overwrite to delete them and start "
-                    "again there, or leave --out out for a new folder of its own")
+                    "again there, or drop --out (each run then gets a new folder of its own)")
             for old in others:
                 shutil.rmtree(old)
         return str(out), checkpoint
