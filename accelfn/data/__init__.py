@@ -7,7 +7,8 @@ that can be recombined and wrapped in a ``BatchLoader``. ``preload`` writes a da
 a memory-mapped TensorDict; ``accelfn.data.gpu`` holds the batch transforms.
 
 Modules, in the order a batch passes them: ``sampling`` (indices per batch, epoch and rank),
-``gather`` (TensorDict sources), ``collate`` (per-sample sources), ``workers`` (persistent
+``gather`` (TensorDict sources), ``collate`` (per-sample sources, their draws seeded per
+sample by ``rng``), ``workers`` (persistent
 thread / process pools), ``stages`` (device copy, seeded batch transform), ``gpu`` (the batch
 transforms), ``batch_loader`` (iteration, position, data wait), ``pipeline`` (``loader()``,
 which wires them); ``adapter`` (``from_dataloader()``: an existing DataLoader's batches as

@@ -93,6 +93,24 @@ def _stop_threads(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) 
         fn()
 
 
+def _finalize(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) -> None:
+    """:func:`_stop_threads` for a loader that was garbage collected (or at exit).
+
+    The collector runs finalizers in whichever thread allocates at that moment: one of the
+    graph's own threads (which cannot join itself), or multiprocessing's resource sharer, whose
+    thread hands tensors to worker processes (a pool waiting there for its processes to exit
+    would wait for ever). Outside the main thread the stopping is done in a new thread.
+    """
+    if threading.current_thread() is threading.main_thread():
+        _stop_threads(root, close_fns)
+        return
+    try:
+        threading.Thread(target=_stop_threads, args=(root, close_fns),
+                         name="accelfn-data-finalize", daemon=True).start()
+    except RuntimeError:  # interpreter shutdown: no new threads
+        _stop_threads(root, close_fns)
+
+
 class BatchLoader(Iterable[TensorDictBase]):
     """A re-iterable loader over a ``torchdata.nodes`` graph of TensorDict batches.
 
@@ -145,7 +163,7 @@ class BatchLoader(Iterable[TensorDictBase]):
         self._last_return: float | None = None
         # Background threads (prefetching, pinning) must stop before the interpreter tears
         # down torch, or a thread still inside an op aborts the process at exit.
-        weakref.finalize(self, _stop_threads, root, self._close_fns)
+        weakref.finalize(self, _finalize, root, self._close_fns)
 
     # -- iteration ---------------------------------------------------------------------------
 

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +20,8 @@ from tensordict import TensorDict, TensorDictBase
 from torchdata.nodes import BaseNode
 
 from .gather import plain_tensor
+from .rng import seeded_draws
+from .sampling import mix_seed
 
 __all__ = [
     "DEFAULT_PAIR_KEYS",
@@ -27,6 +31,9 @@ __all__ = [
     "collate_samples",
     "sample_to_dict",
 ]
+
+#: Held while a sample of a dataset that seeds torch's global generator itself is loaded.
+_SELF_SEEDING = threading.Lock()
 
 #: Keys given to the two fields of ``(input, target)`` tuple samples (torchvision datasets).
 DEFAULT_PAIR_KEYS = ("image", "label")
@@ -209,12 +216,25 @@ class SampleCollator:
     the collator is built) and stacking. Picklable when the dataset and transform are, so it
     can run in worker processes.
 
+    The random draws of ``dataset[i]`` and ``sample_transform`` (torchvision's random
+    transforms draw from torch's global generator) come from generators seeded with
+    ``mix_seed(seed, epoch, i)`` (see ``accelfn.data.rng.seeded_draws``), never from torch's
+    global generators: a sample's augmentation depends on ``(seed, epoch, i)`` only, not on
+    the worker, the thread scheduling or the training loop's own draws. Called with an
+    ``EpochBatch(indices, epoch)`` (what ``IndexBatchSampler(with_epoch=True)`` yields) it
+    uses that epoch; called with a plain index tensor, epoch 0. A dataset that seeds torch's
+    global generator itself (``torch.manual_seed(index)``, as torchvision's ``FakeData``
+    does) gets the draws that seed gives; as seeding one generator from several threads at
+    once races, its samples are then loaded one at a time in worker threads (not in worker
+    processes, where the generator is the worker's own).
+
     Args:
         dataset: anything with ``__getitem__(int)`` and ``__len__``.
         keys: names for tuple samples, or keys to select from mapping samples.
         sample_transform: optional per-sample function applied to ``dataset[i]``.
         ragged_keys: keys holding variable-length 1-D tensors (see [`SampleSpec`][]).
             Defaults to ``dataset.ragged_keys`` when the dataset declares it.
+        seed: seed of the per-sample draws.
     """
 
     def __init__(
@@ -224,23 +244,33 @@ class SampleCollator:
         keys: Sequence[str] | None = None,
         sample_transform: Callable[[Any], Any] | None = None,
         ragged_keys: Sequence[str] | None = None,
+        seed: int = 0,
     ) -> None:
         self.dataset = dataset
         self.keys = None if keys is None else tuple(keys)
         self.sample_transform = sample_transform
+        self.seed = int(seed)
+        self.self_seeding = False  # the dataset seeds torch's global generator itself
         if ragged_keys is None:
             ragged_keys = tuple(getattr(dataset, "ragged_keys", ()))
         self.spec = SampleSpec.of(self.load(0), ragged_keys)
 
-    def load(self, index: int) -> dict[str, torch.Tensor]:
-        """Load, transform and convert sample ``index`` (no shape check)."""
-        sample = self.dataset[index]
-        if self.sample_transform is not None:
-            sample = self.sample_transform(sample)
+    def load(self, index: int, epoch: int = 0) -> dict[str, torch.Tensor]:
+        """Load, transform and convert sample ``index`` of ``epoch`` (no shape check)."""
+        one_at_a_time = _SELF_SEEDING if self.self_seeding else contextlib.nullcontext()
+        with one_at_a_time, seeded_draws(mix_seed(self.seed, epoch, index)) as draws:
+            sample = self.dataset[index]
+            if self.sample_transform is not None:
+                sample = self.sample_transform(sample)
+        if draws.seeded_global:
+            self.self_seeding = True
         return sample_to_dict(sample, self.keys, index)
 
-    def __call__(self, indices: torch.Tensor) -> TensorDict:
-        return collate_samples([(i, self.load(i)) for i in indices.tolist()], self.spec)
+    def __call__(self, batch: torch.Tensor | tuple[torch.Tensor, int]) -> TensorDict:
+        indices, epoch = batch if isinstance(batch, tuple) else (batch, 0)
+        return collate_samples(
+            [(i, self.load(i, int(epoch))) for i in indices.tolist()], self.spec
+        )
 
 
 class IterableBatcher(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata: untyped
@@ -248,6 +278,9 @@ class IterableBatcher(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata:
 
     Sharding is by position: rank ``r`` of ``w`` keeps samples ``r, r + w, r + 2w, ...`` of
     each pass over the iterable. Its state is the source's state plus counters (plain ints).
+    The random draws of ``sample_transform`` come from generators seeded with
+    ``mix_seed(seed, epoch, position)`` (as in [`SampleCollator`][]); the iterable's own draws,
+    made while it is read, are not managed.
 
     Raises:
         ValueError: (while iterating) an epoch of the iterable yields no batch at all: the
@@ -266,9 +299,11 @@ class IterableBatcher(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata:
         ragged_keys: Sequence[str] = (),
         rank: int = 0,
         world_size: int = 1,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.source = source
+        self.seed = int(seed)
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.keys = None if keys is None else tuple(keys)
@@ -310,7 +345,8 @@ class IterableBatcher(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata:
             if pos % self.world_size != self.rank:
                 continue
             if self.sample_transform is not None:
-                raw = self.sample_transform(raw)
+                with seeded_draws(mix_seed(self.seed, self._epoch, pos)):
+                    raw = self.sample_transform(raw)
             sample = sample_to_dict(raw, self.keys, pos)
             if self.spec is None:
                 self.spec = SampleSpec.of(sample, self.ragged_keys)

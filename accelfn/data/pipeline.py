@@ -118,7 +118,9 @@ def loader(
         source: the data (see above).
         batch_size: samples per batch.
         shuffle: shuffle every epoch with a permutation drawn from ``seed`` and the epoch.
-        seed: seed of the shuffle and of the transform's per-batch generators.
+        seed: seed of the shuffle, of the transform's per-batch generators and of the
+            per-sample ones (``dataset[i]`` and ``sample_transform`` draw from a generator
+            seeded with ``mix_seed(seed, epoch, i)``, never from torch's global one).
         drop_last: drop each epoch's final short batch; without it the last batch is smaller.
         device: where batches go (``None``: stay on the host).
         num_workers: parallel workers; default 0 for TensorDicts (the gather runs in the
@@ -128,7 +130,10 @@ def loader(
         mp_context: start method for worker processes (default: the platform's).
         transform: batch transform run on ``device`` (see [`accelfn.data.gpu`][]); it is
             given a ``generator=`` seeded per batch if it accepts one.
-        sample_transform: per-sample function applied in the workers (map-style/iterable).
+        sample_transform: per-sample function applied in the workers (map-style/iterable),
+            e.g. ``torchvision.transforms.v2``; its random draws (and those of
+            ``dataset[i]``) are seeded per sample, so runs are reproducible with any
+            ``num_workers`` (see ``accelfn.data.rng``).
         keys: keys to load (TensorDict source), or names of tuple fields (other sources).
         ragged_keys: keys holding variable-length 1-D tensors (collated padded, plus
             ``<key>_lengths``); default the dataset's ``ragged_keys`` attribute if any.
@@ -206,7 +211,11 @@ def loader(
             if n == 0:
                 raise ValueError("the dataset is empty (len(dataset) == 0)")
             fetch = SampleCollator(
-                data, keys=keys, sample_transform=sample_transform, ragged_keys=ragged_keys
+                data,
+                keys=keys,
+                sample_transform=sample_transform,
+                ragged_keys=ragged_keys,
+                seed=seed,
             )
             workers = min(8, os.cpu_count() or 1) if num_workers is None else num_workers
         sampler = IndexBatchSampler(
@@ -218,6 +227,7 @@ def loader(
             rank=rank,
             world_size=world_size,
             rng=rng,
+            with_epoch=kind == "map",  # the collator seeds each sample from (seed, epoch, i)
         )
         if sampler.num_batches == 0:
             shard = f" (rank {rank}'s shard of {world_size})" if world_size > 1 else ""
@@ -268,6 +278,7 @@ def loader(
             ragged_keys=ragged_keys or (),
             rank=rank,
             world_size=world_size,
+            seed=seed,
         )
 
     # Batches that stay on the host are transformed in the prefetch thread, overlapping the

@@ -13,7 +13,7 @@ position then also records those draws.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ __all__ = [
     "DataLoaderDraws",
     "DataLoaderDrawsNode",
     "DataLoaderRNG",
+    "EpochBatch",
     "IndexBatchSampler",
     "epoch_indices",
     "mix_seed",
@@ -252,8 +253,20 @@ class DataLoaderDraws:
         return self._replay()
 
 
-class IndexBatchSampler(BaseNode[torch.Tensor]):  # type: ignore[misc]  # torchdata: untyped
+class EpochBatch(NamedTuple):
+    """A batch's sample indices and its epoch, as ``IndexBatchSampler(with_epoch=True)`` yields
+    them: what a per-sample source needs to seed each sample from ``(seed, epoch, index)``."""
+
+    indices: torch.Tensor
+    epoch: int
+
+
+class IndexBatchSampler(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
     """A ``torchdata.nodes`` source node yielding one int64 index tensor per batch.
+
+    With ``with_epoch=True`` it yields ``EpochBatch(indices, epoch)`` pairs (a named tuple of
+    ``accelfn.data.sampling``) instead, so that a [`SampleCollator`][] seeds each sample's
+    draws from ``(seed, epoch, index)``.
 
     Shuffled with ``seed`` and reshuffled every epoch (an epoch begins at each ``reset()``
     that follows iteration), sharded by ``rank`` / ``world_size``. Its state is two ints,
@@ -284,8 +297,10 @@ class IndexBatchSampler(BaseNode[torch.Tensor]):  # type: ignore[misc]  # torchd
         rank: int = 0,
         world_size: int = 1,
         rng: DataLoaderRNG | None = None,
+        with_epoch: bool = False,
     ) -> None:
         super().__init__()
+        self.with_epoch = with_epoch
         self.num_samples = num_samples
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -368,7 +383,7 @@ class IndexBatchSampler(BaseNode[torch.Tensor]):  # type: ignore[misc]  # torchd
             drop_last=self.drop_last,
         )
 
-    def next(self) -> torch.Tensor:
+    def next(self) -> torch.Tensor | EpochBatch:
         self._started = True
         if self._batches >= self.num_batches:
             raise StopIteration
@@ -378,7 +393,7 @@ class IndexBatchSampler(BaseNode[torch.Tensor]):  # type: ignore[misc]  # torchd
         start = self._batches * self.batch_size
         idx = self._order[start : start + self.batch_size].clone()
         self._batches += 1
-        return idx
+        return EpochBatch(idx, self.epoch) if self.with_epoch else idx
 
     def get_state(self) -> dict[str, Any]:
         state: dict[str, Any] = {"epoch": self.epoch, "batches": self._batches}

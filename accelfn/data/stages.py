@@ -17,6 +17,7 @@ from tensordict import TensorDictBase
 from torchdata.nodes import BaseNode, Mapper
 
 from .gpu import accepts_generator, host_keys
+from .rng import seeded_draws
 from .sampling import mix_seed
 from .workers import PoolMapper
 
@@ -180,8 +181,9 @@ class _SeededCall:
         batch, seed = item
         if self.takes_generator:
             out = self.transform(batch, generator=self._generator(batch, seed))
-        else:
-            out = self.transform(batch)
+        else:  # its draws from torch's default generators are seeded with the batch's seed
+            with seeded_draws(seed):
+                out = self.transform(batch)
         if not isinstance(out, TensorDictBase):
             raise TypeError(
                 f"the batch transform {self.transform!r} returned {type(out).__name__}; it "
@@ -196,7 +198,10 @@ class ApplyTransform(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchda
     The generator (on the batch's device) is seeded with ``mix_seed(seed, rank, epoch,
     batch_number)``, so augmentations are reproducible from ``seed``, differ every epoch and
     across ranks, and are reproduced exactly after a resume. Transforms without a
-    ``generator`` parameter are called as ``transform(batch)``.
+    ``generator`` parameter are called as ``transform(batch)``, with the draws they make from
+    torch's default generators (``torch.rand`` without ``generator=``) taken from generators
+    seeded with the same seed instead (``accelfn.data.rng.seeded_draws``): never from torch's
+    global generators, which the training loop draws from.
 
     With ``num_workers > 0`` the transform runs on that many batches at once in worker threads
     (a [`PoolMapper`][], in order): for host (CPU) batches, whose

@@ -23,6 +23,8 @@ import torch
 import torch.multiprocessing as torch_mp
 from torchdata.nodes import BaseNode
 
+from .rng import own_process_generators
+
 __all__ = ["PoolMapper"]
 
 _WORKER_FN: Callable[[Any], Any] | None = None
@@ -72,6 +74,7 @@ def _watch_trainer(trainer: int) -> None:
 def _process_init(fn: Callable[[Any], Any], trainer: int) -> None:
     global _WORKER_FN
     _watch_trainer(trainer)
+    own_process_generators()  # one item at a time: seeded_draws may seed the globals
     _WORKER_FN = fn
     torch.set_num_threads(1)
 

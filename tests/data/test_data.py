@@ -181,6 +181,71 @@ def test_process_workers_persist_across_epochs():
     assert pids[1] <= pids[0] and len(pids[0] | pids[1]) <= 2
 
 
+def _pools(loader) -> list[ad.PoolMapper]:
+    found, todo = [], [loader.root]
+    while todo:
+        node = todo.pop()
+        found += [node] if isinstance(node, ad.PoolMapper) else []
+        todo += [v for v in vars(node).values() if isinstance(v, tn.BaseNode)]
+    return found
+
+
+class Gated(MapDataset):
+    """Samples wait for ``gate`` once it is closed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        self.gate.wait()
+        return super().__getitem__(i)
+
+
+def test_a_loader_collected_in_another_thread_is_stopped_without_blocking_that_thread():
+    # The collector runs a dropped loader's finalizer in whatever thread allocates, e.g.
+    # multiprocessing's resource sharer, which worker processes wait on: a finalizer that
+    # waits for the workers there waits for ever. Here the thread that collects the loader
+    # is the one its workers wait for.
+    from accelfn.data import batch_loader
+
+    ds = Gated()
+    loader = ad.loader(ds, batch_size=4, num_workers=2)
+    next(iter(loader))
+    ds.gate.clear()  # the samples being loaded now wait
+    (pool,) = _pools(loader)
+
+    def collect_then_open() -> None:
+        batch_loader._finalize(loader.root, loader._close_fns)
+        ds.gate.set()
+
+    other = threading.Thread(target=collect_then_open, daemon=True)
+    other.start()
+    other.join(timeout=20)
+    blocked = other.is_alive()
+    ds.gate.set()  # (unblocks a waiting finalizer)
+    assert not blocked
+    deadline = time.monotonic() + 30
+    while pool._pool is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool._pool is None  # the workers were stopped, in the background
+
+
+def test_a_loader_collected_in_one_of_its_own_worker_threads_is_stopped():
+    from accelfn.data import batch_loader
+
+    loader = ad.loader(MapDataset(), batch_size=4, num_workers=2)
+    next(iter(loader))
+    (pool,) = _pools(loader)
+    done = pool._pool.submit(batch_loader._finalize, loader.root, loader._close_fns)
+    done.result(timeout=30)  # not RuntimeError: cannot join current thread
+    deadline = time.monotonic() + 30
+    while pool._pool is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool._pool is None
+
+
 def _session_processes(sid: int) -> set[int]:
     """Pids of the live (not zombie) processes of session ``sid``, from /proc."""
     out = set()
