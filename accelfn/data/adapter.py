@@ -19,7 +19,7 @@ from torchdata.nodes import BaseNode
 
 from .batch_loader import BatchLoader, is_reading_state
 from .collate import DEFAULT_PAIR_KEYS
-from .stages import ToDevice
+from .stages import ToDevice, resolve_device
 
 __all__ = ["DataLoaderAdapter", "batch_to_tensordict", "from_dataloader"]
 
@@ -306,17 +306,7 @@ def from_dataloader(
         raise TypeError(
             f"keys must be a sequence of strings, e.g. ('image', 'label'); got {keys!r}"
         )
-    dev = None if device is None else torch.device(device)
-    cuda_ok = torch.cuda.is_available()
-    if dev is not None and dev.type == "cuda" and not cuda_ok:
-        raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu' or None")
-    if pin_memory is None:
-        pin_memory = cuda_ok and dev is not None and dev.type == "cuda"
-    elif pin_memory and not cuda_ok:
-        raise ValueError(
-            "pin_memory=True needs CUDA, which is not available here; leave pin_memory=None "
-            "(pins only when batches go to a CUDA device)"
-        )
+    dev, pin_memory = resolve_device(device, pin_memory)
     stateful = callable(getattr(dataloader, "state_dict", None)) and callable(
         getattr(dataloader, "load_state_dict", None)
     )

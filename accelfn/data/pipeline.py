@@ -34,7 +34,7 @@ from .collate import IterableBatcher, SampleCollator
 from .gather import TensorDictGather
 from .gpu import host_keys
 from .sampling import DataLoaderDrawsNode, DataLoaderRNG, IndexBatchSampler, resolve_shard
-from .stages import ApplyTransform, ToDevice
+from .stages import ApplyTransform, ToDevice, resolve_device
 from .workers import PoolMapper
 
 __all__ = ["loader"]
@@ -165,17 +165,7 @@ def loader(
         )
     rank, world_size = resolve_shard(rank, world_size)
     kind, data = _as_source(source)
-    dev = None if device is None else torch.device(device)
-    cuda_ok = torch.cuda.is_available()
-    if dev is not None and dev.type == "cuda" and not cuda_ok:
-        raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu' or None")
-    if pin_memory is None:
-        pin_memory = cuda_ok and dev is not None and dev.type == "cuda"
-    elif pin_memory and not cuda_ok:
-        raise ValueError(
-            "pin_memory=True needs CUDA, which is not available here; leave pin_memory=None "
-            "(pins only when batches go to a CUDA device)"
-        )
+    dev, pin_memory = resolve_device(device, pin_memory)
     close_fns: list[Callable[[], None]] = []
     num_batches: int | None = None
     on_device_source = False

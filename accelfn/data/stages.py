@@ -251,3 +251,20 @@ class ApplyTransform(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchda
         """Stop the worker threads, if any (a later ``reset()`` starts new ones)."""
         if self._pool is not None:
             self._pool.close()
+
+
+def resolve_device(device: Any, pin_memory: bool | None) -> tuple[torch.device | None, bool]:
+    """The batches' device and whether to pin them, checked: pinning defaults to on exactly
+    when batches go to a CUDA device, and needs CUDA."""
+    dev = None if device is None else torch.device(device)
+    cuda_ok = torch.cuda.is_available()
+    if dev is not None and dev.type == "cuda" and not cuda_ok:
+        raise ValueError(f"device={device!r} but CUDA is not available; use device='cpu' or None")
+    if pin_memory is None:
+        return dev, cuda_ok and dev is not None and dev.type == "cuda"
+    if pin_memory and not cuda_ok:
+        raise ValueError(
+            "pin_memory=True needs CUDA, which is not available here; leave pin_memory=None "
+            "(pins only when batches go to a CUDA device)"
+        )
+    return dev, bool(pin_memory)
