@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
+
+from . import compat
 
 Batch = Any  # a TensorDict, or a mapping of names to tensors sharing their first dimension
 
@@ -15,20 +17,24 @@ __all__ = ["Batch", "batch_size", "check_batch", "split_batch"]
 
 def check_batch(batch: Any) -> None:
     """Raise a clear error unless ``batch`` is a non-empty TensorDict or mapping of tensors."""
-    if isinstance(batch, TensorDictBase):
-        if batch.batch_dims == 0:
+    if type(batch) is TensorDict or isinstance(batch, TensorDictBase):
+        shape = batch.batch_size
+        if not shape:
             raise ValueError(
                 "the batch TensorDict has no batch dimension (batch_size=[]); build it with "
                 "batch_size=[n] so accelfn knows how many samples it holds"
             )
-        if batch.batch_size[0] == 0:
+        if shape[0] == 0:
             raise ValueError("the batch is empty (batch_size[0] == 0); skip empty batches")
         if batch.device is not None:  # a TensorDict with a device holds nothing elsewhere
             return
-        values = list(batch.values())
-        if any(not isinstance(v, torch.Tensor) for v in values):  # nested: every leaf
-            values = list(batch.values(include_nested=True, leaves_only=True))
-        devices = {t.device for t in values}
+        devices = set()
+        for value in batch.values():
+            if not isinstance(value, torch.Tensor):  # nested: every leaf
+                devices = {t.device for t in batch.values(include_nested=True,
+                                                           leaves_only=True)}
+                break
+            devices.add(value.device)
     elif isinstance(batch, Mapping):
         if not batch:
             raise ValueError("the batch is an empty mapping; it must hold at least one tensor")
@@ -67,7 +73,7 @@ def check_batch(batch: Any) -> None:
 
 def batch_size(batch: Any, dim: int = 0) -> int:
     """Number of samples in a (checked) batch, counted along its batch dimension ``dim``."""
-    if isinstance(batch, TensorDictBase):
+    if type(batch) is TensorDict or isinstance(batch, TensorDictBase):
         return int(batch.batch_size[dim])
     return int(next(iter(batch.values())).shape[dim])
 
@@ -98,9 +104,15 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
-def split_batch(batch: Any, parts: int, dim: int = 0) -> list[Any]:
+@overload
+def split_batch(batch: Any, parts: int, dim: int = 0) -> list[Any]: ...
+@overload
+def split_batch(batch: Any, parts: int, dim: int = 0, *,
+                with_sizes: Literal[True]) -> tuple[list[Any], list[int]]: ...
+def split_batch(batch: Any, parts: int, dim: int = 0, *,
+                with_sizes: bool = False) -> list[Any] | tuple[list[Any], list[int]]:
     """Split a batch along its batch dimension ``dim`` into ``parts`` micro-batches (uneven
-    sizes allowed, the first ones larger by one)."""
+    sizes allowed, the first ones larger by one); ``with_sizes`` also returns their sizes."""
     check_batch_dim(batch, dim)
     total = batch_size(batch, dim)
     if parts > total:
@@ -109,7 +121,38 @@ def split_batch(batch: Any, parts: int, dim: int = 0) -> list[Any]:
             f"of at least {parts} samples or with_accumulation(n) with n <= {total}"
         )
     sizes = split_sizes(total, parts)
-    if isinstance(batch, TensorDictBase):
-        return list(batch.split(sizes, dim=dim))
-    chunks = {key: torch.split(value, sizes, dim=dim) for key, value in batch.items()}
-    return [{key: chunks[key][i] for key in batch} for i in range(parts)]
+    micros = _split_flat(batch, sizes, dim) if type(batch) is TensorDict else None
+    if micros is None:
+        if isinstance(batch, TensorDictBase):
+            micros = list(batch.split(sizes, dim=dim))
+        else:
+            chunks = {key: torch.split(value, sizes, dim=dim) for key, value in batch.items()}
+            micros = [{key: chunks[key][i] for key in batch} for i in range(parts)]
+    return (micros, sizes) if with_sizes else micros
+
+
+def _split_flat(batch: TensorDict, sizes: list[int], dim: int) -> list[Any] | None:
+    """``batch.split(sizes, dim)`` for a TensorDict of plain tensors without dimension names,
+    built from each entry's ``split_with_sizes`` (a third of the time ``TensorDict.split``
+    takes, which handles every kind of entry); None for any other TensorDict."""
+    if compat.tensordict_has_names(batch):
+        return None
+    keys = []
+    pieces = []
+    for key, value in batch.items():
+        if type(value) is not torch.Tensor:  # nested, non-tensor data, or a tensor subclass
+            return None
+        keys.append(key)
+        pieces.append(value.split_with_sizes(sizes, dim) if dim else value.split_with_sizes(sizes))
+    shape = list(batch.batch_size)
+    device = batch.device
+    out = []
+    made: dict[int, torch.Size] = {}  # micro-batch sizes repeat: one torch.Size each
+    for i, size in enumerate(sizes):
+        batch_shape = made.get(size)
+        if batch_shape is None:
+            shape[dim] = size
+            batch_shape = made[size] = torch.Size(shape)
+        out.append(compat.tensordict_unchecked(dict(zip(keys, [p[i] for p in pieces])),
+                                               batch_shape, device))
+    return out

@@ -1,4 +1,4 @@
-"""Every private torch API accelfn uses, behind one name each.
+"""Every private torch (and tensordict) API accelfn uses, behind one name each.
 
 torch changes its private functions between releases without notice. Keeping each one here,
 with a test in ``tests/core/test_compat.py`` that fails loudly when torch changes it, means a
@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from tensordict import TensorDict
 from torch import Tensor, nn
 
 __all__ = [
@@ -34,6 +35,8 @@ __all__ = [
     "set_nested_element",
     "step_supports_amp_scaling",
     "stop_node_thread",
+    "tensordict_has_names",
+    "tensordict_unchecked",
     "unwrap_compiled",
     "weights_only_unpickle",
 ]
@@ -201,3 +204,16 @@ def compile_counters() -> dict[str, dict[str, int]]:
     from torch._dynamo.utils import counters
 
     return {group: dict(values) for group, values in counters.items()}
+
+
+def tensordict_unchecked(entries: dict[str, Any], batch_size: torch.Size,
+                         device: torch.device | None) -> Any:
+    """``TensorDict._new_unsafe``: a TensorDict of ``entries`` as they are, without the
+    constructor's per-entry checks (the caller guarantees shapes and devices agree)."""
+    return TensorDict._new_unsafe(entries, batch_size=batch_size, device=device, nested=False)
+
+
+def tensordict_has_names(td: Any) -> bool:
+    """``TensorDict._has_names()``: whether any batch dimension is named (``any(td.names)``
+    without building the list)."""
+    return bool(td._has_names())

@@ -54,6 +54,7 @@ __all__ = ["LossFn", "NonFiniteError", "Step", "apply_transform", "describe", "l
 LossFn = Callable[..., "Tensor | Mapping[str, Tensor]"]  # fn(model, batch[, carry])
 _DEFAULT_GUARD = nonfinite()
 _ORDER = {name: i for i, (name, _, _) in enumerate(PHASES)}
+_SCALAR = torch.Size([])
 
 
 def _check_stack(transforms: tuple[Transform, ...], text: Callable[[], str]) -> None:
@@ -207,20 +208,18 @@ class Step:
     def _forward(self, ctx: CallContext, micro: Batch, index: int = 0,
                  carried: dict[int, Any] | None = None) -> Any:
         hooks = self._hooks["forward_context"]
-        kwargs: dict[str, Any] = {}
-        if self._carry:
-            mode = "train" if ctx.training else "evaluate"
-            kwargs["carry"] = ctx.state.slot(CARRY, Carries).get(mode, index)
-        if not hooks:
-            out = self.fn(ctx.model, micro, **kwargs)
-        elif len(hooks) == 1:  # the common case (autocast): no context stack
-            with hooks[0][1](ctx):
-                out = self.fn(ctx.model, micro, **kwargs)
-        else:
+        if not self._carry:  # the common case: fn(model, micro), at most one context
+            if not hooks:
+                return self.fn(ctx.prepared.model, micro)
+            if len(hooks) == 1:  # autocast: no context stack
+                with hooks[0][1](ctx):
+                    return self.fn(ctx.prepared.model, micro)
             with entered([hook(ctx) for _, hook in hooks]):
-                out = self.fn(ctx.model, micro, **kwargs)
-        if not self._carry:
-            return out
+                return self.fn(ctx.prepared.model, micro)
+        mode = "train" if ctx.training else "evaluate"
+        carry = ctx.state.slot(CARRY, Carries).get(mode, index)
+        with entered([hook(ctx) for _, hook in hooks]):
+            out = self.fn(ctx.prepared.model, micro, carry=carry)
         if not isinstance(out, Mapping) or "carry" not in out:
             raise ValueError("a step function taking 'carry' returns a mapping with 'loss' and "
                              "'carry' (None to carry nothing)")
@@ -251,60 +250,69 @@ class Step:
 
     def _backward(self, ctx: CallContext, plan: Plan, sums: Sums, absolute: bool,
                   carried: dict[int, Any]) -> bool:
-        """Forward and backward of every micro-batch; returns whether the micro-batches were
-        weighted absolutely (gradients and metrics to be divided by the total weight)."""
+        """Forward and backward of every micro-batch, each loss weighted by its share; returns
+        whether the micro-batches were weighted absolutely (gradients and metrics to be divided
+        by the total weight). One loop, no call per micro-batch beyond the user's: it is the
+        hot path of every step."""
         micros = plan.micros
         n = len(micros)
-        dim = plan.dim
-        total = batch_size(micros[0], dim) if n == 1 else sum(batch_size(m, dim) for m in micros)
+        sizes = plan.sizes
+        if sizes is None and (n > 1 or absolute):
+            sizes = [batch_size(m, plan.dim) for m in micros]
+        total = sum(sizes) if sizes is not None else 0
         micro_hooks = self._hooks["micro_context"]
+        scale_hooks = self._hooks["scale_loss"]
+        forward_hooks = self._hooks["forward_context"]
+        direct = not self._carry and not forward_hooks and not micro_hooks
+        fn, model = self.fn, ctx.prepared.model
         check = sums.weight is None  # the first micro-batch of a window: check the output
-        weighted: list[bool] = []
+        weighted: bool | None = None
         for i, micro in enumerate(micros):
-            if micro_hooks:
+            if direct:
+                out = fn(model, micro)
+            elif micro_hooks:
                 sync = plan.update and i == n - 1
                 with entered([hook(ctx, i, sync) for _, hook in micro_hooks]):
-                    absolute = self._micro(ctx, micro, i, n, total, absolute, sums, weighted,
-                                           check and i == 0, dim, carried)
+                    out = self._forward(ctx, micro, i, carried)
             else:
-                absolute = self._micro(ctx, micro, i, n, total, absolute, sums, weighted,
-                                       check and i == 0, dim, carried)
-        return absolute
-
-    def _micro(self, ctx: CallContext, micro: Batch, index: int, n: int, total: int,
-               absolute: bool, sums: Sums, weighted: list[bool], check: bool, dim: int,
-               carried: dict[int, Any]) -> bool:
-        """Forward and backward of one micro-batch, its loss weighted by its share."""
-        out = self._forward(ctx, micro, index, carried)
-        loss, weight, metrics = unpack(out, first=check)
-        if not weighted:
-            weighted.append(weight is not None)
-        elif weighted[0] != (weight is not None):
-            raise ValueError("the step function returned 'weight' for some micro-batches but "
-                             "not others; return it always")
-        coef: Tensor | float | None
-        if weight is not None and (n > 1 or absolute):
-            coef = weight.detach().to(torch.float32)
-            absolute = True
-        elif absolute:
-            coef = float(batch_size(micro, dim))
-        elif n > 1:
-            coef = batch_size(micro, dim) / total
-        else:
-            coef = None
-        objective = loss if coef is None else loss * coef
-        sums.add(coef, metrics, {"loss": objective})
-        for _, hook in self._hooks["scale_loss"]:
-            objective = hook(ctx, objective)
-        try:
-            objective.backward()  # type: ignore[no-untyped-call]
-        except RuntimeError as error:
-            if "backward through the graph a second time" in str(error):
-                raise RuntimeError(
-                    "the step function called backward() itself: return the loss instead and "
-                    "let the step differentiate it (once, weighted and scaled as the stack "
-                    f"needs) ({error})") from error
-            raise
+                out = self._forward(ctx, micro, i, carried)
+            if type(out) is Tensor and not (check and i == 0):  # a loss, checked before
+                loss, weight, metrics = out, None, None
+            else:
+                loss, weight, metrics = unpack(out, first=check and i == 0)
+            if weighted is None:
+                weighted = weight is not None
+            elif weighted != (weight is not None):
+                raise ValueError("the step function returned 'weight' for some micro-batches "
+                                 "but not others; return it always")
+            coef: Tensor | float | None
+            if weight is not None and (n > 1 or absolute):
+                coef = weight.detach().to(torch.float32)
+                absolute = True
+            elif absolute:
+                assert sizes is not None
+                coef = float(sizes[i])
+            elif n > 1:
+                assert sizes is not None
+                coef = sizes[i] / total
+            else:
+                coef = None
+            objective = loss if coef is None else loss * coef
+            if metrics:
+                sums.add(coef, metrics, {"loss": objective})
+            else:
+                sums.losses(coef).append(objective.detach())
+            for _, hook in scale_hooks:
+                objective = hook(ctx, objective)
+            try:
+                objective.backward()  # type: ignore[no-untyped-call]
+            except RuntimeError as error:
+                if "backward through the graph a second time" in str(error):
+                    raise RuntimeError(
+                        "the step function called backward() itself: return the loss instead "
+                        "and let the step differentiate it (once, weighted and scaled as the "
+                        f"stack needs) ({error})") from error
+                raise
         return absolute
 
     def _abort(self, ctx: CallContext) -> None:
@@ -358,7 +366,7 @@ class Step:
             for _, hook in self._hooks["after_update"]:
                 hook(uctx, skipped)
         metrics.update(uctx.metrics)
-        return TensorDict(metrics, batch_size=[])
+        return compat.tensordict_unchecked(metrics, _SCALAR, None)  # type: ignore[no-any-return]
 
     def _gradient_path(self, ctx: UpdateContext) -> Decision:
         for phase in GRADIENT_PHASES:

@@ -155,7 +155,7 @@ def _device_flags(evidence: Evidence, device: torch.device) -> Tensor:
 
 def _host_flags(evidence: Evidence) -> list[bool]:
     with labelled_read(GUARD_READ):
-        values = torch.stack([t.float() for t, _ in evidence]).tolist()  # the one host read
+        values = torch.stack([t for t, _ in evidence]).tolist()  # the one host read
     return [v != 0 if is_flag else not math.isfinite(v)
             for v, (_, is_flag) in zip(values, evidence)]
 

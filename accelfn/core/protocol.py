@@ -252,6 +252,16 @@ class Sums:
         if coef is not None:
             self._coefs.append(coef)
 
+    def losses(self, coef: Tensor | float | None) -> list[Tensor]:
+        """The list the engine appends a micro-batch's weighted loss (detached) to, after
+        recording its ``coef``: ``add(coef, {}, {"loss": objective})`` without the mapping."""
+        if coef is not None:
+            self._coefs.append(coef)
+        terms = self._terms.get("loss")
+        if terms is None:
+            terms = self._terms["loss"] = []
+        return terms
+
     @property
     def weight(self) -> Tensor | float | None:
         """The sum of the coefficients added so far (None when unweighted)."""
@@ -283,6 +293,8 @@ class Plan:
     weights micro-batches by their sample count (or ``"weight"``) and divides the gradients
     by the total at the update, instead of weighting by the share of this call's batch.
     ``dim`` is the batch dimension samples are counted along (1 for time-major batches).
+    ``sizes``, when the split knows them, are the micro-batches' sample counts along ``dim``
+    (the engine counts them otherwise).
     """
 
     micros: Sequence[Batch]
@@ -290,6 +302,7 @@ class Plan:
     sums: Sums | None = None
     absolute: bool = False
     dim: int = 0
+    sizes: Sequence[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,14 +44,23 @@ def in_deferred_read() -> bool:
     return _FLAG.depth > 0
 
 
-@contextlib.contextmanager
-def labelled_read(label: str) -> Iterator[None]:
-    """Name the host reads inside the block (real syncs on a GPU) for the sync probe."""
-    outer, _FLAG.label = _FLAG.label, label
-    try:
-        yield
-    finally:
-        _FLAG.label = outer
+class labelled_read:  # a context manager used like a function
+    """Name the host reads inside the block (real syncs on a GPU) for the sync probe.
+
+    A class rather than a generator: it is entered once per update by the non-finite guard.
+    """
+
+    __slots__ = ("_label", "_outer")
+
+    def __init__(self, label: str) -> None:
+        self._label = label
+        self._outer: str | None = None
+
+    def __enter__(self) -> None:
+        self._outer, _FLAG.label = _FLAG.label, self._label
+
+    def __exit__(self, *exc: object) -> None:
+        _FLAG.label = self._outer
 
 
 def read_label() -> str | None:

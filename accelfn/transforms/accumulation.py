@@ -38,7 +38,10 @@ class _Window:
 
 def _split_mode(n: int, dim: int) -> Hooks:
     def split(ctx: CallContext, batch: Batch) -> Plan:
-        return Plan(split_batch(batch, n, dim) if n > 1 else (batch,), dim=dim)
+        if n == 1:
+            return Plan((batch,), dim=dim)
+        micros, sizes = split_batch(batch, n, dim, with_sizes=True)
+        return Plan(micros, dim=dim, sizes=sizes)
 
     return Hooks(split=split)
 

@@ -17,8 +17,7 @@ def _clipping(max_norm: float | None, norm_type: float, max_value: float | None)
     def clip(ctx: UpdateContext) -> None:
         # the model's parameter order, as clip_grad_norm_(model.parameters()) sums the norm
         params = [p for p in ctx.state.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],
-                                             norm_type)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
         full_tensor = getattr(norm, "full_tensor", None)
         if callable(full_tensor):  # FSDP2 shards: the norm over all processes
             norm = full_tensor()

@@ -109,6 +109,28 @@ def test_no_module_outside_compat_names_a_private_torch_attribute():
         offenders)
 
 
+def test_tensordict_unchecked_builds_the_tensordict_the_constructor_builds():
+    from tensordict import TensorDict
+
+    entries = {"x": torch.randn(4, 3), "y": torch.arange(4)}
+    fast = compat.tensordict_unchecked(dict(entries), torch.Size([4]), None)
+    slow = TensorDict(entries, batch_size=[4])
+    assert type(fast) is TensorDict and fast.batch_size == slow.batch_size
+    assert fast.device is None and sorted(fast.keys()) == sorted(slow.keys())
+    assert all(fast[k] is entries[k] for k in entries)  # no copy
+    assert compat.tensordict_unchecked({}, torch.Size([]), torch.device("cpu")).device == \
+        torch.device("cpu")
+
+
+def test_tensordict_has_names_is_any_names():
+    from tensordict import TensorDict
+
+    plain = TensorDict({"x": torch.ones(2, 3)}, batch_size=[2, 3])
+    named = TensorDict({"x": torch.ones(2, 3)}, batch_size=[2, 3], names=[None, "t"])
+    assert compat.tensordict_has_names(plain) is False is any(plain.names)
+    assert compat.tensordict_has_names(named) is True is any(named.names)
+
+
 def test_dcp_private_metadata_classes_and_storage_entries(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemReader
