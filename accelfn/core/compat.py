@@ -210,7 +210,8 @@ def tensordict_unchecked(entries: dict[str, Any], batch_size: torch.Size,
                          device: torch.device | None) -> Any:
     """``TensorDict._new_unsafe``: a TensorDict of ``entries`` as they are, without the
     constructor's per-entry checks (the caller guarantees shapes and devices agree)."""
-    return TensorDict._new_unsafe(entries, batch_size=batch_size, device=device, nested=False)
+    return TensorDict._new_unsafe(entries, batch_size=batch_size, device=device,  # type: ignore[arg-type]
+                                  nested=False)
 
 
 def tensordict_has_names(td: Any) -> bool:

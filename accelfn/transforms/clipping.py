@@ -16,8 +16,12 @@ __all__ = ["with_clipping"]
 def _clipping(max_norm: float | None, norm_type: float, max_value: float | None) -> Transform:
     def clip(ctx: UpdateContext) -> None:
         # the model's parameter order, as clip_grad_norm_(model.parameters()) sums the norm
-        params = [p for p in ctx.state.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        params, grads = [], []
+        for p in ctx.state.model.parameters():
+            if p.grad is not None:
+                params.append(p)
+                grads.append(p.grad)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
         full_tensor = getattr(norm, "full_tensor", None)
         if callable(full_tensor):  # FSDP2 shards: the norm over all processes
             norm = full_tensor()
