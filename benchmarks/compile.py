@@ -1,8 +1,8 @@
 """Regional compilation and the compile cache file, as ratios measured in one run.
 
 On a 12-block GPT (``benchmarks/gpt2.py``'s model; 64 wide on a CPU, GPT-2 small's width on
-a GPU), every compile is timed in a fresh process whose ``TORCHINDUCTOR_CACHE_DIR`` is a new,
-empty temporary directory (a fresh machine):
+a GPU), every compile is timed in a fresh process whose ``TORCHINDUCTOR_CACHE_DIR`` and
+``TMPDIR`` are new, empty directories (a fresh machine):
 
 * ``regional``: the cold compile time of ``af.compiled(regional=True)`` (each block compiled,
   one compiled code for all twelve) against ``af.compiled()`` (the whole model), and the
@@ -127,13 +127,18 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_probe(args: argparse.Namespace, kind: str, cache_file: str | None, log: Any,
-               inductor: str | None = None) -> dict[str, Any]:
-    """``kind`` in a fresh process, with an empty inductor cache unless ``inductor`` is given
-    (then that directory, as a restart on the same machine finds it)."""
+               machine: str | None = None) -> dict[str, Any]:
+    """``kind`` in a fresh process on a fresh machine: empty ``TORCHINDUCTOR_CACHE_DIR`` and
+    ``TMPDIR`` (inductor keeps its precompiled C++ headers under the temporary directory),
+    unless ``machine`` is given (then its directories, as a restart on that machine finds
+    them)."""
     with contextlib.ExitStack() as stack:
-        if inductor is None:
-            inductor = stack.enter_context(tempfile.TemporaryDirectory(prefix="accelfn-ind-"))
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor}
+        if machine is None:
+            machine = stack.enter_context(tempfile.TemporaryDirectory(prefix="accelfn-machine-"))
+        for sub in ("inductor", "tmp"):
+            os.makedirs(os.path.join(machine, sub), exist_ok=True)
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(machine, "inductor"),
+               "TMPDIR": os.path.join(machine, "tmp")}
         cmd = [sys.executable, __file__, "--probe", kind, "--device", args.device,
                "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
         if args.threads:
@@ -184,18 +189,19 @@ def bench_regional(args: argparse.Namespace, whole: dict[str, Any], log: Any) ->
         "met": {"compile_ratio": compile_ratio <= TARGETS["regional_compile"],
                 "steady_ratio": abs(steady - 1) <= TARGETS["regional_steady"]},
         "note": "compile_ratio = regional / whole-model cold compile_s, each in a fresh "
-                "process with an empty TORCHINDUCTOR_CACHE_DIR; steady_ratio = regional / "
-                "whole-model median step, interleaved in the regional probe's process with "
-                "eager and with torch's recipe by hand (block.compile() on every block)",
+                "process with an empty TORCHINDUCTOR_CACHE_DIR and TMPDIR; steady_ratio = "
+                "regional / whole-model median step, interleaved in the regional probe's "
+                "process with eager and with torch's recipe by hand (block.compile() on every "
+                "block)",
     }
 
 
 def bench_cache(args: argparse.Namespace, cold: dict[str, Any], cache_file: str,
-                inductor: str, log: Any) -> dict[str, Any]:
+                machine: str, log: Any) -> dict[str, Any]:
     if not os.path.exists(cache_file):
         raise RuntimeError("the cold probe wrote no compile cache file")
     warm = _run_probe(args, "warm", cache_file, log)
-    local = _run_probe(args, "warm", None, log, inductor=inductor)
+    local = _run_probe(args, "warm", None, log, machine=machine)
     ratio = warm["first_step_s"] / cold["first_step_s"]
     return {
         "cold": cold, "warm": warm, "same_machine": local,
@@ -205,11 +211,13 @@ def bench_cache(args: argparse.Namespace, cold: dict[str, Any], cache_file: str,
         "target": f"first_step_ratio <= {TARGETS['cache']}",
         "met": ratio <= TARGETS["cache"],
         "note": "time to the first compiled step (whole model) of a resumed job; each in a "
-                "fresh process with an empty TORCHINDUCTOR_CACHE_DIR; cold has no cache file "
+                "fresh process with an empty TORCHINDUCTOR_CACHE_DIR and TMPDIR (a fresh machine); "
+                "cold has no cache file "
                 "and writes it (af.compiled(cache=...)), warm loads it. The cold process is "
                 "the regional section's whole-model one. same_machine: a restart without the "
-                "file that finds the cold process' own TORCHINDUCTOR_CACHE_DIR (compiled C++ "
-                "kernels and ISA probes included), for comparison",
+                "file that finds the cold process' own TORCHINDUCTOR_CACHE_DIR and TMPDIR "
+                "(compiled C++ kernels, ISA probes and precompiled headers included), for "
+                "comparison",
     }
 
 
@@ -249,16 +257,16 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "benchmarks/compile.py", *(argv or sys.argv[1:])]),
     }
     with tempfile.TemporaryDirectory(prefix="accelfn-ckpt-") as ckpt, \
-            tempfile.TemporaryDirectory(prefix="accelfn-ind-") as inductor:
+            tempfile.TemporaryDirectory(prefix="accelfn-machine-") as machine:
         cache_file = os.path.join(ckpt, "compile-cache.bin")  # beside the checkpoints
         log("whole model, cold (writes the cache file):")
-        whole = _run_probe(args, "whole", cache_file, log, inductor=inductor)
+        whole = _run_probe(args, "whole", cache_file, log, machine=machine)
         if "regional" in only:
             log("regional:")
             result["regional"] = bench_regional(args, whole, log)
         if "cache" in only:
             log("cache:")
-            result["cache"] = bench_cache(args, whole, cache_file, inductor, log)
+            result["cache"] = bench_cache(args, whole, cache_file, machine, log)
     result["machine"]["load_average_end"] = _load()
     text = json.dumps(_round(result), indent=2)
     if args.json:

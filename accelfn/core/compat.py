@@ -27,6 +27,8 @@ __all__ = [
     "foreach_div_",
     "foreach_lerp_",
     "foreach_norm",
+    "inductor_cache_dir",
+    "inductor_cpp_kernel_files",
     "module_apply",
     "non_finite_check_and_unscale_",
     "scaler_forget_step",
@@ -204,6 +206,39 @@ def compile_counters() -> dict[str, dict[str, int]]:
     from torch._dynamo.utils import counters
 
     return {group: dict(values) for group, values in counters.items()}
+
+
+def inductor_cache_dir() -> str:
+    """``torch._inductor.runtime.cache_dir_utils.cache_dir()``: the directory inductor keeps
+    its compiled code in (``TORCHINDUCTOR_CACHE_DIR``, else a per-user temporary one)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return str(cache_dir())
+
+
+def inductor_cpp_kernel_files() -> list[str]:
+    """The compiled C++ kernels (``.so``/``.o``) this process loaded, as paths relative to
+    [`inductor_cache_dir`][]: inductor keeps each under ``<key[1:3]>/<key>.*``, where ``key``
+    is a key of ``CppCodeCache.cache`` (and its subclasses'), and builds one only when its
+    file is missing."""
+    import os
+
+    from torch._inductor import codecache
+
+    keys: set[str] = set()
+    for cls in (codecache.CppCodeCache, codecache.CppPythonBindingsCodeCache,
+                codecache.CppWrapperCodeCache):
+        keys.update(k for k in getattr(cls, "cache", {}) if isinstance(k, str))
+    root = inductor_cache_dir()
+    found = []
+    for key in sorted(keys):
+        folder = os.path.join(root, key[1:3])
+        if not os.path.isdir(folder):
+            continue
+        for name in sorted(os.listdir(folder)):
+            if name.startswith(key + ".") and name.endswith((".so", ".o")):
+                found.append(f"{key[1:3]}/{name}")
+    return found
 
 
 def tensordict_unchecked(entries: dict[str, Any], batch_size: torch.Size,

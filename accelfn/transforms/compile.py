@@ -6,12 +6,16 @@ Regional compilation (``regional=True``) compiles each repeated block of the mod
 the blocks run through one compiled function whose code dynamo caches once for every block of
 a class, so compile time stays that of one block whatever the depth.
 
-The compile cache (``cache=path``) is ``torch.compiler.save_cache_artifacts()``'s bytes behind
-a one-line JSON header naming the torch version and the device kind they were compiled for.
-The file is loaded (``torch.compiler.load_cache_artifacts``) before the first compiled step
-when its header matches this run, and written atomically (temporary file, ``os.replace``) by
-the main process after the first update, and again after any later update that compiled new
-code (a cache miss).
+The compile cache (``cache=path``) is ``torch.compiler.save_cache_artifacts()``'s bytes and
+a zip of the C++ kernels this process loaded from inductor's cache directory, behind a one-line
+JSON header naming the torch version and the device kind (with the CPU's vector instruction
+set) they were compiled for. torch's artifacts hold the generated code but not inductor's
+compiled C++ kernels, so without the zip a fresh machine would rebuild every CPU kernel with
+the C++ compiler; with it, the kernels are put back where inductor looks for them
+(``<cache dir>/<key[1:3]>/<key>.so``, built only when missing). The file is loaded before the
+first compiled step when its header matches this run, and written atomically (temporary file,
+``os.replace``) by the main process after the first update, and again after any later update
+that compiled new code (a cache miss).
 """
 
 from __future__ import annotations
@@ -20,9 +24,12 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.metadata
+import io
 import json
 import os
 import platform
+import re
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, overload
@@ -42,7 +49,9 @@ __all__ = ["compiled"]
 CachePath = str | os.PathLike[str]
 _SLOT = "compiled_cache"
 _MAGIC = b"accelfn compile cache\n"
-_FORMAT = 1
+_FORMAT = 2
+# A kernel file inside inductor's cache directory: <key[1:3]>/<key>.<suffixes>.so|.o
+_KERNEL = re.compile(r"[a-z0-9]{2}/[a-z0-9]+(\.[a-z0-9_]+)*\.(so|o)")
 # Counters that grow when inductor or AOTAutograd compiled something the caches did not hold.
 _MISSES = (("inductor", "fxgraph_cache_miss"), ("aot_autograd", "autograd_cache_miss"))
 
@@ -78,10 +87,13 @@ def _compile_blocks(model: nn.Module, kwargs: dict[str, Any]) -> int:
 
 # ----------------------------------------------------------------------- the cache file
 def _fingerprint(device: torch.device) -> dict[str, str]:
-    """What compiled code depends on beyond the model: torch's version and the device kind."""
+    """What compiled code depends on beyond the model: torch's version and the device kind
+    (for a CPU, the vector instruction set inductor generates code for)."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         kind = f"cuda {props.name} sm_{props.major}{props.minor}"
+    elif device.type == "cpu":
+        kind = f"cpu {platform.machine()} {torch.backends.cpu.get_cpu_capability()}"
     else:
         kind = f"{device.type} {platform.machine()}"
     found = {"torch": str(torch.__version__), "device": kind}
@@ -91,8 +103,21 @@ def _fingerprint(device: torch.device) -> dict[str, str]:
     return found
 
 
-def read_cache(path: Path, expected: dict[str, str]) -> tuple[bytes | None, str | None]:
-    """The artifacts in ``path`` when it was written for ``expected`` (see ``_fingerprint``);
+@dataclasses.dataclass(frozen=True)
+class CacheFile:
+    """A compile cache file's contents: torch's artifacts, and a zip of compiled C++ kernels
+    (paths relative to inductor's cache directory; empty when there are none)."""
+
+    artifacts: bytes
+    kernels: bytes = b""
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_cache(path: Path, expected: dict[str, str]) -> tuple[CacheFile | None, str | None]:
+    """The contents of ``path`` when it was written for ``expected`` (see ``_fingerprint``);
     otherwise None and why not (None, None: there is no file)."""
     try:
         data = path.read_bytes()
@@ -113,29 +138,77 @@ def read_cache(path: Path, expected: dict[str, str]) -> tuple[bytes | None, str 
              for key, value in expected.items() if header.get(key) != value]
     if wrong:
         return None, "was compiled for " + ", ".join(wrong)
-    payload = data[end + 1:]
-    if len(payload) != header.get("bytes") or \
-            hashlib.sha256(payload).hexdigest() != header.get("sha256"):
+    body = data[end + 1:]
+    size = header.get("bytes")
+    if not isinstance(size, int) or len(body) != size + header.get("kernel_bytes", -1):
         return None, "is truncated or damaged"
-    return payload, None
+    artifacts, kernels = body[:size], body[size:]
+    if _digest(artifacts) != header.get("sha256") or \
+            _digest(kernels) != header.get("kernel_sha256"):
+        return None, "is truncated or damaged"
+    return CacheFile(artifacts, kernels), None
 
 
-def write_cache(path: Path, fingerprint: dict[str, str], payload: bytes) -> None:
-    """Write ``payload`` behind its header to ``path`` atomically: a reader sees the old file
+def write_cache(path: Path, fingerprint: dict[str, str], contents: CacheFile) -> None:
+    """Write ``contents`` behind its header to ``path`` atomically: a reader sees the old file
     or the new one, never a part (temporary file beside it, fsync, ``os.replace``)."""
-    header = {"format": _FORMAT, **fingerprint, "bytes": len(payload),
-              "sha256": hashlib.sha256(payload).hexdigest()}
+    header = {"format": _FORMAT, **fingerprint, "bytes": len(contents.artifacts),
+              "sha256": _digest(contents.artifacts), "kernel_bytes": len(contents.kernels),
+              "kernel_sha256": _digest(contents.kernels)}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
             f.write(_MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n")
-            f.write(payload)
+            f.write(contents.artifacts)
+            f.write(contents.kernels)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def pack_kernels() -> bytes:
+    """A zip of the compiled C++ kernels this process loaded (b"" when none)."""
+    files = compat.inductor_cpp_kernel_files()
+    if not files:
+        return b""
+    root = Path(compat.inductor_cache_dir())
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name in files:
+            archive.write(root / name, name)
+    return buffer.getvalue()
+
+
+def unpack_kernels(kernels: bytes) -> list[str]:
+    """Put the kernels of a :func:`pack_kernels` zip where inductor looks for them, leaving
+    files already there alone; returns the names written. Raises ValueError on a name that
+    is not a kernel file's, before writing anything."""
+    if not kernels:
+        return []
+    root = Path(compat.inductor_cache_dir())
+    written = []
+    with zipfile.ZipFile(io.BytesIO(kernels)) as archive:
+        names = archive.namelist()
+        bad = [n for n in names if not _KERNEL.fullmatch(n)]
+        if bad:
+            raise ValueError(f"holds files that are not compiled kernels: {bad[:3]}")
+        for name in names:
+            target = root / name
+            if target.exists():
+                continue
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+            try:
+                tmp.write_bytes(archive.read(name))
+                tmp.chmod(0o755)
+                os.replace(tmp, target)
+            finally:
+                tmp.unlink(missing_ok=True)
+            written.append(name)
+    return written
 
 
 def _misses() -> int:
@@ -163,15 +236,21 @@ def _load_cache(path: Path, device: torch.device, state: TrainState) -> None:
     if path.is_dir():
         raise ValueError(f"compiled(cache={str(path)!r}) names a directory; name the file, "
                          f"e.g. compiled(cache={str(path / 'compile-cache.bin')!r})")
-    payload, problem = read_cache(path, _fingerprint(device))
-    if payload is not None and torch.compiler.load_cache_artifacts(payload) is None:
-        problem = "could not be read by torch.compiler.load_cache_artifacts"
+    contents, problem = read_cache(path, _fingerprint(device))
+    if contents is not None:
+        try:
+            unpack_kernels(contents.kernels)
+        except (ValueError, zipfile.BadZipFile, OSError) as error:
+            problem = f"has kernels that could not be restored ({error})"
+        else:
+            if torch.compiler.load_cache_artifacts(contents.artifacts) is None:
+                problem = "could not be read by torch.compiler.load_cache_artifacts"
     if problem is not None:
         state.warn_once(_SLOT, (
             f"the compile cache {path} {problem}: compiling from scratch; the file will be "
             "replaced after the first update"))
         record.misses = None
-    elif payload is not None:
+    elif contents is not None:
         record.misses = _misses()  # hits from here on are the file's; misses are new code
 
 
@@ -187,7 +266,7 @@ def _save_cache(path: Path, device: torch.device, state: TrainState) -> None:
     if artifacts is None:  # nothing compiled by inductor in this process
         return
     try:
-        write_cache(path, _fingerprint(device), artifacts[0])
+        write_cache(path, _fingerprint(device), CacheFile(artifacts[0], pack_kernels()))
     except OSError as error:
         state.warn_once(f"{_SLOT}.write", (
             f"the compile cache could not be written to {path} ({error}); training goes on, "
@@ -281,10 +360,11 @@ def compiled(
     ``regional=True`` instead compiles each repeated block in place (``torch.compile`` of the
     block's forward, one compiled code shared by the blocks of a class) and runs the rest of
     the model eager: compile time is that of one block whatever the depth; ``state_dict``
-    keys do not change. ``cache=path`` keeps the compiled code in a file (put it in the
-    checkpoint directory): loaded before the first compiled step when it was written by the
-    same torch version for the same device kind (otherwise a warning, and a fresh compile),
-    written atomically after the first update, so a restarted job starts warm.
+    keys do not change. ``cache=path`` keeps the compiled code, with inductor's compiled C++
+    kernels, in a file (put it in the checkpoint directory): loaded before the first compiled
+    step when it was written by the same torch version for the same device kind (otherwise a
+    warning, and a fresh compile), written atomically after the first update, so a restarted
+    job on a fresh machine starts warm.
     """
     if mode is not None and mode not in compat.compile_modes():
         raise ValueError(f"compiled(mode={mode!r}) is unknown; use one of {compat.compile_modes()}")

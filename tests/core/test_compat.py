@@ -131,6 +131,20 @@ def test_tensordict_has_names_is_any_names():
     assert compat.tensordict_has_names(named) is True is any(named.names)
 
 
+def test_inductor_cache_dir_and_the_kernel_files_of_loaded_keys(tmp_path, monkeypatch):
+    from torch._inductor import codecache
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert compat.inductor_cache_dir() == str(tmp_path)
+    key = "cxyzkernelkey"
+    folder = tmp_path / key[1:3]
+    folder.mkdir()
+    for name in (f"{key}.main.cpp", f"{key}.main.so", f"{key}.lock", "cxyother.main.so"):
+        (folder / name).write_bytes(b"")
+    monkeypatch.setitem(codecache.CppPythonBindingsCodeCache.cache, key, lambda: None)
+    assert compat.inductor_cpp_kernel_files() == [f"xy/{key}.main.so"]
+
+
 def test_dcp_private_metadata_classes_and_storage_entries(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.filesystem import FileSystemReader

@@ -10,11 +10,13 @@ and, under torchrun, ``python test_compiled.py distributed <out_dir>``.
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import subprocess
 import sys
 import warnings
+import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -26,7 +28,7 @@ from reference import reference_update
 
 import accelfn as af
 from accelfn.core import compat
-from accelfn.transforms.compile import read_cache, write_cache
+from accelfn.transforms.compile import CacheFile, read_cache, unpack_kernels, write_cache
 
 HERE = Path(__file__).resolve()
 TOL = {"atol": 1e-5, "rtol": 1e-4}  # fp32: inductor fuses and reorders reductions
@@ -224,7 +226,20 @@ def test_regional_under_ddp_and_fsdp_in_either_order_equals_one_process(tmp_path
 
 
 def cache_main(path: str, out: str) -> None:
-    """One fresh process: two compiled updates with ``cache=path``; what torch's caches did."""
+    """One fresh process: two compiled updates with ``cache=path``; what torch's caches did,
+    and which C++ kernels the compiler built (compile threads=1: built in this process)."""
+    from torch._inductor import cpp_builder
+
+    built: list[str] = []
+    build = cpp_builder.CppBuilder.build
+
+    def counting_build(self):
+        target = self.get_target_file_path()
+        if target.endswith((".main.so", ".main.o", ".optimized.o")):
+            built.append(target)
+        return build(self)
+
+    cpp_builder.CppBuilder.build = counting_build
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.manual_seed(0)
@@ -232,6 +247,7 @@ def cache_main(path: str, out: str) -> None:
     counters = compat.compile_counters()
     Path(out).write_text(json.dumps({
         "inductor": counters.get("inductor", {}), "aot_autograd": counters.get("aot_autograd", {}),
+        "kernels_built": len(built), "kernels_loaded": compat.inductor_cpp_kernel_files(),
         "warnings": [str(w.message) for w in caught if "compile cache" in str(w.message)]}))
 
 
@@ -240,7 +256,8 @@ def run_cache_worker(tmp_path: Path, cache: Path, name: str) -> dict:
     out = tmp_path / f"{name}.json"
     proc = subprocess.run(
         [sys.executable, str(HERE), "cache", str(cache), str(out)], capture_output=True,
-        text=True, timeout=900, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)})
+        text=True, timeout=900, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir),
+                                     "TORCHINDUCTOR_COMPILE_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -257,8 +274,11 @@ def test_cache_file_makes_a_fresh_process_hit_instead_of_compile(cold_run, tmp_p
     _, cache, cold = cold_run
     assert cold["inductor"].get("fxgraph_cache_miss", 0) >= 2  # compiled: forward, backward
     assert cold["inductor"].get("fxgraph_cache_hit", 0) == 0 and cold["warnings"] == []
-    payload, problem = read_cache(cache, {"torch": str(torch.__version__)})
-    assert problem is None and payload
+    assert cold["kernels_built"] >= 1 and cold["kernels_loaded"]  # the C++ compiler ran
+    contents, problem = read_cache(cache, {"torch": str(torch.__version__)})
+    assert problem is None and contents is not None and contents.artifacts
+    with zipfile.ZipFile(io.BytesIO(contents.kernels)) as archive:
+        assert sorted(archive.namelist()) == sorted(cold["kernels_loaded"])
     assert not [p for p in cache.parent.iterdir() if p.name != cache.name]  # no temp file left
     copy_ = tmp_path / "compile-cache.bin"
     copy_.write_bytes(cache.read_bytes())
@@ -266,15 +286,18 @@ def test_cache_file_makes_a_fresh_process_hit_instead_of_compile(cold_run, tmp_p
     assert warm["inductor"].get("fxgraph_cache_miss", 0) == 0, warm
     assert warm["inductor"]["fxgraph_cache_hit"] == cold["inductor"]["fxgraph_cache_miss"]
     assert warm["aot_autograd"].get("autograd_cache_hit", 0) >= 1 and warm["warnings"] == []
+    assert warm["kernels_built"] == 0  # every kernel came from the file: no C++ compile
+    assert sorted(warm["kernels_loaded"]) == sorted(cold["kernels_loaded"])
     assert copy_.read_bytes() == cache.read_bytes()  # nothing new compiled: not rewritten
 
 
 @pytest.mark.compile
 def test_cache_of_another_torch_version_recompiles_with_a_note(cold_run, tmp_path):
     _, cache, cold = cold_run
-    payload, _ = read_cache(cache, {})
+    contents, _ = read_cache(cache, {})
+    assert contents is not None
     forged = tmp_path / "compile-cache.bin"
-    write_cache(forged, {"torch": "1.0.0", "device": "cpu x86_64"}, payload)
+    write_cache(forged, {"torch": "1.0.0", "device": "cpu x86_64"}, contents)
     run = run_cache_worker(tmp_path, forged, "forged")
     assert run["inductor"].get("fxgraph_cache_hit", 0) == 0
     assert run["inductor"]["fxgraph_cache_miss"] == cold["inductor"]["fxgraph_cache_miss"]
@@ -288,8 +311,8 @@ def test_cache_file_format_refuses_damage_and_other_devices(tmp_path):
     path = tmp_path / "c.bin"
     here = {"torch": str(torch.__version__), "device": "cpu x86_64"}
     assert read_cache(path, here) == (None, None)  # no file: nothing to say
-    write_cache(path, here, b"artifacts")
-    assert read_cache(path, here) == (b"artifacts", None)
+    write_cache(path, here, CacheFile(b"artifacts", b"kernels"))
+    assert read_cache(path, here) == (CacheFile(b"artifacts", b"kernels"), None)
     assert "device 'cpu x86_64' (this run: 'cuda NVIDIA H200 sm_90')" in read_cache(
         path, {**here, "device": "cuda NVIDIA H200 sm_90"})[1]
     path.write_bytes(path.read_bytes()[:-2])
@@ -300,6 +323,30 @@ def test_cache_file_format_refuses_damage_and_other_devices(tmp_path):
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="names a directory"):
         af.compiled(cache=tmp_path)(classify).prepare(state)
+
+
+def test_kernels_are_restored_where_inductor_looks_and_nothing_else_is(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("ab/cabkey.main.so", b"new kernel")
+        archive.writestr("cd/ccdkey.main.so", b"from the file")
+    existing = tmp_path / "inductor" / "cd" / "ccdkey.main.so"
+    existing.parent.mkdir(parents=True)
+    existing.write_bytes(b"already here")
+    assert unpack_kernels(buffer.getvalue()) == ["ab/cabkey.main.so"]
+    restored = tmp_path / "inductor" / "ab" / "cabkey.main.so"
+    assert restored.read_bytes() == b"new kernel" and os.access(restored, os.X_OK)
+    assert existing.read_bytes() == b"already here"  # left alone
+    for bad in ("../escape.so", "ab/cabkey.py", "/abs/ckey.so", "ab/sub/ckey.so"):
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            archive.writestr("ef/cefkey.main.so", b"x")
+            archive.writestr(bad, b"x")
+        with pytest.raises(ValueError, match="not compiled kernels"):
+            unpack_kernels(buffer.getvalue())
+        assert not (tmp_path / "inductor" / "ef").exists()  # refused before writing anything
+    assert unpack_kernels(b"") == []
 
 
 if __name__ == "__main__":
