@@ -29,6 +29,7 @@ __all__ = [
     "foreach_norm",
     "inductor_cache_dir",
     "inductor_cpp_kernel_files",
+    "inductor_isa_probe_files",
     "module_apply",
     "non_finite_check_and_unscale_",
     "scaler_forget_step",
@@ -238,6 +239,26 @@ def inductor_cpp_kernel_files() -> list[str]:
         for name in sorted(os.listdir(folder)):
             if name.startswith(key + ".") and name.endswith((".so", ".o")):
                 found.append(f"{key[1:3]}/{name}")
+    return found
+
+
+def inductor_isa_probe_files() -> list[str]:
+    """The results of inductor's probes of the CPU's vector instruction sets, relative to
+    [`inductor_cache_dir`][]: ``cpu_vec_isa.VecISA.check_build`` compiles a test program to
+    ``<key[1:3]>/<key>.so`` and marks a load that worked with ``<key>.so.load_ok``, and
+    compiles nothing when both exist. Only probes that passed are listed (marker and
+    library)."""
+    import os
+
+    root = inductor_cache_dir()
+    found = []
+    for folder in sorted(os.listdir(root)):
+        path = os.path.join(root, folder)
+        if len(folder) != 2 or not os.path.isdir(path):
+            continue
+        for name in sorted(os.listdir(path)):
+            if name.endswith(".so.load_ok") and os.path.isfile(os.path.join(path, name[:-8])):
+                found += [f"{folder}/{name[:-8]}", f"{folder}/{name}"]
     return found
 
 

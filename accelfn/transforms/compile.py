@@ -3,19 +3,20 @@ optimizer step; its compiled code kept in a file that survives restarts.
 
 Regional compilation (``regional=True``) compiles each repeated block of the model (found by
 [`find_blocks`][], as ``checkpointed`` and FSDP find them) in place and leaves the rest eager:
-the blocks run through one compiled function whose code dynamo caches once for every block of
-a class, so compile time stays that of one block whatever the depth.
+the blocks run through one compiled function whose code dynamo caches once for every block of a
+class, so compile time stays that of one block whatever the depth.
 
-The compile cache (``cache=path``) is ``torch.compiler.save_cache_artifacts()``'s bytes and
-a zip of the C++ kernels this process loaded from inductor's cache directory, behind a one-line
+The compile cache (``cache=path``) is ``torch.compiler.save_cache_artifacts()``'s bytes and a
+zip of the C++ kernels this process loaded from inductor's cache directory, behind a one-line
 JSON header naming the torch version and the device kind (with the CPU's vector instruction
 set) they were compiled for. torch's artifacts hold the generated code but not inductor's
 compiled C++ kernels, so without the zip a fresh machine would rebuild every CPU kernel with
-the C++ compiler; with it, the kernels are put back where inductor looks for them
-(``<cache dir>/<key[1:3]>/<key>.so``, built only when missing). The file is loaded before the
-first compiled step when its header matches this run, and written atomically (temporary file,
-``os.replace``) by the main process after the first update, and again after any later update
-that compiled new code (a cache miss).
+the C++ compiler; with it, the kernels (and the results of inductor's probes of the CPU's
+vector instructions, each a test program it compiles otherwise) are put back where inductor
+looks for them (``<cache dir>/<key[1:3]>/<key>.so``, built only when missing). The file is
+loaded before the first compiled step when its header matches this run, and written atomically
+(temporary file, ``os.replace``) by the main process after the first update, and again after
+any later update that compiled new code (a cache miss).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ CachePath = str | os.PathLike[str]
 _SLOT = "compiled_cache"
 _MAGIC = b"accelfn compile cache\n"
 _FORMAT = 2
-# A kernel file inside inductor's cache directory: <key[1:3]>/<key>.<suffixes>.so|.o
-_KERNEL = re.compile(r"[a-z0-9]{2}/[a-z0-9]+(\.[a-z0-9_]+)*\.(so|o)")
+# A kernel file inside inductor's cache directory: <key[1:3]>/<key>.<suffixes>.so|.o, or the
+# marker of a vector instruction set probe that passed, <key>.so.load_ok
+_KERNEL = re.compile(r"[a-z0-9]{2}/[a-z0-9]+(\.[a-z0-9_]+)*\.(so|o|so\.load_ok)")
 # Counters that grow when inductor or AOTAutograd compiled something the caches did not hold.
 _MISSES = (("inductor", "fxgraph_cache_miss"), ("aot_autograd", "autograd_cache_miss"))
 
@@ -170,10 +172,13 @@ def write_cache(path: Path, fingerprint: dict[str, str], contents: CacheFile) ->
 
 
 def pack_kernels() -> bytes:
-    """A zip of the compiled C++ kernels this process loaded (b"" when none)."""
+    """A zip of the compiled C++ kernels this process loaded (b"" when none), with the CPU
+    vector instruction set probes that passed (the file's fingerprint names the instruction
+    set, so they hold wherever the file is loaded)."""
     files = compat.inductor_cpp_kernel_files()
     if not files:
         return b""
+    files += compat.inductor_isa_probe_files()
     root = Path(compat.inductor_cache_dir())
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:

@@ -143,6 +143,10 @@ def test_inductor_cache_dir_and_the_kernel_files_of_loaded_keys(tmp_path, monkey
         (folder / name).write_bytes(b"")
     monkeypatch.setitem(codecache.CppPythonBindingsCodeCache.cache, key, lambda: None)
     assert compat.inductor_cpp_kernel_files() == [f"xy/{key}.main.so"]
+    (folder / "cxyprobe.so").write_bytes(b"")
+    (folder / "cxyprobe.so.load_ok").write_bytes(b"")
+    (folder / "cxyfailed.so").write_bytes(b"")  # a probe without the marker did not pass
+    assert compat.inductor_isa_probe_files() == ["xy/cxyprobe.so", "xy/cxyprobe.so.load_ok"]
 
 
 def test_dcp_private_metadata_classes_and_storage_entries(tmp_path):
