@@ -259,6 +259,9 @@ class Step:
         sizes = plan.sizes
         if sizes is None and (n > 1 or absolute):
             sizes = [batch_size(m, plan.dim) for m in micros]
+        elif sizes is not None and len(sizes) != n:
+            raise ValueError(f"the 'split' hook's Plan has {n} micro-batches but {len(sizes)} "
+                             "sizes; give one size per micro-batch, or leave sizes out")
         total = sum(sizes) if sizes is not None else 0
         micro_hooks = self._hooks["micro_context"]
         scale_hooks = self._hooks["scale_loss"]

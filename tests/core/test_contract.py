@@ -337,6 +337,24 @@ def test_accumulation_and_the_guard_are_transforms_users_can_replace():
     assert_params_equal(state.model, ref_state.model)
     assert "skipped" not in metrics.keys()  # nothing was checked
 
+    def sized(ctx, batch):  # the same split, saying its sizes: the same update
+        n = batch.batch_size[0]
+        return af.Plan((batch[: n // 2], batch[n // 2:]), sizes=(n // 2, n - n // 2))
+
+    sized_state = _state()
+    af.Transform("sized", af.Hooks(split=sized))(classify)(sized_state, make_batch(n=10))
+    assert_params_equal(sized_state.model, ref_state.model)
+
+    def miscounted(ctx, batch):
+        return af.Plan((batch[:5], batch[5:]), sizes=(10,))
+
+    bad_state = _state()
+    before = [p.detach().clone() for p in bad_state.model.parameters()]
+    with pytest.raises(ValueError, match="2 micro-batches but 1 sizes"):
+        af.Transform("miscounted", af.Hooks(split=miscounted))(classify)(bad_state,
+                                                                         make_batch(n=10))
+    assert all(torch.equal(a, b) for a, b in zip(before, bad_state.model.parameters()))
+
 
 # ---------------------------------------------------------------- 9. types are kept
 @pytest.mark.parametrize("name", ["with_amp", "with_clipping", "compiled", "checkpointed",
