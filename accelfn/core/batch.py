@@ -148,11 +148,10 @@ def _split_flat(batch: TensorDict, sizes: list[int], dim: int) -> list[Any] | No
     device = batch.device
     out = []
     made: dict[int, torch.Size] = {}  # micro-batch sizes repeat: one torch.Size each
-    for i, size in enumerate(sizes):
+    for size, parts in zip(sizes, zip(*pieces)):
         batch_shape = made.get(size)
         if batch_shape is None:
             shape[dim] = size
             batch_shape = made[size] = torch.Size(shape)
-        out.append(compat.tensordict_unchecked(dict(zip(keys, [p[i] for p in pieces])),
-                                               batch_shape, device))
+        out.append(compat.tensordict_unchecked(dict(zip(keys, parts)), batch_shape, device))
     return out

@@ -269,6 +269,8 @@ class Step:
         direct = not self._carry and not forward_hooks and not micro_hooks
         fn, model = self.fn, ctx.prepared.model
         check = sums.weight is None  # the first micro-batch of a window: check the output
+        shares = [size / total for size in sizes] if sizes is not None and n > 1 \
+            and not absolute else None  # each micro-batch's share of the call's samples
         weighted: bool | None = None
         for i, micro in enumerate(micros):
             if direct:
@@ -279,10 +281,11 @@ class Step:
                     out = self._forward(ctx, micro, i, carried)
             else:
                 out = self._forward(ctx, micro, i, carried)
-            if type(out) is Tensor and not (check and i == 0):  # a loss, checked before
+            first = check and i == 0
+            if type(out) is Tensor and not first:  # a loss, checked on the first micro-batch
                 loss, weight, metrics = out, None, None
             else:
-                loss, weight, metrics = unpack(out, first=check and i == 0)
+                loss, weight, metrics = unpack(out, first=first)
             if weighted is None:
                 weighted = weight is not None
             elif weighted != (weight is not None):
@@ -295,9 +298,8 @@ class Step:
             elif absolute:
                 assert sizes is not None
                 coef = float(sizes[i])
-            elif n > 1:
-                assert sizes is not None
-                coef = sizes[i] / total
+            elif shares is not None:
+                coef = shares[i]
             else:
                 coef = None
             objective = loss if coef is None else loss * coef

@@ -45,6 +45,9 @@ class Guard:
         self._pending: tuple[Any, ...] | None = None
 
     def decide(self, flags: list[bool], update: int, policy: str, limit: int) -> bool:
+        if not any(flags):  # the common case: nothing to count
+            self.consecutive = 0
+            return False
         return self._account(*_unpack_flags(flags), update, policy, limit)
 
     def defer(self, flags: Tensor, update: int, policy: str, limit: int) -> None:
@@ -165,7 +168,8 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10) -> Transform:
 
     def decide(ctx: UpdateContext) -> Decision:
         guard = ctx.state.slot(SLOT, Guard)
-        guard.settle(ctx.state)  # the previous update's deferred decision
+        if guard._pending is not None:
+            guard.settle(ctx.state)  # the previous update's deferred decision
         if policy == "off" and ctx.fact("overflow", current=False) is None:
             return Decision(checked=False)
         evidence = _evidence(ctx, check=policy != "off")
