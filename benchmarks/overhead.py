@@ -14,7 +14,11 @@ AdamW, one intra-op thread; every side runs the same number of updates on the sa
 Rounds interleave the sides, rotating which goes first; each round gives each side's median
 thread CPU time per update; the figures are medians over rounds of the per-round ratios.
 
-    python benchmarks/overhead.py [--rounds 15] [--steps 30] [--out FILE]
+``--instructions`` also counts each side's instructions per update with valgrind's callgrind
+(plain loop, accelfn, the same features by hand): a figure that, unlike time, does not move
+with the machine's load.
+
+    python benchmarks/overhead.py [--rounds 15] [--steps 30] [--out FILE] [--instructions]
 """
 
 from __future__ import annotations
@@ -27,9 +31,15 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -162,7 +172,9 @@ def accelerate_side(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------ timing
-def run_config(name: str, bf16: bool, rounds: int, steps: int) -> dict[str, Any]:
+def make_sides(name: str, bf16: bool, peers: bool = True
+               ) -> tuple[dict[str, nn.Module], dict[str, Callable[[], Any]]]:
+    """Each side's model (copies of one) and its update, on the same batch."""
     hidden, batch_size = MODELS[name]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch_size, 32, generator=g)
@@ -175,10 +187,15 @@ def run_config(name: str, bf16: bool, rounds: int, steps: int) -> dict[str, Any]
         "plain": plain_side(models["plain"], x, y, bf16),
         "accelfn": accelfn_side(models["accelfn"], batch, bf16),
         "same_features": same_features_side(models["same_features"], batch, bf16),
-        "fabric": fabric_side(models["fabric"], x, y, bf16),
-        "accelerate": accelerate_side(models["accelerate"], x, y, bf16),
+        "fabric": fabric_side(models["fabric"], x, y, bf16) if peers else None,
+        "accelerate": accelerate_side(models["accelerate"], x, y, bf16) if peers else None,
     }
-    active = {k: v for k, v in sides.items() if v is not None}
+    return models, {k: v for k, v in sides.items() if v is not None}
+
+
+def run_config(name: str, bf16: bool, rounds: int, steps: int) -> dict[str, Any]:
+    hidden, batch_size = MODELS[name]
+    models, active = make_sides(name, bf16)
     for fn in active.values():  # warm up: the same number of updates for every side
         for _ in range(5):
             fn()
@@ -215,6 +232,59 @@ def run_config(name: str, bf16: bool, rounds: int, steps: int) -> dict[str, Any]
     return out
 
 
+# ------------------------------------------------------------------------------ instructions
+COUNTED = ("plain", "accelfn", "same_features")
+
+
+def count_child(name: str, bf16: bool, steps: int) -> None:
+    """Under callgrind (collection off at start): count each side's updates alone, after a
+    warm-up, by switching collection on and off around them and dumping one file per side."""
+    pid = str(os.getpid())
+
+    def control(*flags: str) -> None:
+        subprocess.run(["callgrind_control", *flags, pid], check=True, capture_output=True)
+
+    _, sides = make_sides(name, bf16, peers=False)
+    for fn in sides.values():
+        for _ in range(5):
+            fn()
+    for side in COUNTED:
+        control("-z")
+        control("-i", "on")
+        for _ in range(steps):
+            sides[side]()
+        control("-i", "off")
+        control("-d", side)
+
+
+def count_instructions(name: str, bf16: bool, steps: int) -> dict[str, Any]:
+    """Instructions per update of each side, counted by valgrind's callgrind: unlike time,
+    the count does not move with the machine's load (the same run gives the same figure)."""
+    with tempfile.TemporaryDirectory(prefix="accelfn-callgrind-") as tmp:
+        out = os.path.join(tmp, "cg.out")
+        subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no",
+                        f"--callgrind-out-file={out}", sys.executable, __file__, "--count-child",
+                        name, "bf16" if bf16 else "fp32", "--steps", str(steps)],
+                       check=True, capture_output=True, env={**os.environ,
+                                                             "OMP_NUM_THREADS": "1"})
+        per_update = {}
+        for dump in Path(tmp).glob("cg.out.*"):
+            text = dump.read_text()
+            side = re.search(r"^desc: Trigger: .*dump (\w+)", text, re.M)
+            total = re.search(r"^totals: (\d+)", text, re.M)
+            if side and total and side.group(1) in COUNTED:
+                per_update[side.group(1)] = int(total.group(1)) / steps
+    plain = per_update["plain"]
+    hidden, batch_size = MODELS[name]
+    return {"model": f"MLP 32-{hidden}-{hidden}-10", "batch": batch_size,
+            "precision": "bf16 autocast" if bf16 else "fp32", "updates_counted": steps,
+            "instructions_per_update": {k: round(v) for k, v in per_update.items()},
+            "accelfn_ratio": round(per_update["accelfn"] / plain, 4),
+            "same_features_ratio": round(per_update["same_features"] / plain, 4),
+            "accelfn_added": round(per_update["accelfn"] - plain),
+            "same_features_added": round(per_update["same_features"] - plain)}
+
+
 def _version(package: str) -> str | None:
     try:
         return importlib.metadata.version(package)
@@ -228,8 +298,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="updates per side per round")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--instructions", action="store_true",
+                        help="also count instructions per update with valgrind's callgrind")
+    parser.add_argument("--count-child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.count_child:
+        count_child(args.count_child[0], args.count_child[1] == "bf16", args.steps)
+        return
+    if args.instructions and shutil.which("valgrind") is None:
+        parser.error("--instructions needs valgrind (apt install valgrind)")
     load_before = os.getloadavg()
     configs = [run_config(name, bf16, args.rounds, args.steps)
                for name in args.models for bf16 in (False, True)]
@@ -250,6 +328,9 @@ def main() -> None:
         "targets": {"tiny": 1.03, "medium": 1.01},
         "configs": configs,
     }
+    if args.instructions:
+        result["instructions"] = [count_instructions(name, bf16, 10 if name == "medium" else 50)
+                                  for name in args.models for bf16 in (False, True)]
     text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as f:

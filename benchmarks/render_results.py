@@ -217,12 +217,25 @@ def overhead(r: dict[str, Any], name: str) -> str:
                     + f" | {c['accelfn']['added_us']:,.0f} |")
     bitwise = all(c["parameters_bitwise_equal_to_plain"] for c in r["configs"])
     load = r["load_average"]
-    return (f"### Step overhead against the plain loop ({r['date']}, {r['machine']}, load "
+    text = (f"### Step overhead against the plain loop ({r['date']}, {r['machine']}, load "
             f"average {load[0]:.2f} at the start, {load[3]:.2f} at the end)\n\n"
             f"`python benchmarks/overhead.py` -> `{name}`. Baseline: {r['baseline']}. accelfn: "
             f"{r['accelfn']}. {r['timing']}. Parameters bitwise equal to the plain loop: "
             f"{bitwise}. Targets: tiny <= {r['targets']['tiny']}, medium <= "
             f"{r['targets']['medium']}.\n\n" + "\n".join(rows))
+    counted = r.get("instructions")
+    if not counted:
+        return text
+    rows = ["| model | precision | plain loop instructions/update | accelfn ratio | "
+            "hand-written, same features ratio | accelfn added |",
+            "|---|---|---:|---:|---:|---:|"]
+    for c in counted:
+        rows.append(f"| {c['model']}, batch {c['batch']} | {c['precision']} | "
+                    f"{c['instructions_per_update']['plain']:,} | {c['accelfn_ratio']:.3f} | "
+                    f"{c['same_features_ratio']:.3f} | {c['accelfn_added']:,} |")
+    return (text + "\n\nInstructions per update, counted by valgrind's callgrind "
+            "(`--instructions`; each side's updates alone after a warm-up): unlike time, they "
+            "do not move with the machine's load.\n\n" + "\n".join(rows))
 
 
 def compile_(r: dict[str, Any], name: str) -> str:

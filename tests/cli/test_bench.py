@@ -267,3 +267,32 @@ def test_readme_says_what_bench_writes() -> None:
     for name in ("bench.json", "bench.png"):
         assert f"{bench.DEFAULT_OUT}/{name}" in quick
     assert "load average" in readme and "--repeats" in readme
+
+
+def test_results_page_renders_overhead_times_and_instructions(tmp_path: Path) -> None:
+    side = {"ratio": 1.05, "added_us": 100.0, "step_us": 2100.0}
+    config = {"model": "MLP 32-64-64-10", "batch": 64, "micro_batches": 4, "precision": "fp32",
+              "plain_step_us": 2000.0, "accelfn": side, "same_features": side,
+              "accelfn_vs_same_features": 1.0, "parameters_bitwise_equal_to_plain": True}
+    counted = {"model": "MLP 32-64-64-10", "batch": 64, "precision": "fp32",
+               "updates_counted": 50, "accelfn_ratio": 1.0391, "same_features_ratio": 1.0802,
+               "accelfn_added": 269068, "same_features_added": 547785,
+               "instructions_per_update": {"plain": 6888636, "accelfn": 7157705,
+                                           "same_features": 7436422}}
+    result = {"benchmark": "overhead", "baseline": "plain", "accelfn": "stack", "timing": "t",
+              "date": "2026-12-01 00:00 UTC", "machine": "x86_64, 2 cores",
+              "load_average": [1.0] * 6, "targets": {"tiny": 1.03, "medium": 1.01},
+              "configs": [config], "instructions": [counted]}
+    path = tmp_path / "cpu-overhead.json"
+    path.write_text(json.dumps(result))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import render_results
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    page = render_results.render([path])
+    assert "| MLP 32-64-64-10, batch 64 | fp32 | 2,000 | 1.050 |" in page
+    assert "| MLP 32-64-64-10, batch 64 | fp32 | 6,888,636 | 1.039 | 1.080 | 269,068 |" in page
+    del result["instructions"]
+    path.write_text(json.dumps(result))
+    assert "callgrind" not in render_results.render([path])
