@@ -235,7 +235,8 @@ def overhead(r: dict[str, Any], name: str) -> str:
                     f"{c['same_features_ratio']:.3f} | {c['accelfn_added']:,} |")
     return (text + "\n\nInstructions per update, counted by valgrind's callgrind "
             "(`--instructions`; each side's updates alone after a warm-up): unlike time, they "
-            "do not move with the machine's load.\n\n" + "\n".join(rows))
+            "do not move with the machine's load (repeated runs agree within about 2%).\n\n"
+            + "\n".join(rows))
 
 
 def compile_(r: dict[str, Any], name: str) -> str:
