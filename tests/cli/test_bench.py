@@ -244,17 +244,22 @@ def test_saved_activations_peak_is_one_micro_batch_under_accumulation() -> None:
     assert micro.bytes * 4 == pytest.approx(whole.bytes, rel=0.05)
 
 
-def test_results_page_renders_the_bench_json(quick: tuple[dict, Path, str],
-                                             tmp_path: Path) -> None:
-    result, _, _ = quick
-    path = tmp_path / "cpu-bench.json"
-    path.write_text(json.dumps(result))
+def _render(path: Path) -> str:
+    """docs/results.md's text for the JSON at ``path`` (benchmarks/render_results.py)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import render_results
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
-    page = render_results.render([path])
+    return str(render_results.render([path]))
+
+
+def test_results_page_renders_the_bench_json(quick: tuple[dict, Path, str],
+                                             tmp_path: Path) -> None:
+    result, _, _ = quick
+    path = tmp_path / "cpu-bench.json"
+    path.write_text(json.dumps(result))
+    page = _render(path)
     assert page.startswith("# Benchmark results")
     for s in bench.STAGES:
         assert f"`{s.name}`" in page
@@ -285,14 +290,9 @@ def test_results_page_renders_overhead_times_and_instructions(tmp_path: Path) ->
               "configs": [config], "instructions": [counted]}
     path = tmp_path / "cpu-overhead.json"
     path.write_text(json.dumps(result))
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import render_results
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    page = render_results.render([path])
+    page = _render(path)
     assert "| MLP 32-64-64-10, batch 64 | fp32 | 2,000 | 1.050 |" in page
     assert "| MLP 32-64-64-10, batch 64 | fp32 | 6,888,636 | 1.039 | 1.080 | 269,068 |" in page
     del result["instructions"]
     path.write_text(json.dumps(result))
-    assert "callgrind" not in render_results.render([path])
+    assert "callgrind" not in _render(path)
