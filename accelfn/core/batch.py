@@ -145,13 +145,11 @@ def _split_flat(batch: TensorDict, sizes: list[int], dim: int) -> list[Any] | No
         keys.append(key)
         pieces.append(value.split_with_sizes(sizes, dim) if dim else value.split_with_sizes(sizes))
     shape = list(batch.batch_size)
-    device = batch.device
-    out = []
-    made: dict[int, torch.Size] = {}  # micro-batch sizes repeat: one torch.Size each
-    for size, parts in zip(sizes, zip(*pieces)):
-        batch_shape = made.get(size)
-        if batch_shape is None:
+    shapes = {}  # micro-batch sizes repeat: one torch.Size each
+    for size in sizes:
+        if size not in shapes:
             shape[dim] = size
-            batch_shape = made[size] = torch.Size(shape)
-        out.append(compat.tensordict_unchecked(dict(zip(keys, parts)), batch_shape, device))
-    return out
+            shapes[size] = torch.Size(shape)
+    device = batch.device
+    return [compat.tensordict_unchecked(dict(zip(keys, parts)), shapes[size], device)
+            for size, parts in zip(sizes, zip(*pieces))]

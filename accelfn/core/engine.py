@@ -31,11 +31,10 @@ from . import compat
 from .batch import Batch, batch_size, check_batch
 from .carry import SLOT as CARRY
 from .carry import Carries, detached, takes_carry
+from .checks import check_optimizer_holds_trainable, check_stack, out_of_memory
 from .guard import NonFiniteError, nonfinite
 from .outputs import unpack
 from .protocol import (
-    EXCLUSIVE,
-    GRADIENT_PHASES,
     PHASES,
     PREPARE_PHASES,
     CallContext,
@@ -55,41 +54,8 @@ LossFn = Callable[..., "Tensor | Mapping[str, Tensor]"]  # fn(model, batch[, car
 _DEFAULT_GUARD = nonfinite()
 _ORDER = {name: i for i, (name, _, _) in enumerate(PHASES)}
 _SCALAR = torch.Size([])
-
-
-def _check_stack(transforms: tuple[Transform, ...], text: Callable[[], str]) -> None:
-    names = [t.name for t in transforms]
-    for name in names:
-        if names.count(name) > 1:
-            raise ValueError(f"{name} is applied twice in {text()}; apply each transform once")
-    for phase in _ORDER:
-        members = sorted((t for t in transforms if phase in t.hooks), key=lambda t: t.name)
-        if len(members) < 2:
-            continue
-        first, second = members[0], members[1]
-        if phase in EXCLUSIVE:
-            raise ValueError(
-                f"{first.name} and {second.name} both fill the {phase!r} phase, which runs one "
-                f"hook only; keep one of them in {text()}")
-        for i, a in enumerate(members):
-            for b in members[i + 1:]:
-                if not (a.commutes_with(b) and b.commutes_with(a)):
-                    raise ValueError(
-                        f"{a.name} and {b.name} both have a {phase!r} hook and do not both "
-                        f"declare that they commute, so their order would change the result; "
-                        f"declare commutes=True (or name the other) on both if it does not")
-
-
-def _check_optimizer_holds_trainable(state: TrainState) -> None:
-    held = {id(p) for g in state.optimizer.param_groups for p in g["params"]}
-    missing = [n for n, p in state.model.named_parameters() if p.requires_grad
-               and id(p) not in held]
-    if missing:
-        state.warn_once("missing", (
-            f"{len(missing)} trainable parameter(s) of the model are not in the optimizer "
-            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): they get "
-            "gradients that nothing applies or clears, every update. Add them to the "
-            "optimizer, or freeze them with requires_grad_(False) (accelfn.freeze)"))
+_FIXED = frozenset({"fn", "transforms", "_hooks", "_key", "_before_divide", "_after_divide",
+                    "_carry"})
 
 
 def _sharding(key: tuple[Transform, ...]) -> tuple[Transform, ...]:
@@ -120,7 +86,7 @@ class Step:
                 raise TypeError(f"{t!r} is not a transform: build one with accelfn.Transform")
         self.fn = fn
         self.transforms = transforms
-        _check_stack(transforms, lambda: describe(self))
+        check_stack(transforms, lambda: describe(self))
         active = transforms
         if not any("decide" in t.hooks for t in transforms):
             active = (*transforms, _DEFAULT_GUARD)
@@ -129,12 +95,18 @@ class Step:
             phase: [(t, t.hooks[phase]) for t in ordered if phase in t.hooks]  # type: ignore[literal-required]
             for phase in _ORDER}
         self._key = self._prepare_key()
+        # the update's gradient hooks, flat: (preserves_finite, hook), before and after the
+        # engine divides by the weight total (after 'reduce')
+        self._before_divide = [(t.preserves_finite, hook) for phase in ("unscale", "reduce")
+                               for t, hook in self._hooks[phase]]
+        self._after_divide = [(t.preserves_finite, hook) for phase in ("gradients", "clip")
+                              for t, hook in self._hooks[phase]]
         self._carry = takes_carry(fn)
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("fn", "transforms", "_hooks", "_key", "_carry") and hasattr(self, "_carry"):
+        if name in _FIXED and hasattr(self, "_carry"):
             raise AttributeError(f"a step is immutable: build a new one instead of setting {name}")
         object.__setattr__(self, name, value)
 
@@ -190,7 +162,7 @@ class Step:
         skips = compat.step_supports_amp_scaling(state.optimizer) and all(
             group.get("fused") for group in state.optimizer.param_groups)
         prepared = dataclasses.replace(prepared, skips_on_device=skips)
-        _check_optimizer_holds_trainable(state)
+        check_optimizer_holds_trainable(state)
         state.add_preparation(key, prepared, describe(self))
         return prepared
 
@@ -242,7 +214,7 @@ class Step:
         except BaseException as error:
             self._abort(ctx)
             if isinstance(error, torch.OutOfMemoryError):
-                raise _out_of_memory(self, error) from error
+                raise out_of_memory(self, error) from error
             raise
         if not plan.update:
             return TensorDict(sums.result(divide=True), batch_size=[])
@@ -252,8 +224,8 @@ class Step:
                   carried: dict[int, Any]) -> bool:
         """Forward and backward of every micro-batch, each loss weighted by its share; returns
         whether the micro-batches were weighted absolutely (gradients and metrics to be divided
-        by the total weight). One loop, no call per micro-batch beyond the user's: it is the
-        hot path of every step."""
+        by the total weight). One loop, no call per micro-batch beyond the user's and the
+        backward: it is the hot path of every step."""
         micros = plan.micros
         n = len(micros)
         sizes = plan.sizes
@@ -262,16 +234,27 @@ class Step:
         elif sizes is not None and len(sizes) != n:
             raise ValueError(f"the 'split' hook's Plan has {n} micro-batches but {len(sizes)} "
                              "sizes; give one size per micro-batch, or leave sizes out")
-        total = sum(sizes) if sizes is not None else 0
+        # a micro-batch's coefficient unless it returns a weight: its sample count when
+        # weighted absolutely, its share of the call's samples, nothing when it is alone
+        fixed: list[float | None]
+        if absolute:
+            assert sizes is not None
+            fixed = [float(size) for size in sizes]
+        elif n > 1:
+            assert sizes is not None
+            total = sum(sizes)
+            fixed = [size / total for size in sizes]
+        else:
+            fixed = [None]
         micro_hooks = self._hooks["micro_context"]
         scale_hooks = self._hooks["scale_loss"]
-        forward_hooks = self._hooks["forward_context"]
-        direct = not self._carry and not forward_hooks and not micro_hooks
+        direct = not self._carry and not self._hooks["forward_context"] and not micro_hooks
         fn, model = self.fn, ctx.prepared.model
-        check = sums.weight is None  # the first micro-batch of a window: check the output
-        shares = [size / total for size in sizes] if sizes is not None and n > 1 \
-            and not absolute else None  # each micro-batch's share of the call's samples
+        check = sums.empty  # the first micro-batch of a window: check the output
+        losses, coefs = sums.loss_terms()
+        backward = compat.backward
         weighted: bool | None = None
+        coef: Tensor | float | None
         for i, micro in enumerate(micros):
             if direct:
                 out = fn(model, micro)
@@ -281,36 +264,33 @@ class Step:
                     out = self._forward(ctx, micro, i, carried)
             else:
                 out = self._forward(ctx, micro, i, carried)
-            first = check and i == 0
-            if type(out) is Tensor and not first:  # a loss, checked on the first micro-batch
-                loss, weight, metrics = out, None, None
+            if type(out) is Tensor and (i or not check) and not weighted:  # a loss, as before
+                coef = fixed[i]
+                if coef is None:
+                    objective = out
+                else:
+                    objective = out * coef
+                    coefs.append(coef)
+                losses.append(objective.detach())
+                weighted = False
             else:
-                loss, weight, metrics = unpack(out, first=first)
-            if weighted is None:
+                loss, weight, metrics = unpack(out, first=check and i == 0)
+                if weighted is not None and weighted != (weight is not None):
+                    raise ValueError("the step function returned 'weight' for some "
+                                     "micro-batches but not others; return it always")
                 weighted = weight is not None
-            elif weighted != (weight is not None):
-                raise ValueError("the step function returned 'weight' for some micro-batches "
-                                 "but not others; return it always")
-            coef: Tensor | float | None
-            if weight is not None and (n > 1 or absolute):
-                coef = weight.detach().to(torch.float32)
-                absolute = True
-            elif absolute:
-                assert sizes is not None
-                coef = float(sizes[i])
-            elif shares is not None:
-                coef = shares[i]
-            else:
-                coef = None
-            objective = loss if coef is None else loss * coef
-            if metrics:
+                if weight is not None and (n > 1 or absolute):
+                    coef = weight.detach().to(torch.float32)
+                    absolute = True
+                else:
+                    coef = fixed[i]
+                objective = loss if coef is None else loss * coef
                 sums.add(coef, metrics, {"loss": objective})
-            else:
-                sums.losses(coef).append(objective.detach())
-            for _, hook in scale_hooks:
-                objective = hook(ctx, objective)
+            if scale_hooks:
+                for _, hook in scale_hooks:
+                    objective = hook(ctx, objective)
             try:
-                objective.backward()  # type: ignore[no-untyped-call]
+                backward(objective)
             except RuntimeError as error:
                 if "backward through the graph a second time" in str(error):
                     raise RuntimeError(
@@ -339,12 +319,13 @@ class Step:
         return self._update(ctx, sums, True)
 
     def _update(self, ctx: CallContext, sums: Sums, absolute: bool) -> TensorDict:
-        state, optimizer = ctx.state, ctx.state.optimizer
+        state, prepared = ctx.state, ctx.prepared
+        optimizer = state.optimizer
         metrics = sums.result(divide=absolute)
-        uctx = UpdateContext(state, ctx.prepared, metrics["loss"])
+        uctx = UpdateContext(state, prepared, metrics["loss"])
         if absolute:
             uctx.divisor = uctx.weight_total = torch.as_tensor(
-                sums.weight, dtype=torch.float32, device=ctx.device)
+                sums.weight, dtype=torch.float32, device=prepared.device)
         try:
             decision = self._gradient_path(uctx)
         except BaseException:
@@ -354,35 +335,43 @@ class Step:
         if isinstance(lr, Tensor):  # schedulers update a tensor learning rate in place
             lr = lr.detach().clone()
         on_device = self._apply(uctx, decision)  # the skip flag when decided on the device
-        device = ctx.device
-        host_skip = float(bool(decision.skip))
+        device = prepared.device
+        after = self._hooks["after_update"]
         # fills, not copies: nothing waits for the device
-        lr_value = (lr if isinstance(lr, Tensor)
-                    else torch.scalar_tensor(float(lr), device=device))
-        skip_value = (on_device.float() if on_device is not None
-                      else torch.scalar_tensor(host_skip, device=device))
-        metrics["lr"] = lr_value
+        metrics["lr"] = lr if isinstance(lr, Tensor) else torch.scalar_tensor(float(lr),
+                                                                               device=device)
+        skip_value: Tensor | None = None
+        if on_device is not None:
+            skip_value = on_device.float()
+        elif decision.checked or after:
+            skip_value = torch.scalar_tensor(1.0 if decision.skip else 0.0, device=device)
         if decision.checked:
+            assert skip_value is not None
             metrics["skipped"] = skip_value
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
-        if self._hooks["after_update"]:
+        if after:
+            assert skip_value is not None
             skipped = on_device if on_device is not None else skip_value.bool()
-            for _, hook in self._hooks["after_update"]:
+            for _, hook in after:
                 hook(uctx, skipped)
-        metrics.update(uctx.metrics)
+        if uctx.metrics:
+            metrics.update(uctx.metrics)
         return compat.tensordict_unchecked(metrics, _SCALAR, None)  # type: ignore[no-any-return]
 
     def _gradient_path(self, ctx: UpdateContext) -> Decision:
-        for phase in GRADIENT_PHASES:
-            for t, hook in self._hooks[phase]:
-                if not t.preserves_finite:
-                    ctx.grads_written()
-                hook(ctx)
-            if phase == "reduce" and ctx.divisor is not None:
-                grads = ctx.local_grads()
-                if grads:
-                    compat.foreach_div_(grads, ctx.divisor)
+        for preserves_finite, hook in self._before_divide:
+            if not preserves_finite:
+                ctx.grads_written()
+            hook(ctx)
+        if ctx.divisor is not None:
+            grads = ctx.local_grads()
+            if grads:
+                compat.foreach_div_(grads, ctx.divisor)
+        for preserves_finite, hook in self._after_divide:
+            if not preserves_finite:
+                ctx.grads_written()
+            hook(ctx)
         t, hook = self._hooks["decide"][0]
         decision = hook(ctx)
         if not isinstance(decision, Decision):
@@ -448,20 +437,6 @@ class Step:
         if self._carry:
             state.slot(CARRY, Carries).commit("evaluate", carried)
         return TensorDict(sums.result(divide=n > 1), batch_size=[])
-
-
-def _out_of_memory(step: Step, error: BaseException) -> torch.OutOfMemoryError:
-    split = step._hooks["split"]
-    n = int(dict(split[0][0].options).get("n", 1)) if split else 1
-    advice = [f"with_accumulation({2 * n}) (same update, half the activations)"]
-    if not step.has("checkpoint"):
-        advice.append("checkpointed (recompute block activations in backward)")
-    if not step.has("forward_context"):
-        advice.append("with_amp (bf16 activations take half the memory)")
-    advice.append("a smaller batch")
-    return torch.OutOfMemoryError(
-        f"out of memory in {describe(step)}; the model, optimizer and scheduler are unchanged "
-        f"and gradients were cleared. Try: {'; '.join(advice)}. ({error})")
 
 
 def lift(fn: LossFn | Step) -> Step:

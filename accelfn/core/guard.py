@@ -30,6 +30,8 @@ __all__ = ["POLICIES", "Guard", "NonFiniteError", "nonfinite"]
 
 POLICIES = ("skip", "raise", "off")
 SLOT = "nonfinite"
+_PROCEED, _SKIP = Decision(False), Decision(True)  # decisions are values: these suffice
+_UNCHECKED = Decision(checked=False)
 
 
 class NonFiniteError(FloatingPointError):
@@ -132,18 +134,16 @@ def grads_nonfinite(grads: list[Tensor], device: torch.device) -> Tensor:
 Evidence = list[tuple[Tensor, bool]]  # (tensor, is_flag): a value is bad when non-finite
 
 
-def _evidence(ctx: UpdateContext, check: bool) -> Evidence:
-    """[loss, gradients] (and the loss scaler's overflow flag, when it reported): each a
+def _evidence(ctx: UpdateContext, overflow: Tensor | None, check: bool) -> Evidence:
+    """[loss, gradients] (and ``overflow``, the loss scaler's flag, when it reported): each a
     value that is bad when non-finite, or a flag that is bad when nonzero."""
-    overflow = ctx.fact("overflow", current=False)
     if not check:
         assert overflow is not None
         zero = torch.scalar_tensor(0.0, device=ctx.device)
         return [(zero, False), (zero, False), (overflow, True)]
     loss = (ctx.loss, False)
-    if ctx.fact("overflow") is not None:  # unscaling checked the gradients as they are
-        assert overflow is not None
-        return [loss, (overflow, True), (overflow, True)]
+    if overflow is not None and ctx.fact("overflow") is not None:  # unscaling checked the
+        return [loss, (overflow, True), (overflow, True)]          # gradients as they are
     norm = ctx.fact("norm")  # a NaN/Inf gradient makes the total norm NaN/Inf
     grads = (norm, False) if norm is not None else (
         grads_nonfinite(ctx.local_grads(), ctx.device), True)
@@ -170,14 +170,15 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10) -> Transform:
         guard = ctx.state.slot(SLOT, Guard)
         if guard._pending is not None:
             guard.settle(ctx.state)  # the previous update's deferred decision
-        if policy == "off" and ctx.fact("overflow", current=False) is None:
-            return Decision(checked=False)
-        evidence = _evidence(ctx, check=policy != "off")
+        overflow = ctx.fact("overflow", current=False)
+        if policy == "off" and overflow is None:
+            return _UNCHECKED
+        evidence = _evidence(ctx, overflow, check=policy != "off")
         on_device = ctx.prepared.skips_on_device and policy != "raise"
         if ctx.distributed is None and not on_device:  # judged on the host: one read
             flags = _host_flags(evidence)
             skip = guard.decide(flags, ctx.state.step, policy, max_consecutive)
-            return Decision(skip)
+            return _SKIP if skip else _PROCEED
         device_flags = _device_flags(evidence, ctx.device)
         if ctx.distributed is not None:  # every process takes the same decision
             reduced = device_flags.to(torch.int32)
@@ -188,7 +189,7 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10) -> Transform:
             return Decision(None, flags=device_flags)
         with labelled_read(GUARD_READ):
             flags = device_flags.tolist()
-        return Decision(guard.decide(flags, ctx.state.step, policy, max_consecutive))
+        return _SKIP if guard.decide(flags, ctx.state.step, policy, max_consecutive) else _PROCEED
 
     if policy == "skip":
         label = f"with_nonfinite({policy}, max_consecutive={max_consecutive})"

@@ -252,15 +252,19 @@ class Sums:
         if coef is not None:
             self._coefs.append(coef)
 
-    def losses(self, coef: Tensor | float | None) -> list[Tensor]:
-        """The list the engine appends a micro-batch's weighted loss (detached) to, after
-        recording its ``coef``: ``add(coef, {}, {"loss": objective})`` without the mapping."""
-        if coef is not None:
-            self._coefs.append(coef)
+    def loss_terms(self) -> tuple[list[Tensor], list[Tensor | float]]:
+        """The lists the engine appends a plain micro-batch loss to: its weighted loss
+        (detached) and its coefficient (unless None), as ``add(coef, {}, {"loss": weighted})``
+        does, without a mapping and a call per micro-batch."""
         terms = self._terms.get("loss")
         if terms is None:
             terms = self._terms["loss"] = []
-        return terms
+        return terms, self._coefs
+
+    @property
+    def empty(self) -> bool:
+        """Whether nothing was added yet (the first micro-batch of a window)."""
+        return not self._terms
 
     @property
     def weight(self) -> Tensor | float | None:
@@ -341,7 +345,9 @@ class UpdateContext(CallContext):
     __slots__ = ("_facts", "_version", "divisor", "loss", "metrics", "weight_total")
 
     def __init__(self, state: TrainState, prepared: Prepared, loss: Tensor) -> None:
-        super().__init__(state, prepared, True)
+        self.state = state  # CallContext's fields, without a call per update
+        self.prepared = prepared
+        self.training = True
         self.loss = loss
         self.metrics: dict[str, Tensor] = {}
         self.divisor: Tensor | None = None

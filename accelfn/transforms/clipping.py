@@ -16,12 +16,8 @@ __all__ = ["with_clipping"]
 def _clipping(max_norm: float | None, norm_type: float, max_value: float | None) -> Transform:
     def clip(ctx: UpdateContext) -> None:
         # the model's parameter order, as clip_grad_norm_(model.parameters()) sums the norm
-        params, grads = [], []
-        for p in ctx.state.model.parameters():
-            if p.grad is not None:
-                params.append(p)
-                grads.append(p.grad)
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        params = [p for p in ctx.state.model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)  # type: ignore[misc]
         full_tensor = getattr(norm, "full_tensor", None)
         if callable(full_tensor):  # FSDP2 shards: the norm over all processes
             norm = full_tensor()
@@ -31,7 +27,7 @@ def _clipping(max_norm: float | None, norm_type: float, max_value: float | None)
             ctx.report_norm(norm)  # scaled by a finite factor: still says if any is NaN/Inf
         else:
             torch.nn.utils.clip_grad_value_(params, max_value)
-        ctx.metrics["grad_norm"] = norm.detach()
+        ctx.metrics["grad_norm"] = norm.detach() if norm.requires_grad else norm
 
     if max_value is not None:
         label = f"with_clipping(max_value={max_value:g})"

@@ -118,6 +118,9 @@ def test_tensordict_unchecked_builds_the_tensordict_the_constructor_builds():
     assert type(fast) is TensorDict and fast.batch_size == slow.batch_size
     assert fast.device is None and sorted(fast.keys()) == sorted(slow.keys())
     assert all(fast[k] is entries[k] for k in entries)  # no copy
+    unsafe = TensorDict._new_unsafe(dict(entries), batch_size=torch.Size([4]), nested=False)
+    assert vars(fast) == {**vars(unsafe), "_tensordict": entries}  # the fields _new_unsafe sets
+    assert (fast == slow).all() and fast.clone()["y"].tolist() == [0, 1, 2, 3]
     assert compat.tensordict_unchecked({}, torch.Size([]), torch.device("cpu")).device == \
         torch.device("cpu")
 
@@ -197,3 +200,47 @@ def test_compile_counters_count_graphs_and_are_a_copy():
     now = compat.compile_counters()["stats"]["unique_graphs"]
     assert now == after["stats"]["unique_graphs"] - 100
     torch._dynamo.reset()
+
+
+def test_backward_gives_the_gradients_of_loss_backward_through_the_engine(monkeypatch):
+    def grads(run):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
+        for _ in range(2):  # accumulates, as backward does
+            run(model(torch.randn(16, 4)).pow(2).mean() * 0.5)
+        return [p.grad for p in model.parameters()]
+
+    expected = grads(lambda loss: loss.backward())
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "backward", lambda self, *a, **k: calls.append(self))
+    got = grads(compat.backward)
+    assert not calls  # the engine was called directly
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_backward_leaves_everything_else_to_loss_backward():
+    from torch.overrides import TorchFunctionMode
+
+    w = torch.ones(3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="scalar outputs"):  # torch's own errors
+        compat.backward(w * 2)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        compat.backward(torch.ones(()))
+
+    seen = []
+
+    class Seen(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with Seen():
+        compat.backward((w * 2).sum())
+    assert "backward" in seen and torch.equal(w.grad, torch.full((3,), 2.0))
+
+    class Sub(torch.Tensor):
+        pass
+
+    w.grad = None
+    compat.backward((w * 3).sum().as_subclass(Sub))
+    assert torch.equal(w.grad, torch.full((3,), 3.0))
