@@ -8,7 +8,9 @@ The baseline is the plain loop with nothing added: raw tensors, ``x.chunk(n)``/`
 with the non-finite guard on, as users get it. A second line compares the loop written by hand
 with the same features (TensorDict slices, weighted metrics in a TensorDict, a finite check of
 loss and gradient norm with a host read); Lightning Fabric and HF Accelerate run the same step
-when installed (``pip install accelfn[peers]``).
+when installed (``pip install accelfn[peers]``). A control runs the plain loop again on its own
+copy of the model: its ratio to the plain loop (1.000 if the machine were perfectly steady)
+is the noise floor the other ratios are read against.
 
 AdamW, one intra-op thread; every side runs the same number of updates on the same batch.
 Rounds interleave the sides, rotating which goes first; each round gives each side's median
@@ -183,9 +185,12 @@ def make_sides(name: str, bf16: bool, peers: bool = True
     batch = TensorDict({"x": x, "y": y}, batch_size=[batch_size])
     base = make_model(hidden)
     models = {side: copy.deepcopy(base) for side in
-              ("plain", "accelfn", "same_features", "fabric", "accelerate")}
+              ("plain", "plain_again", "accelfn", "same_features", "fabric", "accelerate")}
     sides: dict[str, Callable[[], Any] | None] = {
         "plain": plain_side(models["plain"], x, y, bf16),
+        # the control: the same plain loop on its own copy of the model, whose ratio to the
+        # plain loop is the measurement's noise floor (placement in memory, the machine)
+        "plain_again": plain_side(models["plain_again"], x, y, bf16) if peers else None,
         "accelfn": accelfn_side(models["accelfn"], batch, bf16),
         "same_features": same_features_side(models["same_features"], batch, bf16),
         "fabric": fabric_side(models["fabric"], x, y, bf16) if peers else None,
@@ -222,7 +227,9 @@ def run_config(name: str, bf16: bool, rounds: int, steps: int) -> dict[str, Any]
     for k in names[1:]:
         ratios = [a / b for a, b in zip(per_round[k], plain)]
         added = [a - b for a, b in zip(per_round[k], plain)]
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
         out[k] = {"ratio": round(statistics.median(ratios), 4),
+                  "ratio_quartiles": [round(quartiles[0], 4), round(quartiles[2], 4)],
                   "added_us": round(statistics.median(added) * 1e6, 1),
                   "step_us": round(statistics.median(per_round[k]) * 1e6, 1)}
     out["accelfn_vs_same_features"] = round(statistics.median(

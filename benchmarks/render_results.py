@@ -204,14 +204,18 @@ expect different ratios (see the performance guide).
 
 
 def overhead(r: dict[str, Any], name: str) -> str:
-    sides = ("accelfn", "same_features", "fabric", "accelerate")
+    sides = ("accelfn", "same_features", "fabric", "accelerate", "plain_again")
     labels = {"accelfn": "accelfn", "same_features": "hand-written, same features",
-              "fabric": "Lightning Fabric", "accelerate": "HF Accelerate"}
+              "fabric": "Lightning Fabric", "accelerate": "HF Accelerate",
+              "plain_again": "control: plain loop again"}
     rows = ["| model | precision | plain loop us/step | "
             + " | ".join(f"{labels[s]} ratio" for s in sides) + " | accelfn added us |",
             "|---|---|---:|" + "---:|" * len(sides) + "---:|"]
     for c in r["configs"]:
-        cells = [f"{c[s]['ratio']:.3f}" if s in c else "not installed" for s in sides]
+        cells = [f"{c[s]['ratio']:.3f}" if s in c else "not run" for s in sides]
+        if "ratio_quartiles" in c["accelfn"]:
+            low, high = c["accelfn"]["ratio_quartiles"]
+            cells[0] += f" ({low:.3f}-{high:.3f})"
         rows.append(f"| {c['model']}, batch {c['batch']} | {c['precision']} | "
                     f"{c['plain_step_us']:,.0f} | " + " | ".join(cells)
                     + f" | {c['accelfn']['added_us']:,.0f} |")
@@ -220,7 +224,9 @@ def overhead(r: dict[str, Any], name: str) -> str:
     text = (f"### Step overhead against the plain loop ({r['date']}, {r['machine']}, load "
             f"average {load[0]:.2f} at the start, {load[3]:.2f} at the end)\n\n"
             f"`python benchmarks/overhead.py` -> `{name}`. Baseline: {r['baseline']}. accelfn: "
-            f"{r['accelfn']}. {r['timing']}. Parameters bitwise equal to the plain loop: "
+            f"{r['accelfn']}. {r['timing']} (accelfn's quartiles of per-round ratios in "
+            "brackets; the control runs the plain loop again on its own model copy: its "
+            "distance from 1 is the noise floor). Parameters bitwise equal to the plain loop: "
             f"{bitwise}. Targets: tiny <= {r['targets']['tiny']}, medium <= "
             f"{r['targets']['medium']}.\n\n" + "\n".join(rows))
     counted = r.get("instructions")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Literal, overload
 
@@ -28,13 +29,11 @@ def check_batch(batch: Any) -> None:
             raise ValueError("the batch is empty (batch_size[0] == 0); skip empty batches")
         if batch.device is not None:  # a TensorDict with a device holds nothing elsewhere
             return
-        devices = set()
-        for value in batch.values():
-            if not isinstance(value, torch.Tensor):  # nested: every leaf
-                devices = {t.device for t in batch.values(include_nested=True,
-                                                           leaves_only=True)}
-                break
-            devices.add(value.device)
+        devices = {value.device for value in batch.values()}
+        if len(devices) == 1 and None not in devices:
+            return
+        # nested entries (or non-tensor data) without a device of their own: every leaf
+        devices = {t.device for t in batch.values(include_nested=True, leaves_only=True)}
     elif isinstance(batch, Mapping):
         if not batch:
             raise ValueError("the batch is an empty mapping; it must hold at least one tensor")
@@ -104,6 +103,15 @@ def split_sizes(total: int, parts: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 
+@functools.lru_cache(maxsize=256)
+def _layout(shape: torch.Size, parts: int, dim: int) -> tuple[list[int], list[torch.Size]]:
+    """The sizes of ``parts`` micro-batches of a TensorDict of batch size ``shape`` split along
+    ``dim``, and their batch sizes (cached: a run sees few batch shapes; callers do not
+    mutate them)."""
+    sizes = split_sizes(shape[dim], parts)
+    return sizes, [torch.Size([*shape[:dim], size, *shape[dim + 1:]]) for size in sizes]
+
+
 @overload
 def split_batch(batch: Any, parts: int, dim: int = 0) -> list[Any]: ...
 @overload
@@ -120,18 +128,23 @@ def split_batch(batch: Any, parts: int, dim: int = 0, *,
             f"cannot split a batch of {total} samples into {parts} micro-batches; use a batch "
             f"of at least {parts} samples or with_accumulation(n) with n <= {total}"
         )
-    sizes = split_sizes(total, parts)
-    micros = _split_flat(batch, sizes, dim) if type(batch) is TensorDict else None
+    micros = None
+    if type(batch) is TensorDict:
+        sizes, shapes = _layout(batch.batch_size, parts, dim)
+        micros = _split_flat(batch, sizes, shapes, dim)
+    else:
+        sizes = split_sizes(total, parts)
     if micros is None:
         if isinstance(batch, TensorDictBase):
             micros = list(batch.split(sizes, dim=dim))
         else:
             chunks = {key: torch.split(value, sizes, dim=dim) for key, value in batch.items()}
             micros = [{key: chunks[key][i] for key in batch} for i in range(parts)]
-    return (micros, sizes) if with_sizes else micros
+    return (micros, list(sizes)) if with_sizes else micros
 
 
-def _split_flat(batch: TensorDict, sizes: list[int], dim: int) -> list[Any] | None:
+def _split_flat(batch: TensorDict, sizes: list[int], shapes: list[torch.Size],
+                dim: int) -> list[Any] | None:
     """``batch.split(sizes, dim)`` for a TensorDict of plain tensors without dimension names,
     built from each entry's ``split_with_sizes`` (a third of the time ``TensorDict.split``
     takes, which handles every kind of entry); None for any other TensorDict."""
@@ -144,12 +157,4 @@ def _split_flat(batch: TensorDict, sizes: list[int], dim: int) -> list[Any] | No
             return None
         keys.append(key)
         pieces.append(value.split_with_sizes(sizes, dim) if dim else value.split_with_sizes(sizes))
-    shape = list(batch.batch_size)
-    shapes = {}  # micro-batch sizes repeat: one torch.Size each
-    for size in sizes:
-        if size not in shapes:
-            shape[dim] = size
-            shapes[size] = torch.Size(shape)
-    device = batch.device
-    return [compat.tensordict_unchecked(dict(zip(keys, parts)), shapes[size], device)
-            for size, parts in zip(sizes, zip(*pieces))]
+    return compat.tensordicts_unchecked(keys, zip(*pieces), shapes, batch.device)

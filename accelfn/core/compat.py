@@ -9,7 +9,7 @@ stated in ``pyproject.toml``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -42,6 +42,7 @@ __all__ = [
     "stop_node_thread",
     "tensordict_has_names",
     "tensordict_unchecked",
+    "tensordicts_unchecked",
     "unwrap_compiled",
     "weights_only_unpickle",
 ]
@@ -305,6 +306,24 @@ def tensordict_unchecked(entries: dict[str, Any], batch_size: torch.Size,
     fields["_batch_size"] = batch_size
     fields["_td_dim_names"] = None
     return td
+
+
+def tensordicts_unchecked(keys: list[str], rows: Iterable[Sequence[Tensor]],
+                          batch_sizes: Sequence[torch.Size], device: torch.device | None
+                          ) -> list[Any]:
+    """``[tensordict_unchecked(dict(zip(keys, row)), size, device) for row, size in ...]``,
+    checking for compilation once (the micro-batches of a split)."""
+    if torch.compiler.is_compiling():
+        return [tensordict_unchecked(dict(zip(keys, row)), size, device)
+                for row, size in zip(rows, batch_sizes)]
+    out = []
+    new = _TD_NEW
+    for row, size in zip(rows, batch_sizes):
+        td = new(TensorDict)
+        td.__dict__.update(_device=device, _tensordict=dict(zip(keys, row)), _batch_size=size,
+                           _td_dim_names=None)
+        out.append(td)
+    return out
 
 
 def tensordict_has_names(td: Any) -> bool:

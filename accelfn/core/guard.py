@@ -158,6 +158,11 @@ def _device_flags(evidence: Evidence, device: torch.device) -> Tensor:
 
 def _host_flags(evidence: Evidence) -> list[bool]:
     with labelled_read(GUARD_READ):
+        if len(evidence) == 2 and not (evidence[0][1] or evidence[1][1]):  # loss, norm
+            # the common case in one read: a sum is finite when both are (an overflow of
+            # the sum alone is looked at value by value below)
+            if math.isfinite((evidence[0][0] + evidence[1][0]).item()):
+                return [False, False]
         values = torch.stack([t for t, _ in evidence]).tolist()  # the one host read
     return [v != 0 if is_flag else not math.isfinite(v)
             for v, (_, is_flag) in zip(values, evidence)]

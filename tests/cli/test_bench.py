@@ -277,7 +277,9 @@ def test_readme_says_what_bench_writes() -> None:
 def test_results_page_renders_overhead_times_and_instructions(tmp_path: Path) -> None:
     side = {"ratio": 1.05, "added_us": 100.0, "step_us": 2100.0}
     config = {"model": "MLP 32-64-64-10", "batch": 64, "micro_batches": 4, "precision": "fp32",
-              "plain_step_us": 2000.0, "accelfn": side, "same_features": side,
+              "plain_step_us": 2000.0, "same_features": side,
+              "accelfn": {**side, "ratio_quartiles": [1.04, 1.06]},
+              "plain_again": {**side, "ratio": 0.998},
               "accelfn_vs_same_features": 1.0, "parameters_bitwise_equal_to_plain": True}
     counted = {"model": "MLP 32-64-64-10", "batch": 64, "precision": "fp32",
                "updates_counted": 50, "accelfn_ratio": 1.0391, "same_features_ratio": 1.0802,
@@ -291,7 +293,8 @@ def test_results_page_renders_overhead_times_and_instructions(tmp_path: Path) ->
     path = tmp_path / "cpu-overhead.json"
     path.write_text(json.dumps(result))
     page = _render(path)
-    assert "| MLP 32-64-64-10, batch 64 | fp32 | 2,000 | 1.050 |" in page
+    assert ("| MLP 32-64-64-10, batch 64 | fp32 | 2,000 | 1.050 (1.040-1.060) | 1.050 | not run "
+            "| not run | 0.998 | 100 |") in page
     assert "| MLP 32-64-64-10, batch 64 | fp32 | 6,888,636 | 1.039 | 1.080 | 269,068 |" in page
     del result["instructions"]
     path.write_text(json.dumps(result))
