@@ -45,6 +45,7 @@ __all__ = [
     "tensordicts_unchecked",
     "unwrap_compiled",
     "weights_only_unpickle",
+    "zero_grad",
 ]
 
 
@@ -75,6 +76,23 @@ def backward(loss: Tensor) -> None:
                              (), allow_unreachable=True, accumulate_grad=True)
     else:
         loss.backward()  # type: ignore[no-untyped-call]
+
+
+_OPTIMIZER_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+_profiler_enabled = torch._C._autograd._profiler_enabled
+
+
+def zero_grad(optimizer: torch.optim.Optimizer) -> None:
+    """``optimizer.zero_grad(set_to_none=True)``: the same loop over the optimizer's
+    parameters, without the profiler label and per-call setup that make ten times its cost
+    (about 12 us of a small model's update on the CPU), unless a profiler is recording (the
+    label then shows in its trace) or the optimizer's class has its own ``zero_grad``."""
+    if type(optimizer).zero_grad is not _OPTIMIZER_ZERO_GRAD or _profiler_enabled():
+        optimizer.zero_grad(set_to_none=True)
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = None
 
 
 def foreach_div_(tensors: list[Tensor], divisor: Tensor | float) -> None:
@@ -320,8 +338,11 @@ def tensordicts_unchecked(keys: list[str], rows: Iterable[Sequence[Tensor]],
     new = _TD_NEW
     for row, size in zip(rows, batch_sizes):
         td = new(TensorDict)
-        td.__dict__.update(_device=device, _tensordict=dict(zip(keys, row)), _batch_size=size,
-                           _td_dim_names=None)
+        fields = td.__dict__
+        fields["_device"] = device
+        fields["_tensordict"] = dict(zip(keys, row))
+        fields["_batch_size"] = size
+        fields["_td_dim_names"] = None
         out.append(td)
     return out
 

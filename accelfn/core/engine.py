@@ -285,7 +285,12 @@ class Step:
                 else:
                     coef = fixed[i]
                 objective = loss if coef is None else loss * coef
-                sums.add(coef, metrics, {"loss": objective})
+                if metrics:
+                    sums.add(coef, metrics, {"loss": objective})
+                else:
+                    losses.append(objective.detach())
+                    if coef is not None:
+                        coefs.append(coef)
             if scale_hooks:
                 for _, hook in scale_hooks:
                     objective = hook(ctx, objective)
@@ -348,7 +353,7 @@ class Step:
         if decision.checked:
             assert skip_value is not None
             metrics["skipped"] = skip_value
-        optimizer.zero_grad(set_to_none=True)
+        compat.zero_grad(optimizer)
         state.step += 1
         if after:
             assert skip_value is not None
