@@ -248,7 +248,11 @@ class Step:
             fixed = [None]
         micro_hooks = self._hooks["micro_context"]
         scale_hooks = self._hooks["scale_loss"]
-        direct = not self._carry and not self._hooks["forward_context"] and not micro_hooks
+        forward_hooks = self._hooks["forward_context"]
+        plain = not self._carry and not micro_hooks
+        direct = plain and not forward_hooks
+        # one forward context (autocast) and nothing else: entered here, without a call
+        single = forward_hooks[0][1] if plain and len(forward_hooks) == 1 else None
         fn, model = self.fn, ctx.prepared.model
         check = sums.empty  # the first micro-batch of a window: check the output
         losses, coefs = sums.loss_terms()
@@ -258,6 +262,9 @@ class Step:
         for i, micro in enumerate(micros):
             if direct:
                 out = fn(model, micro)
+            elif single is not None:
+                with single(ctx):
+                    out = fn(model, micro)
             elif micro_hooks:
                 sync = plan.update and i == n - 1
                 with entered([hook(ctx, i, sync) for _, hook in micro_hooks]):
