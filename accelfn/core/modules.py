@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["find_blocks", "wrap_forward"]
+__all__ = ["find_blocks", "inner_forward", "wrap_forward"]
 
 Wrapper = Callable[..., Any]  # wrapper(module, inner_forward, *args, **kwargs)
 
@@ -42,6 +42,21 @@ def wrap_forward(module: nn.Module, tag: str, wrapper: Wrapper) -> bool:
     state["_accelfn_wrappers"] = (*state["_accelfn_wrappers"], wrapper)
     state["_accelfn_tags"] = (*tags, tag)
     return True
+
+
+def inner_forward(module: nn.Module, tag: str) -> Callable[..., Any]:
+    """What ``module``'s wrapper of ``tag`` wraps: its own forward inside the wrappers added
+    before ``tag``, every piece reached through ``module`` (nothing bound to another
+    module, so a compiler that takes ``module`` as an input sees all of it)."""
+    state = module.__dict__
+    inner = state["_accelfn_inner"]
+    call: Callable[..., Any] = inner
+    if isinstance(inner, types.MethodType) and inner.__self__ is module:
+        call = functools.partial(inner.__func__, module)
+    tags = state["_accelfn_tags"]
+    for wrapper in state["_accelfn_wrappers"][:tags.index(tag)]:
+        call = functools.partial(wrapper, module, call)
+    return call
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:

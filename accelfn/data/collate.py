@@ -19,6 +19,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchdata.nodes import BaseNode
 
+from .epochs import EpochCounting
 from .gather import plain_tensor
 from .rng import seeded_draws
 from .sampling import mix_seed
@@ -273,7 +274,7 @@ class SampleCollator:
         )
 
 
-class IterableBatcher(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata: untyped
+class IterableBatcher(EpochCounting[TensorDict]):
     """Batch and collate the samples of an iterable source node into TensorDicts.
 
     Sharding is by position: rank ``r`` of ``w`` keeps samples ``r, r + w, r + 2w, ...`` of
@@ -288,6 +289,8 @@ class IterableBatcher(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata:
             is a one-shot iterator that was already consumed.
     """
 
+    COUNTERS = ("pos", "batches")
+
     def __init__(
         self,
         source: BaseNode[Any],
@@ -301,8 +304,7 @@ class IterableBatcher(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata:
         world_size: int = 1,
         seed: int = 0,
     ) -> None:
-        super().__init__()
-        self.source = source
+        super().__init__(source)
         self.seed = int(seed)
         self.batch_size = batch_size
         self.drop_last = drop_last
@@ -312,25 +314,7 @@ class IterableBatcher(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata:
         self.rank = rank
         self.world_size = world_size
         self.spec: SampleSpec | None = None
-        self._epoch = 0
-        self._pos = 0
-        self._batches = 0
-        self._started = False
-
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        if initial_state is not None:
-            self.source.reset(initial_state["source"])
-            self._epoch = int(initial_state["epoch"])
-            self._pos = int(initial_state["pos"])
-            self._batches = int(initial_state["batches"])
-            self._started = True
-        else:
-            self.source.reset()
-            if self._started:
-                self._epoch += 1
-            self._pos = self._batches = 0
-            self._started = False
+        self._pos = self._batches = 0
 
     def next(self) -> TensorDict:
         self._started = True
@@ -365,12 +349,3 @@ class IterableBatcher(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata:
         self._batches += 1
         assert self.spec is not None  # set by the first sample, and the batch has one
         return collate_samples(samples, self.spec)
-
-    def get_state(self) -> dict[str, Any]:
-        return {
-            "source": self.source.state_dict(),
-            "epoch": self._epoch,
-            "pos": self._pos,
-            "batches": self._batches,
-        }
-

@@ -16,6 +16,7 @@ import torch
 from tensordict import TensorDictBase
 from torchdata.nodes import BaseNode, Mapper
 
+from .epochs import EpochCounting
 from .gpu import accepts_generator, host_keys
 from .rng import seeded_draws
 from .sampling import mix_seed
@@ -110,31 +111,16 @@ class ToDevice(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchdata: un
         return {"source": self._state}
 
 
-class _TagSeeds(BaseNode[tuple[Any, int]]):  # type: ignore[misc]  # torchdata: untyped
+class _TagSeeds(EpochCounting[tuple[Any, int]]):
     """Pair each batch with its seed ``mix_seed(seed, rank, epoch, batch_number)``."""
 
+    COUNTERS = ("batches",)
+
     def __init__(self, source: BaseNode[Any], seed: int, rank: int) -> None:
-        super().__init__()
-        self.source = source
+        super().__init__(source)
         self.seed = seed
         self.rank = rank
-        self._epoch = 0
         self._batches = 0
-        self._started = False
-
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        if initial_state is not None:
-            self.source.reset(initial_state["source"])
-            self._epoch = int(initial_state["epoch"])
-            self._batches = int(initial_state["batches"])
-            self._started = True
-        else:
-            self.source.reset()
-            if self._started:
-                self._epoch += 1
-            self._batches = 0
-            self._started = False
 
     def next(self) -> tuple[Any, int]:
         self._started = True
@@ -142,9 +128,6 @@ class _TagSeeds(BaseNode[tuple[Any, int]]):  # type: ignore[misc]  # torchdata: 
         seed = mix_seed(self.seed, self.rank, self._epoch, self._batches)
         self._batches += 1
         return batch, seed
-
-    def get_state(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict(), "epoch": self._epoch, "batches": self._batches}
 
 
 class _SeededCall:

@@ -1,10 +1,14 @@
 """compiled: torch.compile of the model (whole, or block by block) and, on request, of the
 optimizer step; its compiled code kept in a file that survives restarts.
 
-Regional compilation (``regional=True``) compiles each repeated block of the model (found by
-[`find_blocks`][], as ``checkpointed`` and FSDP find them) in place and leaves the rest eager:
-the blocks run through one compiled function whose code dynamo caches once for every block of a
-class, so compile time stays that of one block whatever the depth.
+Regional compilation (``regional=True``) compiles the code of the model's repeated blocks
+(found by [`find_blocks`][], as ``checkpointed`` and FSDP find them) once, so compile time does
+not grow with depth. In one process the whole model is compiled with every block a nested
+compile region (``torch.compiler.nested_compile_region``: torch's hierarchical compilation,
+one traced and compiled region called for each block), so the step runs as one graph, at the
+whole model's speed. Under DDP or FSDP2 each block is compiled in place instead, inside the
+wrappers and per-block hooks the sharding put there, and the rest stays eager: the blocks run
+through one compiled function whose code dynamo caches once for every block of a class.
 
 The compile cache (``cache=path``) is ``torch.compiler.save_cache_artifacts()``'s bytes and a
 zip of the C++ kernels this process loaded from inductor's cache directory, behind a one-line
@@ -40,7 +44,7 @@ from torch import Tensor, nn
 
 from ..core import compat
 from ..core.engine import LossFn, Step
-from ..core.modules import find_blocks, wrap_forward
+from ..core.modules import find_blocks, inner_forward, wrap_forward
 from ..core.processes import is_main_process
 from ..core.protocol import Hooks, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
@@ -71,19 +75,50 @@ def _run_compiled(module: nn.Module, forward: Callable[..., Any], *args: Any,
     return compiled_call(forward, *args, **kwargs)
 
 
-def _compile_blocks(model: nn.Module, kwargs: dict[str, Any]) -> int:
+def _block_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The nested region: ``module``'s forward with the wrappers of earlier phases inside,
+    reached through ``module`` so that each block's parameters are the region's inputs (a
+    forward bound to one block would be replayed with that block's weights for all)."""
+    return inner_forward(module, "compile")(*args, **kwargs)
+
+
+# Hierarchical compilation: inside a whole-model torch.compile, every block runs through this
+# one nested compile region, traced and compiled once and called for each block.
+_NESTED = torch.compiler.nested_compile_region(_block_forward)
+
+
+def _run_nested(module: nn.Module, forward: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Any:
+    return _NESTED(module, *args, **kwargs)
+
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     blocks = find_blocks(model)
     if not blocks:
         raise ValueError(
             f"compiled(regional=True) found no repeated blocks in {type(model).__name__} "
             "(children of an nn.ModuleList or nn.Sequential that share a class and have "
             "parameters); use compiled() to compile the whole model")
+    return blocks
+
+
+def _compile_blocks(model: nn.Module, kwargs: dict[str, Any]) -> int:
+    """Each block compiled in place (under DDP/FSDP2, inside their wrappers and hooks)."""
+    blocks = _blocks(model)
     # One compiled function for all blocks: dynamo keys its code on _call_forward's code and
     # guards on the block's class, not on the block, so blocks of a class share one graph.
     compiled_call = torch.compile(_call_forward, **kwargs)
     for _, block in blocks:
         block.__dict__["_accelfn_compiled"] = compiled_call
         wrap_forward(block, "compile", _run_compiled)
+    return len(blocks)
+
+
+def _nest_blocks(model: nn.Module) -> int:
+    """Each block marked as the nested compile region of a whole-model compile."""
+    blocks = _blocks(model)
+    for _, block in blocks:
+        wrap_forward(block, "compile", _run_nested)
     return len(blocks)
 
 
@@ -292,9 +327,14 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
         else:
             kwargs["mode"] = mode
         model = prepared.model
-        if regional:  # in place, inside any DDP wrapper and FSDP2's per-block hooks
+        if regional and prepared.process_group is not None:
+            # sharded: each block compiled in place, inside the DDP wrapper and FSDP2's
+            # per-block hooks, the rest eager (torch.compile of a sharded whole model traces
+            # the sharding's hooks)
             _compile_blocks(state.model, kwargs)
         else:
+            if regional:  # one graph; the blocks' code compiled once, called for each
+                _nest_blocks(state.model)
             model = torch.compile(model, **kwargs)  # type: ignore[assignment]
         if not optimizer:
             return dataclasses.replace(prepared, model=model)
@@ -362,14 +402,19 @@ def compiled(
     ``step.evaluate``; the wrap happens once, after checkpoint wrapping and after DDP/FSDP,
     whatever the stacking order. Steps of equal shapes do not recompile.
 
-    ``regional=True`` instead compiles each repeated block in place (``torch.compile`` of the
-    block's forward, one compiled code shared by the blocks of a class) and runs the rest of
-    the model eager: compile time is that of one block whatever the depth; ``state_dict``
-    keys do not change. ``cache=path`` keeps the compiled code, with inductor's compiled C++
-    kernels, in a file (put it in the checkpoint directory): loaded before the first compiled
-    step when it was written by the same torch version for the same device kind (otherwise a
-    warning, and a fresh compile), written atomically after the first update, so a restarted
-    job on a fresh machine starts warm.
+    ``regional=True`` compiles each repeated block's code once, whatever the depth: the
+    blocks become nested compile regions (``torch.compiler.nested_compile_region``) of the
+    whole-model compile (traced and compiled once, called for each block; the step runs as
+    one graph, at the whole model's speed). Under ``distributed`` it compiles each block in
+    place instead (``torch.compile`` of the block's forward inside the DDP wrapper and
+    FSDP2's hooks, one compiled code shared by the blocks of a class) and runs the rest
+    eager. ``state_dict`` keys do not change.
+
+    ``cache=path`` keeps the compiled code, with inductor's compiled C++ kernels, in a file
+    (put it in the checkpoint directory): loaded before the first compiled step when it was
+    written by the same torch version for the same device kind (otherwise a warning, and a
+    fresh compile), written atomically after the first update, so a restarted job on a fresh
+    machine starts warm.
     """
     if mode is not None and mode not in compat.compile_modes():
         raise ValueError(f"compiled(mode={mode!r}) is unknown; use one of {compat.compile_modes()}")

@@ -86,19 +86,20 @@ def test_regional_compiles_each_block_once_and_matches_eager(fresh_dynamo):
     g0 = graphs()
     with torch._dynamo.config.patch(error_on_recompile=True):  # blocks 2 and 3 reuse block 1's
         state = train(step, m1)
-    assert graphs() - g0 == 1  # one graph (forward and its backward) for the three blocks
+    assert graphs() - g0 == 1  # one graph: the whole model, the blocks' region in it
     assert_close(m1, reference(m2))
     prepared = step.prepare(state)
-    assert prepared.model is m1  # the rest of the model stays eager, unwrapped
+    assert compat.unwrap_compiled(prepared.model) is m1
     assert list(m1.state_dict()) == list(base.state_dict())
     assert all(b.__dict__["_accelfn_tags"] == ("compile",) for b in m1.blocks)
-    got, want = gradients(prepared.model), gradients(m2)
+    got, want = gradients(prepared.model), gradients(m2)  # through the compiled model
+    got = {name.removeprefix("_orig_mod."): grad for name, grad in got.items()}
     for name in want:
         torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
 
 
 @pytest.mark.compile
-def test_regional_graphs_do_not_grow_with_depth_whole_model_ones_do(fresh_dynamo):
+def test_regional_traced_code_does_not_grow_with_depth_whole_model_code_does(fresh_dynamo):
     # backend="eager" traces with dynamo only (what the count depends on), in seconds
     counts = {}
     for regional in (True, False):
@@ -109,9 +110,11 @@ def test_regional_graphs_do_not_grow_with_depth_whole_model_ones_do(fresh_dynamo
             train(af.compiled(regional=regional, backend="eager")(classify), Net(depth=depth),
                   steps=2)
             counts[regional, depth] = (graphs() - g, captured() - c)
-    assert counts[True, 2] == counts[True, 6] == (1, counts[True, 2][1])
-    assert counts[False, 6][0] == counts[False, 2][0] == 1
-    assert counts[False, 6][1] > counts[False, 2][1] + 3 * counts[True, 2][1]
+    assert {counts[key][0] for key in counts} == {1}  # one graph each
+    per_block = {regional: (counts[regional, 6][1] - counts[regional, 2][1]) / 4
+                 for regional in (True, False)}
+    assert per_block[True] <= 2  # a call of the blocks' compiled region
+    assert per_block[False] >= 2 * per_block[True] + 1  # every operation of the block
 
 
 @pytest.mark.compile

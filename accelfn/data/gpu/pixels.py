@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import ClassVar
 
 import torch
 from tensordict import TensorDictBase
@@ -16,7 +17,26 @@ def _max_value(dtype: torch.dtype) -> float:
     return 1.0 if dtype.is_floating_point else float(torch.iinfo(dtype).max)
 
 
-class Normalize:
+class _EachKey:
+    """A deterministic batch transform of each of ``keys``: a shallow copy of the batch with
+    ``_convert(key, batch[key])`` set at every key (each checked to have ``MIN_DIM`` dims)."""
+
+    MIN_DIM: ClassVar[int] = 4
+    keys: tuple[str, ...]
+
+    def _convert(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(
+        self, batch: TensorDictBase, generator: torch.Generator | None = None
+    ) -> TensorDictBase:
+        out = batch.copy()
+        for k in self.keys:
+            out.set(k, self._convert(k, image(batch, k, type(self).__name__, self.MIN_DIM)))
+        return out
+
+
+class Normalize(_EachKey):
     """``(x / max - mean) / std`` per channel, output in ``dtype``: a cast and two in-place ops.
 
     Integer inputs (uint8 images) are first scaled to ``[0, 1]`` by their dtype's maximum
@@ -30,6 +50,8 @@ class Normalize:
         dtype: output floating dtype.
         keys: batch keys to normalise (channels along dim 1).
     """
+
+    MIN_DIM = 2
 
     def __init__(
         self,
@@ -65,32 +87,27 @@ class Normalize:
             self._cache[key] = (scale.view(shape).to(device), shift.view(shape).to(device))
         return self._cache[key]
 
-    def __call__(
-        self, batch: TensorDictBase, generator: torch.Generator | None = None
-    ) -> TensorDictBase:
-        out = batch.copy()
-        for k in self.keys:
-            x = image(batch, k, "Normalize", min_dim=2)
-            if x.shape[1] != len(self.mean):
-                raise ValueError(
-                    f"Normalize: key {k!r} has {x.shape[1]} channels (dim 1) but mean/std "
-                    f"have {len(self.mean)}"
-                )
-            scale, shift = self._coeffs(x.device, x.dtype, x.dim())
-            y = x.to(self.dtype, copy=True)
-            out.set(k, y.mul_(scale).add_(shift))
-        return out
+    def _convert(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] != len(self.mean):
+            raise ValueError(
+                f"Normalize: key {key!r} has {x.shape[1]} channels (dim 1) but mean/std "
+                f"have {len(self.mean)}"
+            )
+        scale, shift = self._coeffs(x.device, x.dtype, x.dim())
+        return x.to(self.dtype, copy=True).mul_(scale).add_(shift)
 
     def __repr__(self) -> str:
         return f"Normalize(mean={self.mean}, std={self.std}, dtype={self.dtype}, keys={self.keys})"
 
 
-class ToDtype:
+class ToDtype(_EachKey):
     """Cast keys to ``dtype``; with ``scale``, map integer ranges to ``[0, 1]`` and back.
 
     ``scale=True``: uint8 -> float divides by 255; float -> uint8 multiplies by 255, rounds and
     clamps (as ``torchvision.transforms.v2.ToDtype(..., scale=True)``).
     """
+
+    MIN_DIM = 0
 
     def __init__(
         self, dtype: torch.dtype, *, scale: bool = False, keys: str | Sequence[str] = ("image",)
@@ -99,43 +116,29 @@ class ToDtype:
         self.scale = scale
         self.keys = as_keys(keys)
 
-    def __call__(
-        self, batch: TensorDictBase, generator: torch.Generator | None = None
-    ) -> TensorDictBase:
-        out = batch.copy()
-        for k in self.keys:
-            x = image(batch, k, "ToDtype", min_dim=0)
-            src, dst = x.dtype, self.dtype
-            if not self.scale or src.is_floating_point == dst.is_floating_point:
-                y = x.to(dst)
-            elif dst.is_floating_point:
-                y = x.to(dst).mul_(1.0 / _max_value(src))
-            else:
-                info = torch.iinfo(dst)
-                y = (x * _max_value(dst)).round_().clamp_(info.min, info.max).to(dst)
-            out.set(k, y)
-        return out
+    def _convert(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        src, dst = x.dtype, self.dtype
+        if not self.scale or src.is_floating_point == dst.is_floating_point:
+            return x.to(dst)
+        if dst.is_floating_point:
+            return x.to(dst).mul_(1.0 / _max_value(src))
+        info = torch.iinfo(dst)
+        return (x * _max_value(dst)).round_().clamp_(info.min, info.max).to(dst)
 
     def __repr__(self) -> str:
         return f"ToDtype({self.dtype}, scale={self.scale}, keys={self.keys})"
 
 
-class ChannelsLast:
+class ChannelsLast(_EachKey):
     """Store 4-D keys in ``torch.channels_last`` memory format (faster convolutions)."""
 
     def __init__(self, *, keys: str | Sequence[str] = ("image",)) -> None:
         self.keys = as_keys(keys)
 
-    def __call__(
-        self, batch: TensorDictBase, generator: torch.Generator | None = None
-    ) -> TensorDictBase:
-        out = batch.copy()
-        for k in self.keys:
-            x = image(batch, k, "ChannelsLast")
-            if x.dim() != 4:
-                raise ValueError(f"ChannelsLast: key {k!r} must be 4-D, got {tuple(x.shape)}")
-            out.set(k, x.contiguous(memory_format=torch.channels_last))
-        return out
+    def _convert(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4:
+            raise ValueError(f"ChannelsLast: key {key!r} must be 4-D, got {tuple(x.shape)}")
+        return x.contiguous(memory_format=torch.channels_last)
 
     def __repr__(self) -> str:
         return f"ChannelsLast(keys={self.keys})"
