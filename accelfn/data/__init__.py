@@ -39,7 +39,14 @@ from .preloading import (
     preload_image_folder,
     preload_info,
 )
-from .sampling import DataLoaderRNG, IndexBatchSampler, epoch_indices, mix_seed, resolve_shard
+from .sampling import (
+    DataLoaderRNG,
+    EpochBatch,
+    IndexBatchSampler,
+    epoch_indices,
+    mix_seed,
+    resolve_shard,
+)
 from .stages import ApplyTransform, ToDevice
 from .workers import PoolMapper
 
@@ -51,6 +58,7 @@ __all__ = [
     "DataLoaderAdapter",
     "DataLoaderRNG",
     "DecodeJPEG",
+    "EpochBatch",
     "ImageFiles",
     "IndexBatchSampler",
     "IterableBatcher",
