@@ -317,13 +317,7 @@ def tensordict_unchecked(entries: dict[str, Any], batch_size: torch.Size,
     if torch.compiler.is_compiling():
         return TensorDict._new_unsafe(entries, batch_size=batch_size, device=device,  # type: ignore[arg-type]
                                       nested=False)
-    td = _TD_NEW(TensorDict)
-    fields = td.__dict__
-    fields["_device"] = device
-    fields["_tensordict"] = entries
-    fields["_batch_size"] = batch_size
-    fields["_td_dim_names"] = None
-    return td
+    return _new_tensordict(entries, batch_size, device)
 
 
 def tensordicts_unchecked(keys: list[str], rows: Iterable[Sequence[Tensor]],
@@ -331,20 +325,19 @@ def tensordicts_unchecked(keys: list[str], rows: Iterable[Sequence[Tensor]],
                           ) -> list[Any]:
     """``[tensordict_unchecked(dict(zip(keys, row)), size, device) for row, size in ...]``,
     checking for compilation once (the micro-batches of a split)."""
-    if torch.compiler.is_compiling():
-        return [tensordict_unchecked(dict(zip(keys, row)), size, device)
-                for row, size in zip(rows, batch_sizes)]
-    out = []
-    new = _TD_NEW
-    for row, size in zip(rows, batch_sizes):
-        td = new(TensorDict)
-        fields = td.__dict__
-        fields["_device"] = device
-        fields["_tensordict"] = dict(zip(keys, row))
-        fields["_batch_size"] = size
-        fields["_td_dim_names"] = None
-        out.append(td)
-    return out
+    build = tensordict_unchecked if torch.compiler.is_compiling() else _new_tensordict
+    return [build(dict(zip(keys, row)), size, device) for row, size in zip(rows, batch_sizes)]
+
+
+def _new_tensordict(entries: dict[str, Any], batch_size: torch.Size,
+                    device: torch.device | None) -> Any:
+    td = _TD_NEW(TensorDict)
+    fields = td.__dict__
+    fields["_device"] = device
+    fields["_tensordict"] = entries
+    fields["_batch_size"] = batch_size
+    fields["_td_dim_names"] = None
+    return td
 
 
 def tensordict_has_names(td: Any) -> bool:

@@ -35,6 +35,7 @@ from .checks import check_optimizer_holds_trainable, check_stack, out_of_memory
 from .guard import NonFiniteError, nonfinite
 from .outputs import unpack
 from .protocol import (
+    GRADIENT_PHASES,
     PHASES,
     PREPARE_PHASES,
     CallContext,
@@ -97,10 +98,11 @@ class Step:
         self._key = self._prepare_key()
         # the update's gradient hooks, flat: (preserves_finite, hook), before and after the
         # engine divides by the weight total (after 'reduce')
-        self._before_divide = [(t.preserves_finite, hook) for phase in ("unscale", "reduce")
-                               for t, hook in self._hooks[phase]]
-        self._after_divide = [(t.preserves_finite, hook) for phase in ("gradients", "clip")
-                              for t, hook in self._hooks[phase]]
+        gradient_hooks = [[(t.preserves_finite, hook) for t, hook in self._hooks[phase]]
+                          for phase in GRADIENT_PHASES]
+        cut = GRADIENT_PHASES.index("reduce") + 1
+        self._before_divide = [h for hooks in gradient_hooks[:cut] for h in hooks]
+        self._after_divide = [h for hooks in gradient_hooks[cut:] for h in hooks]
         self._carry = takes_carry(fn)
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -271,14 +273,9 @@ class Step:
                     out = self._forward(ctx, micro, i, carried)
             else:
                 out = self._forward(ctx, micro, i, carried)
+            metrics = None
             if type(out) is Tensor and (i or not check) and not weighted:  # a loss, as before
-                coef = fixed[i]
-                if coef is None:
-                    objective = out
-                else:
-                    objective = out * coef
-                    coefs.append(coef)
-                losses.append(objective.detach())
+                loss, coef = out, fixed[i]
                 weighted = False
             else:
                 loss, weight, metrics = unpack(out, first=check and i == 0)
@@ -291,13 +288,13 @@ class Step:
                     absolute = True
                 else:
                     coef = fixed[i]
-                objective = loss if coef is None else loss * coef
-                if metrics:
-                    sums.add(coef, metrics, {"loss": objective})
-                else:
-                    losses.append(objective.detach())
-                    if coef is not None:
-                        coefs.append(coef)
+            objective = loss if coef is None else loss * coef
+            if metrics:
+                sums.add(coef, metrics, {"loss": objective})
+            else:
+                losses.append(objective.detach())
+                if coef is not None:
+                    coefs.append(coef)
             if scale_hooks:
                 for _, hook in scale_hooks:
                     objective = hook(ctx, objective)

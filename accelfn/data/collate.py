@@ -290,6 +290,8 @@ class IterableBatcher(EpochCounting[TensorDict]):
     """
 
     COUNTERS = ("pos", "batches")
+    _pos: int
+    _batches: int
 
     def __init__(
         self,
@@ -314,7 +316,6 @@ class IterableBatcher(EpochCounting[TensorDict]):
         self.rank = rank
         self.world_size = world_size
         self.spec: SampleSpec | None = None
-        self._pos = self._batches = 0
 
     def next(self) -> TensorDict:
         self._started = True

@@ -115,12 +115,12 @@ class _TagSeeds(EpochCounting[tuple[Any, int]]):
     """Pair each batch with its seed ``mix_seed(seed, rank, epoch, batch_number)``."""
 
     COUNTERS = ("batches",)
+    _batches: int
 
     def __init__(self, source: BaseNode[Any], seed: int, rank: int) -> None:
         super().__init__(source)
         self.seed = seed
         self.rank = rank
-        self._batches = 0
 
     def next(self) -> tuple[Any, int]:
         self._started = True
