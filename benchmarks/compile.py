@@ -12,11 +12,17 @@ a GPU), every compile is timed in a fresh process whose ``TORCHINDUCTOR_CACHE_DI
 * ``cache``: the time to the first compiled step of a resumed job, cold (no cache file) and
   from the cache file that the cold process wrote (``af.compiled(cache=...)``), each in a
   fresh process with an empty inductor cache. Target: <= 0.2x of cold.
+* ``prepared``: the two cold compiles of ``regional`` again, each in a fresh process on a
+  machine that has compiled something else before (a copy of directories where a small,
+  unrelated function was compiled): inductor's one-time work on a machine (probing the CPU's
+  vector instructions, precompiling its C++ header) is done, so what remains is the model's
+  own compile time, the part that grows with depth.
 
 ``compile_s`` is the first step's time less a steady step's. The machine's load average is
 recorded at the start and the end of every process (timings on a shared machine vary).
 
-    python benchmarks/compile.py [--json out.json] [--quick] [--only regional,cache]
+    python benchmarks/compile.py [--json out.json] [--quick] [--repeats N]
+                                 [--only regional,cache,prepared]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import contextlib
 import copy
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,7 +52,7 @@ import accelfn as af
 from accelfn.core import compat
 from accelfn.observe.timing import environment, interleaved, resolve_device, sync
 
-SECTIONS = ("regional", "cache")
+SECTIONS = ("regional", "cache", "prepared")
 TARGETS = {"regional_compile": 0.5, "regional_steady": 0.05, "cache": 0.2}
 
 
@@ -80,6 +87,11 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     device = resolve_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.probe == "prepare":  # a machine's one-time work, on code unrelated to the model
+        x = torch.randn(64, device=device, requires_grad=True)
+        torch.compile(lambda t: (t.sin() * 2).sum(), backend=args.backend)(x).backward()
+        sync(device)
+        return {"probe": "prepare", "load_average": load, "load_average_end": _load()}
     c = _config(args, device)
     batches = token_batches(c, args.batch_size, 4, device)
     cursor = iter(range(10**9))
@@ -88,10 +100,10 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         model = make_model(c, device)
         step: Any = af.lift(lm_loss)
         if regional is not None:
-            step = af.compiled(regional=regional, cache=cache)(step)
+            step = af.compiled(regional=regional, cache=cache, backend=args.backend)(step)
         if by_hand:  # torch's regional compilation recipe, the step otherwise eager
             for block in model.blocks:
-                block.compile()
+                block.compile(backend=args.backend)
         state = af.TrainState(model, make_optimizer(model))
         return lambda: step(state, batches[next(cursor) % len(batches)])
 
@@ -104,7 +116,8 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     counters = _counters()
     out: dict[str, Any] = {"probe": kind, "first_step_s": first, **counters,
                            "torch_threads": torch.get_num_threads()}
-    if kind == "regional":  # the steady comparison: compile the others in this process too
+    if kind == "regional" and not args.first_only:
+        # the steady comparison: compile the others in this process too
         whole, eager, by_hand = side(False), side(None), side(None, by_hand=True)
         for fn in (whole, eager, by_hand):
             fn()
@@ -127,7 +140,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_probe(args: argparse.Namespace, kind: str, cache_file: str | None, log: Any,
-               machine: str | None = None) -> dict[str, Any]:
+               machine: str | None = None, first_only: bool = False) -> dict[str, Any]:
     """``kind`` in a fresh process on a fresh machine: empty ``TORCHINDUCTOR_CACHE_DIR`` and
     ``TMPDIR`` (inductor keeps its precompiled C++ headers under the temporary directory),
     unless ``machine`` is given (then its directories, as a restart on that machine finds
@@ -140,13 +153,16 @@ def _run_probe(args: argparse.Namespace, kind: str, cache_file: str | None, log:
         env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(machine, "inductor"),
                "TMPDIR": os.path.join(machine, "tmp")}
         cmd = [sys.executable, __file__, "--probe", kind, "--device", args.device,
-               "--steps", str(args.steps), "--batch-size", str(args.batch_size)]
+               "--steps", str(args.steps), "--batch-size", str(args.batch_size),
+               "--backend", args.backend]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         if args.quick:
             cmd.append("--quick")
         if cache_file:
             cmd += ["--cache-file", cache_file]
+        if first_only:
+            cmd.append("--first-only")
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False,
                               timeout=args.timeout)
@@ -154,7 +170,7 @@ def _run_probe(args: argparse.Namespace, kind: str, cache_file: str | None, log:
         raise RuntimeError(f"the {kind} probe failed:\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     result["process_s"] = time.perf_counter() - t0
-    log(f"  {kind}: first step {result['first_step_s']:.1f} s "
+    log(f"  {kind}: first step {result.get('first_step_s', 0.0):.1f} s "
         f"(load {result['load_average'][0] if result['load_average'] else '?'})")
     return result
 
@@ -169,13 +185,31 @@ def _round(x: Any) -> Any:
     return x
 
 
-def bench_regional(args: argparse.Namespace, whole: dict[str, Any], log: Any) -> dict[str, Any]:
-    regional = _run_probe(args, "regional", None, log)
-    compile_ratio = regional["compile_s"] / whole["compile_s"]
+def _median_ratio(tops: list[dict[str, Any]], bottoms: list[dict[str, Any]],
+                  key: str) -> tuple[float, list[float]]:
+    """The median of the per-repeat ratios ``top[key] / bottom[key]`` (each pair measured
+    back to back), and the ratios."""
+    ratios = [t[key] / b[key] for t, b in zip(tops, bottoms, strict=True)]
+    return statistics.median(ratios), ratios
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def bench_regional(wholes: list[dict[str, Any]],
+                   regionals: list[dict[str, Any]]) -> dict[str, Any]:
+    regional = regionals[0]  # the one that also timed the steady steps
+    compile_ratio, ratios = _median_ratio(regionals, wholes, "compile_s")
     steady = regional["regional_step_ms"] / regional["whole_step_ms"]
     return {
-        "whole": whole, "regional": regional,
+        "whole": wholes[0], "regional": regional, "repeats": len(wholes),
+        "whole_compile_s": [w["compile_s"] for w in wholes],
+        "regional_compile_s": [r["compile_s"] for r in regionals],
+        "whole_compile_s_median": _median(wholes, "compile_s"),
+        "regional_compile_s_median": _median(regionals, "compile_s"),
         "compile_ratio": compile_ratio,
+        "compile_ratios": ratios,
         "steady_ratio": steady,
         "speedup_vs_eager": {
             "whole": regional["eager_step_ms"] / regional["whole_step_ms"],
@@ -188,36 +222,71 @@ def bench_regional(args: argparse.Namespace, whole: dict[str, Any], log: Any) ->
                     "steady_ratio": f"within {TARGETS['regional_steady']:.0%} of 1"},
         "met": {"compile_ratio": compile_ratio <= TARGETS["regional_compile"],
                 "steady_ratio": abs(steady - 1) <= TARGETS["regional_steady"]},
-        "note": "compile_ratio = regional / whole-model cold compile_s, each in a fresh "
-                "process with an empty TORCHINDUCTOR_CACHE_DIR and TMPDIR; steady_ratio = "
-                "regional / whole-model median step, interleaved in the regional probe's "
-                "process with eager and with torch's recipe by hand (block.compile() on every "
-                "block)",
+        "note": "compile_ratio = the median over repeats of regional / whole-model cold "
+                "compile_s, the two of a repeat run back to back, each in a fresh process "
+                "with an empty TORCHINDUCTOR_CACHE_DIR and TMPDIR; steady_ratio = regional / "
+                "whole-model median step, interleaved in the first regional probe's process "
+                "with eager and with torch's recipe by hand (block.compile() on every block)",
     }
 
 
-def bench_cache(args: argparse.Namespace, cold: dict[str, Any], cache_file: str,
-                machine: str, log: Any) -> dict[str, Any]:
-    if not os.path.exists(cache_file):
-        raise RuntimeError("the cold probe wrote no compile cache file")
-    warm = _run_probe(args, "warm", cache_file, log)
-    local = _run_probe(args, "warm", None, log, machine=machine)
-    ratio = warm["first_step_s"] / cold["first_step_s"]
+def bench_cache(colds: list[dict[str, Any]], warms: list[dict[str, Any]],
+                local: dict[str, Any]) -> dict[str, Any]:
+    ratio, ratios = _median_ratio(warms, colds, "first_step_s")
+    cold = _median(colds, "first_step_s")
     return {
-        "cold": cold, "warm": warm, "same_machine": local,
+        "cold": colds[0], "warm": warms[0], "same_machine": local, "repeats": len(warms),
+        "cold_first_step_s": [c["first_step_s"] for c in colds],
+        "warm_first_step_s": [w["first_step_s"] for w in warms],
+        "cold_first_step_s_median": cold,
+        "warm_first_step_s_median": _median(warms, "first_step_s"),
         "first_step_ratio": ratio,
-        "compile_ratio": warm["compile_s"] / cold["compile_s"],
-        "same_machine_ratio": local["first_step_s"] / cold["first_step_s"],
+        "first_step_ratios": ratios,
+        "compile_ratio": _median_ratio(warms, colds, "compile_s")[0],
+        "same_machine_ratio": local["first_step_s"] / cold,
         "target": f"first_step_ratio <= {TARGETS['cache']}",
         "met": ratio <= TARGETS["cache"],
         "note": "time to the first compiled step (whole model) of a resumed job; each in a "
-                "fresh process with an empty TORCHINDUCTOR_CACHE_DIR and TMPDIR (a fresh machine); "
-                "cold has no cache file "
-                "and writes it (af.compiled(cache=...)), warm loads it. The cold process is "
-                "the regional section's whole-model one. same_machine: a restart without the "
-                "file that finds the cold process' own TORCHINDUCTOR_CACHE_DIR and TMPDIR "
-                "(compiled C++ kernels, ISA probes and precompiled headers included), for "
-                "comparison",
+                "fresh process with an empty TORCHINDUCTOR_CACHE_DIR and TMPDIR (a fresh "
+                "machine); cold has no cache file (the first cold process writes it: "
+                "af.compiled(cache=...)), warm loads it; first_step_ratio = the median over "
+                "repeats of warm / cold, the two of a repeat run back to back (the cold "
+                "processes are the regional section's whole-model ones). same_machine: a "
+                "restart without the file that finds the first cold process' own "
+                "TORCHINDUCTOR_CACHE_DIR and TMPDIR (compiled C++ kernels, ISA probes and "
+                "precompiled headers included), against the median cold, for comparison",
+    }
+
+
+def bench_prepared(args: argparse.Namespace, fresh_wholes: list[dict[str, Any]],
+                   log: Any) -> dict[str, Any]:
+    wholes, regionals = [], []
+    with tempfile.TemporaryDirectory(prefix="accelfn-machines-") as root:
+        template = os.path.join(root, "prepared")
+        _run_probe(args, "prepare", None, log, machine=template)
+        for i in range(args.repeats):
+            for kind, runs in (("whole", wholes), ("regional", regionals)):
+                machine = os.path.join(root, f"{kind}-{i}")
+                shutil.copytree(template, machine, symlinks=True)
+                runs.append(_run_probe(args, kind, None, log, machine=machine,
+                                       first_only=True))
+                shutil.rmtree(machine, ignore_errors=True)
+    ratio, ratios = _median_ratio(regionals, wholes, "compile_s")
+    return {
+        "whole": wholes[0], "regional": regionals[0], "repeats": len(wholes),
+        "whole_compile_s_median": _median(wholes, "compile_s"),
+        "regional_compile_s_median": _median(regionals, "compile_s"),
+        "compile_ratio": ratio, "compile_ratios": ratios,
+        "target": f"compile_ratio <= {TARGETS['regional_compile']}",
+        "met": ratio <= TARGETS["regional_compile"],
+        "machine_one_time_s": _median(fresh_wholes, "compile_s")
+        - _median(wholes, "compile_s"),
+        "note": "the median over repeats of regional / whole-model cold compile_s, each in a "
+                "fresh process with an empty inductor cache on a machine that compiled an "
+                "unrelated function before (a copy of its TORCHINDUCTOR_CACHE_DIR and TMPDIR: "
+                "the CPU's vector instruction probes and inductor's precompiled C++ header "
+                "are there); machine_one_time_s = the fresh machines' median whole-model "
+                "compile_s less this one's",
     }
 
 
@@ -228,13 +297,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a 4-block toy: checks the script")
     p.add_argument("--steps", type=int, default=30, help="steady steps timed per side")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="cold compiles (and restarts) per side, each pair back to back; "
+                        "ratios are the medians of the pairs'")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads in each process (default: torch's; 1 steadies step "
                         "times on a shared CPU)")
+    p.add_argument("--backend", default="inductor",
+                   help="torch.compile backend ('eager' traces without generating code: "
+                        "checks the script in seconds, its times are not compile times)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per process")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--probe", choices=("whole", "regional", "warm"),
+    p.add_argument("--probe", choices=("whole", "regional", "warm", "prepare"),
                    help=argparse.SUPPRESS)
+    p.add_argument("--first-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.probe:
@@ -246,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
         p.error(f"--only {unknown}: the sections are {', '.join(SECTIONS)}")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    if "cache" in only and args.backend != "inductor":
+        p.error("the cache section measures inductor's compiled code: leave --backend out "
+                "or pass --only regional,prepared")
     c = _config(args, device)
 
     def log(s: str) -> None:
@@ -254,19 +335,37 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "benchmark": "compile", "machine": environment(device),
         "model": {**copy.deepcopy(vars(c)), "batch": args.batch_size},
+        "backend": args.backend,
         "command": " ".join(["python", "benchmarks/compile.py", *(argv or sys.argv[1:])]),
     }
     with tempfile.TemporaryDirectory(prefix="accelfn-ckpt-") as ckpt, \
             tempfile.TemporaryDirectory(prefix="accelfn-machine-") as machine:
         cache_file = os.path.join(ckpt, "compile-cache.bin")  # beside the checkpoints
-        log("whole model, cold (writes the cache file):")
-        whole = _run_probe(args, "whole", cache_file, log, machine=machine)
+        wholes: list[dict[str, Any]] = []
+        regionals: list[dict[str, Any]] = []
+        warms: list[dict[str, Any]] = []
+        for i in range(args.repeats):  # each repeat's probes back to back
+            log(f"repeat {i + 1} of {args.repeats}:")
+            if i == 0:  # the first cold process writes the cache file, on a kept machine
+                wholes.append(_run_probe(args, "whole", cache_file if "cache" in only else None,
+                                         log, machine=machine))
+            else:
+                wholes.append(_run_probe(args, "whole", None, log))
+            if "regional" in only:
+                regionals.append(_run_probe(args, "regional", None, log, first_only=i > 0))
+            if "cache" in only:
+                if not os.path.exists(cache_file):
+                    raise RuntimeError("the cold probe wrote no compile cache file")
+                warms.append(_run_probe(args, "warm", cache_file, log))
         if "regional" in only:
-            log("regional:")
-            result["regional"] = bench_regional(args, whole, log)
+            result["regional"] = bench_regional(wholes, regionals)
         if "cache" in only:
-            log("cache:")
-            result["cache"] = bench_cache(args, whole, cache_file, machine, log)
+            log("restart on the same machine:")
+            local = _run_probe(args, "warm", None, log, machine=machine)
+            result["cache"] = bench_cache(wholes, warms, local)
+        if "prepared" in only:
+            log("prepared machines:")
+            result["prepared"] = bench_prepared(args, wholes, log)
     result["machine"]["load_average_end"] = _load()
     text = json.dumps(_round(result), indent=2)
     if args.json:

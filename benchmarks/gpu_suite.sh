@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # benchmarks/gpu_suite.sh: the GPU-only tests and the GPU benchmarks, in one JSON file.
 #
-# Parts, in order, each with its own timeout inside one time budget (default 450 s, so the
-# whole suite stays under 8 minutes on one H200); a part that fails or times out is recorded
-# in the JSON with the tail of its log, and the suite goes on:
+# Parts, in order, each with its own timeout inside one time budget (default 540 s, so the
+# whole suite stays under 10 minutes on one H200); a part that fails or times out is recorded
+# in the JSON with the tail of its log, and the suite goes on. The figures that only a GPU
+# can give come first (float8, regional compilation), so a short lease still yields them:
 #
 #   environment     accelfn doctor (versions, driver, GPU, settings)
+#   float8          benchmarks/float8.py: float8 against bf16 tokens/s on a 507M GPT
+#   compile         benchmarks/compile.py --only regional: regional against whole-model cold
+#                   compile and steady step on GPT-2 small
 #   gpu_tests       the GPU-only tests (marked gpu, or skipped without CUDA): pytest -p gpu_only
 #   bench_resnet50  accelfn bench --model resnet50: images/s, MFU and ratio of every stage
 #                   (DataLoader baseline, accelfn data, AMP, compile, channels_last, DDP)
@@ -52,7 +56,7 @@ if [[ $DRY_RUN -eq 1 ]]; then
   BUDGET="${BUDGET:-1200}"
   OUT="${OUT:-${TMPDIR:-/tmp}/accelfn-gpu-suite-dry-run-$STAMP.json}"
 else
-  BUDGET="${BUDGET:-450}"
+  BUDGET="${BUDGET:-540}"
   OUT="${OUT:-benchmarks/results/gpu-$STAMP.json}"
 fi
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/accelfn-gpu-suite.XXXXXX")"
@@ -100,6 +104,9 @@ if [[ $DRY_RUN -eq 1 ]]; then
   GPT=(--tiny --compile --compile-backend eager)
   TRANSFORMS=(--quick --steps 2 --compile --compile-backend eager)
   DATA=(--samples 1024 --batch-size 128 --repeats 1 --workers 1)
+  COMPILE=(--quick --backend eager --steps 3)
+  FLOAT8=(--dry-run)
+  T_FLOAT8=240; T_COMPILE=240
   T_TESTS=180; T_BENCH=240; T_GPT=240; T_TRANSFORMS=240; T_DATA=120  # a loaded CI machine
 else
   if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
@@ -110,12 +117,20 @@ else
   GPT=()
   TRANSFORMS=()
   DATA=(--samples 20000 --repeats 2)
+  COMPILE=()
+  FLOAT8=()
+  T_FLOAT8=270; T_COMPILE=200
   T_TESTS=90; T_BENCH=210; T_GPT=130; T_TRANSFORMS=130; T_DATA=60
 fi
 
 run_part environment 60 "$PYTHON" -c \
   'import sys; from accelfn.observe.environment import doctor; open(sys.argv[1], "w").write(doctor().to_json())' \
   "$WORK/environment.json"
+
+run_part float8 "$T_FLOAT8" --stdout-json "$PYTHON" benchmarks/float8.py "${FLOAT8[@]}"
+
+run_part compile "$T_COMPILE" "$PYTHON" benchmarks/compile.py --only regional "${COMPILE[@]}" \
+  "${DEV[@]}" --json "$WORK/compile.json"
 
 # Only files that mention CUDA or a GPU can hold GPU-only tests: collect just those (faster);
 # the gpu_only plugin then keeps the GPU-only tests among them. Tests sit in tests/<package>/.
@@ -139,7 +154,6 @@ run_part transforms "$T_TRANSFORMS" "$PYTHON" benchmarks/transforms.py "${TRANSF
   "${DEV[@]}" --json "$WORK/transforms.json"
 
 run_part data "$T_DATA" --stdout-json "$PYTHON" benchmarks/data.py "${DATA[@]}" "${DEV[@]}"
-run_part float8 "$(( DRY_RUN ? 240 : 300 ))" --stdout-json "$PYTHON" benchmarks/float8.py $( ((DRY_RUN)) && echo --dry-run )  # float8 vs bf16 GPT tokens/s
 
 REPORT=(--work "$WORK" --out "$OUT" --budget "$BUDGET" --started "$STARTED"
         --seconds "$(( SECONDS - START_S ))")

@@ -5,8 +5,8 @@ note`` to ``parts.tsv`` in its work directory, and leaves the part's JSON (``<na
 log (``<name>.log``) and, for the tests, a JUnit XML (``gpu_tests.xml``) there. This script
 reads them all and writes one JSON: date, device, machine, every part with its status
 (``ok``, ``error``, ``timeout``, ``skipped``), its result or the tail of its log, and a summary
-of the headline figures (ResNet-50 images/s and MFU, GPT-2-small tokens/s and MFU, each
-stage's ratio).
+of the headline figures (float8 against bf16, regional against whole-model compile, ResNet-50
+images/s and MFU, GPT-2-small tokens/s and MFU, each stage's ratio).
 
     python benchmarks/suite_report.py --work DIR --out PATH [--dry-run] [--budget S]
 """
@@ -89,6 +89,14 @@ def summary(parts: dict[str, Any]) -> dict[str, Any]:
     if gpt:
         out["gpt2_small"] = {"tokens_per_s_by_stage": _stages(gpt, "tokens_per_s"),
                              "parameters": gpt.get("model", {}).get("parameters")}
+    float8 = parts.get("float8", {}).get("result")
+    if float8:
+        out["float8"] = {k: float8.get(k) for k in ("speedup", "target", "meets_target")}
+        out["float8"]["parameters"] = float8.get("model", {}).get("parameters")
+    regional = (parts.get("compile", {}).get("result") or {}).get("regional")
+    if regional:
+        out["regional_compile"] = {
+            k: regional.get(k) for k in ("compile_ratio", "steady_ratio", "targets", "met")}
     tests = parts.get("gpu_tests", {}).get("result")
     if tests:
         out["gpu_tests"] = {k: tests[k] for k in ("passed", "failures", "errors", "skipped")}

@@ -31,7 +31,9 @@ __all__ = [
     "foreach_norm",
     "inductor_cache_dir",
     "inductor_cpp_kernel_files",
+    "inductor_header_dir",
     "inductor_isa_probe_files",
+    "inductor_precompiled_headers",
     "module_apply",
     "non_finite_check_and_unscale_",
     "scaler_forget_step",
@@ -301,6 +303,34 @@ def inductor_isa_probe_files() -> list[str]:
         for name in sorted(os.listdir(path)):
             if name.endswith(".so.load_ok") and os.path.isfile(os.path.join(path, name[:-8])):
                 found += [f"{folder}/{name[:-8]}", f"{folder}/{name}"]
+    return found
+
+
+def inductor_header_dir() -> str:
+    """``torch._inductor.codecache._HEADER_DIR``: where inductor keeps the C++ headers it
+    precompiles (``precompiled_headers`` under the per-user temporary directory, not under
+    [`inductor_cache_dir`][]). Each is ``<name>.h`` (one ``#include`` line) and
+    ``<name>.h.gch``, ``name`` a hash of the header's preprocessed text, the compiler's
+    version and its flags; inductor builds a ``.gch`` only when it is missing."""
+    from torch._inductor import codecache
+
+    return str(codecache._HEADER_DIR)
+
+
+def inductor_precompiled_headers(since: float) -> list[str]:
+    """The headers inductor precompiled at or after ``since`` (a ``time.time()``), as names
+    in [`inductor_header_dir`][]: each ``<name>.h`` with its ``<name>.h.gch``."""
+    import os
+
+    root = inductor_header_dir()
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in sorted(os.listdir(root)):
+        header = os.path.join(root, name[:-4])
+        if name.endswith(".h.gch") and os.path.isfile(header) and \
+                os.path.getmtime(os.path.join(root, name)) >= since:
+            found += [name[:-4], name]
     return found
 
 

@@ -214,10 +214,15 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     assert result["dry_run"] is True
     assert result["date"] and result["device"]
     parts = result["parts"]
-    for name in ("environment", "gpu_tests", "bench_resnet50", "gpt2", "transforms", "data",
-                 "float8"):
+    names = ["environment", "float8", "compile", "gpu_tests", "bench_resnet50", "gpt2",
+             "transforms", "data"]
+    assert list(parts) == names  # the figures only a GPU gives come first
+    for name in names:
         assert parts[name]["status"] == "ok", (name, parts[name])
     assert [s["name"] for s in parts["float8"]["result"]["sides"]] == ["bf16", "float8"]
+    regional = parts["compile"]["result"]["regional"]
+    assert regional["whole"]["graphs"] == regional["regional"]["graphs"] == 1
+    assert _number(regional["compile_ratio"]) and _number(regional["steady_ratio"])
     # every stage ran (compile with the 'eager' backend), DDP skipped with its reason
     stages = {s["name"]: s for s in parts["bench_resnet50"]["result"]["stages"]}
     assert all(s["status"] == "ok" for n, s in stages.items() if n != "ddp"), stages
@@ -230,6 +235,8 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     summary = result["summary"]
     assert summary["resnet50"]["images_per_s_by_stage"]
     assert summary["gpt2_small"]["tokens_per_s_by_stage"]
+    assert _number(summary["float8"]["speedup"]) and summary["float8"]["target"] == 1.2
+    assert summary["regional_compile"]["targets"]["compile_ratio"] == "<= 0.5"
 
 
 def test_saved_activations_peak_is_one_micro_batch_under_accumulation() -> None:

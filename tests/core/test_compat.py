@@ -7,6 +7,7 @@ to update: nothing else of accelfn touches torch's private names.
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -150,6 +151,27 @@ def test_inductor_cache_dir_and_the_kernel_files_of_loaded_keys(tmp_path, monkey
     (folder / "cxyprobe.so.load_ok").write_bytes(b"")
     (folder / "cxyfailed.so").write_bytes(b"")  # a probe without the marker did not pass
     assert compat.inductor_isa_probe_files() == ["xy/cxyprobe.so", "xy/cxyprobe.so.load_ok"]
+
+
+def test_inductor_precompiled_headers_are_the_pairs_built_since(tmp_path, monkeypatch):
+    import time
+
+    from torch._inductor import codecache
+
+    assert compat.inductor_header_dir() == str(codecache._HEADER_DIR)
+    monkeypatch.setattr(codecache, "_HEADER_DIR", str(tmp_path / "headers"))
+    assert compat.inductor_precompiled_headers(0.0) == []  # no directory yet
+    root = tmp_path / "headers"
+    root.mkdir()
+    for name in ("cold.h", "cold.h.gch", "cnew.h", "cnew.h.gch", "conly.h"):
+        (root / name).write_bytes(b"x")
+    (root / "corphan.h.gch").write_bytes(b"x")  # no header beside it: not a pair
+    old = time.time() - 3600
+    os.utime(root / "cold.h.gch", (old, old))
+    since = time.time() - 60
+    assert compat.inductor_precompiled_headers(since) == ["cnew.h", "cnew.h.gch"]
+    assert compat.inductor_precompiled_headers(0.0) == ["cnew.h", "cnew.h.gch", "cold.h",
+                                                        "cold.h.gch"]
 
 
 def test_dcp_private_metadata_classes_and_storage_entries(tmp_path):

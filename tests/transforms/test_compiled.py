@@ -236,10 +236,14 @@ def cache_main(path: str, out: str) -> None:
     built: list[str] = []
     build = cpp_builder.CppBuilder.build
 
-    def counting_build(self):  # C++ kernels and instruction set probes, not headers
+    headers: list[str] = []
+
+    def counting_build(self):  # C++ kernels and instruction set probes; headers apart
         target = self.get_target_file_path()
         if target.endswith((".so", ".o")):
             built.append(target)
+        elif target.endswith(".gch"):
+            headers.append(target)
         return build(self)
 
     cpp_builder.CppBuilder.build = counting_build
@@ -251,16 +255,19 @@ def cache_main(path: str, out: str) -> None:
     Path(out).write_text(json.dumps({
         "inductor": counters.get("inductor", {}), "aot_autograd": counters.get("aot_autograd", {}),
         "kernels_built": len(built), "kernels_loaded": compat.inductor_cpp_kernel_files(),
+        "headers_built": [Path(h).name for h in headers],
         "warnings": [str(w.message) for w in caught if "compile cache" in str(w.message)]}))
 
 
 def run_cache_worker(tmp_path: Path, cache: Path, name: str) -> dict:
     inductor_dir = tmp_path / f"inductor-{name}"  # empty: a fresh machine
+    tmp = tmp_path / f"tmp-{name}"  # inductor precompiles its C++ headers under TMPDIR
+    tmp.mkdir()
     out = tmp_path / f"{name}.json"
     proc = subprocess.run(
         [sys.executable, str(HERE), "cache", str(cache), str(out)], capture_output=True,
         text=True, timeout=900, env={**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir),
-                                     "TORCHINDUCTOR_COMPILE_THREADS": "1"})
+                                     "TMPDIR": str(tmp), "TORCHINDUCTOR_COMPILE_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -283,7 +290,11 @@ def test_cache_file_makes_a_fresh_process_hit_instead_of_compile(cold_run, tmp_p
     with zipfile.ZipFile(io.BytesIO(contents.kernels)) as archive:
         names = archive.namelist()
     assert set(cold["kernels_loaded"]) <= set(names)
-    probes = [n for n in names if n not in cold["kernels_loaded"]]
+    headers = [n for n in names if n.startswith("precompiled_headers/")]
+    precompiled = {h.removesuffix(".gch") for h in cold["headers_built"]}
+    assert precompiled and sorted(headers) == sorted(  # the headers this run precompiled
+        f"precompiled_headers/{h}{suffix}" for h in precompiled for suffix in ("", ".gch"))
+    probes = [n for n in names if n not in cold["kernels_loaded"] and n not in headers]
     assert probes and all(n.endswith((".so", ".so.load_ok")) for n in probes)  # ISA probes
     assert not [p for p in cache.parent.iterdir() if p.name != cache.name]  # no temp file left
     copy_ = tmp_path / "compile-cache.bin"
@@ -293,6 +304,7 @@ def test_cache_file_makes_a_fresh_process_hit_instead_of_compile(cold_run, tmp_p
     assert warm["inductor"]["fxgraph_cache_hit"] == cold["inductor"]["fxgraph_cache_miss"]
     assert warm["aot_autograd"].get("autograd_cache_hit", 0) >= 1 and warm["warnings"] == []
     assert warm["kernels_built"] == 0  # kernels and ISA probes from the file: no C++ compile
+    assert warm["headers_built"] == []  # nor the precompiled header
     assert sorted(warm["kernels_loaded"]) == sorted(cold["kernels_loaded"])
     assert copy_.read_bytes() == cache.read_bytes()  # nothing new compiled: not rewritten
 
@@ -344,7 +356,19 @@ def test_kernels_are_restored_where_inductor_looks_and_nothing_else_is(tmp_path,
     restored = tmp_path / "inductor" / "ab" / "cabkey.main.so"
     assert restored.read_bytes() == b"new kernel" and os.access(restored, os.X_OK)
     assert existing.read_bytes() == b"already here"  # left alone
-    for bad in ("../escape.so", "ab/cabkey.py", "/abs/ckey.so", "ab/sub/ckey.so"):
+    from torch._inductor import codecache
+
+    monkeypatch.setattr(codecache, "_HEADER_DIR", str(tmp_path / "headers"))
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("precompiled_headers/chash.h", b"#include <x.h>")
+        archive.writestr("precompiled_headers/chash.h.gch", b"precompiled")
+    assert unpack_kernels(buffer.getvalue()) == ["precompiled_headers/chash.h",
+                                                 "precompiled_headers/chash.h.gch"]
+    assert (tmp_path / "headers" / "chash.h.gch").read_bytes() == b"precompiled"
+    for bad in ("../escape.so", "ab/cabkey.py", "/abs/ckey.so", "ab/sub/ckey.so",
+                "precompiled_headers/../x.h", "precompiled_headers/chash.hpp",
+                "precompiled_headers/sub/chash.h"):
         buffer = io.BytesIO()
         with zipfile.ZipFile(buffer, "w") as archive:
             archive.writestr("ef/cefkey.main.so", b"x")
