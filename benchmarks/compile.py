@@ -118,16 +118,24 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
                            "torch_threads": torch.get_num_threads()}
     if kind == "regional" and not args.first_only:
         # the steady comparison: compile the others in this process too
-        whole, eager, by_hand = side(False), side(None), side(None, by_hand=True)
-        for fn in (whole, eager, by_hand):
+        # (the whole model twice, on two model copies: the control, its ratio the noise)
+        whole, again = side(False), side(False)
+        eager, by_hand = side(None), side(None, by_hand=True)
+        for fn in (whole, again, eager, by_hand):
             fn()
         sync(device)
-        t_whole, t_regional, t_eager, t_hand = interleaved([whole, one, eager, by_hand],
-                                                           args.steps, device)
+        t_whole, t_regional, t_again, t_eager, t_hand = interleaved(
+            [whole, one, again, eager, by_hand], args.steps, device)
+        ratios = [r / w for r, w in zip(t_regional, t_whole, strict=True)]
         out.update(whole_step_ms=statistics.median(t_whole) * 1e3,
                    regional_step_ms=statistics.median(t_regional) * 1e3,
+                   whole_again_step_ms=statistics.median(t_again) * 1e3,
                    eager_step_ms=statistics.median(t_eager) * 1e3,
-                   block_compile_step_ms=statistics.median(t_hand) * 1e3)
+                   block_compile_step_ms=statistics.median(t_hand) * 1e3,
+                   steady_ratio=statistics.median(ratios),
+                   steady_ratio_quartiles=statistics.quantiles(ratios, n=4),
+                   control_ratio=statistics.median(
+                       a / w for a, w in zip(t_again, t_whole, strict=True)))
         steady = statistics.median(t_regional)
     else:
         steady = statistics.median(interleaved([one], max(3, args.steps // 4), device)[0])
@@ -201,7 +209,7 @@ def bench_regional(wholes: list[dict[str, Any]],
                    regionals: list[dict[str, Any]]) -> dict[str, Any]:
     regional = regionals[0]  # the one that also timed the steady steps
     compile_ratio, ratios = _median_ratio(regionals, wholes, "compile_s")
-    steady = regional["regional_step_ms"] / regional["whole_step_ms"]
+    steady = regional["steady_ratio"]
     return {
         "whole": wholes[0], "regional": regional, "repeats": len(wholes),
         "whole_compile_s": [w["compile_s"] for w in wholes],
@@ -211,6 +219,8 @@ def bench_regional(wholes: list[dict[str, Any]],
         "compile_ratio": compile_ratio,
         "compile_ratios": ratios,
         "steady_ratio": steady,
+        "steady_ratio_quartiles": regional["steady_ratio_quartiles"],
+        "control_ratio": regional["control_ratio"],
         "speedup_vs_eager": {
             "whole": regional["eager_step_ms"] / regional["whole_step_ms"],
             "regional": regional["eager_step_ms"] / regional["regional_step_ms"],
@@ -224,9 +234,11 @@ def bench_regional(wholes: list[dict[str, Any]],
                 "steady_ratio": abs(steady - 1) <= TARGETS["regional_steady"]},
         "note": "compile_ratio = the median over repeats of regional / whole-model cold "
                 "compile_s, the two of a repeat run back to back, each in a fresh process "
-                "with an empty TORCHINDUCTOR_CACHE_DIR and TMPDIR; steady_ratio = regional / "
-                "whole-model median step, interleaved in the first regional probe's process "
-                "with eager and with torch's recipe by hand (block.compile() on every block)",
+                "with an empty TORCHINDUCTOR_CACHE_DIR and TMPDIR; steady_ratio = the median "
+                "of per-step regional / whole-model ratios, interleaved in the first regional "
+                "probe's process with the whole model again on another model copy (the "
+                "control: its ratio is the noise), eager and torch's recipe by hand "
+                "(block.compile() on every block)",
     }
 
 
@@ -300,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=",".join(SECTIONS))
     p.add_argument("--device", default="auto")
     p.add_argument("--quick", action="store_true", help="a 4-block toy: checks the script")
-    p.add_argument("--steps", type=int, default=30, help="steady steps timed per side")
+    p.add_argument("--steps", type=int, default=100, help="steady steps timed per side")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--repeats", type=int, default=1,
                    help="cold compiles (and restarts) per side, each pair back to back; "

@@ -260,7 +260,8 @@ def compile_(r: dict[str, Any], name: str) -> str:
         rows.append(f"| same, on a machine that has compiled before | "
                     f"{_x(prepared['compile_ratio'])} | {prepared['target']} | "
                     f"{prepared['met']} |")
-    rows += [f"| regional / whole-model steady step time | {_x(g['steady_ratio'])} | "
+    control = (f" (control {_x(g['control_ratio'])})" if "control_ratio" in g else "")
+    rows += [f"| regional / whole-model steady step time | {_x(g['steady_ratio'])}{control} | "
              f"{g['targets']['steady_ratio']} | {g['met']['steady_ratio']} |",
              f"| first compiled step after resume, cache file / cold | "
              f"{_x(c['first_step_ratio'])} | {c['target']} | {c['met']} |",
