@@ -8,7 +8,9 @@ compile region (``torch.compiler.nested_compile_region``: torch's hierarchical c
 one traced and compiled region called for each block), so the step runs as one graph, at the
 whole model's speed. Under DDP or FSDP2 each block is compiled in place instead, inside the
 wrappers and per-block hooks the sharding put there, and the rest stays eager: the blocks run
-through one compiled function whose code dynamo caches once for every block of a class.
+through one compiled function whose code dynamo caches once for every block of a class. So
+too with a backend that does not compile through AOTAutograd (``"eager"``): torch's
+invoke_subgraph, run as traced, traces its region again at every call to build its schema.
 
 The compile cache (``cache=path``) is ``torch.compiler.save_cache_artifacts()``'s bytes and a
 zip of the C++ kernels this process loaded from inductor's cache directory, behind a one-line
@@ -67,6 +69,10 @@ _KERNEL = re.compile(r"[a-z0-9]{2}/[a-z0-9]+(\.[a-z0-9_]+)*\.(so|o|so\.load_ok)"
 # A header inductor precompiled, in its header directory: <hash>.h and <hash>.h.gch
 _HEADERS = "precompiled_headers"
 _HEADER = re.compile(_HEADERS + r"/[a-z0-9]+\.h(\.gch)?")
+# The backends that compile a nested compile region once (through AOTAutograd). Others run
+# dynamo's graph as traced, where torch's invoke_subgraph traces its region again at every
+# call to build its schema (x29 slower on a small GPT): there blocks are compiled in place.
+_NESTING = frozenset({"inductor", "aot_eager", "aot_eager_decomp_partition"})
 # Counters that grow when inductor or AOTAutograd compiled something the caches did not hold.
 _MISSES = (("inductor", "fxgraph_cache_miss"), ("aot_autograd", "autograd_cache_miss"))
 
@@ -352,10 +358,10 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
         else:
             kwargs["mode"] = mode
         model = prepared.model
-        if regional and prepared.process_group is not None:
+        if regional and (prepared.process_group is not None or backend not in _NESTING):
             # sharded: each block compiled in place, inside the DDP wrapper and FSDP2's
             # per-block hooks, the rest eager (torch.compile of a sharded whole model traces
-            # the sharding's hooks)
+            # the sharding's hooks); so too with a backend that runs dynamo's graph as traced
             _compile_blocks(state.model, kwargs)
         else:
             if regional:  # one graph; the blocks' code compiled once, called for each
@@ -430,10 +436,11 @@ def compiled(
     ``regional=True`` compiles each repeated block's code once, whatever the depth: the
     blocks become nested compile regions (``torch.compiler.nested_compile_region``) of the
     whole-model compile (traced and compiled once, called for each block; the step runs as
-    one graph, at the whole model's speed). Under ``distributed`` it compiles each block in
-    place instead (``torch.compile`` of the block's forward inside the DDP wrapper and
-    FSDP2's hooks, one compiled code shared by the blocks of a class) and runs the rest
-    eager. ``state_dict`` keys do not change.
+    one graph, at the whole model's speed). Under ``distributed``, and with a backend other
+    than inductor or aot_eager (``"eager"`` runs the regions as traced, tracing them again
+    at every call), it compiles each block in place instead (``torch.compile`` of the
+    block's forward inside the DDP wrapper and FSDP2's hooks, one compiled code shared by
+    the blocks of a class) and runs the rest eager. ``state_dict`` keys do not change.
 
     ``cache=path`` keeps the compiled code, with inductor's compiled C++ kernels, in a file
     (put it in the checkpoint directory): loaded before the first compiled step when it was
