@@ -327,10 +327,10 @@ def inductor_precompiled_headers(since: float) -> list[str]:
         return []
     found = []
     for name in sorted(os.listdir(root)):
-        header = os.path.join(root, name[:-4])
-        if name.endswith(".h.gch") and os.path.isfile(header) and \
+        header = name.removesuffix(".gch")
+        if name.endswith(".h.gch") and os.path.isfile(os.path.join(root, header)) and \
                 os.path.getmtime(os.path.join(root, name)) >= since:
-            found += [name[:-4], name]
+            found += [header, name]
     return found
 
 

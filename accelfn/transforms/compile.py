@@ -221,7 +221,7 @@ def write_cache(path: Path, fingerprint: dict[str, str], contents: CacheFile) ->
         tmp.unlink(missing_ok=True)
 
 
-def pack_kernels(since: float | None = None) -> bytes:
+def pack_kernels(since: float) -> bytes:
     """A zip of the compiled C++ kernels this process loaded (b"" when none), with the CPU
     vector instruction set probes that passed (the file's fingerprint names the instruction
     set, so they hold wherever the file is loaded) and, under ``precompiled_headers/``, the
@@ -238,18 +238,18 @@ def pack_kernels(since: float | None = None) -> bytes:
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
         for name in files:
             archive.write(root / name, name)
-        for name in compat.inductor_precompiled_headers(since) if since is not None else []:
+        for name in compat.inductor_precompiled_headers(since):
             archive.write(headers / name, f"{_HEADERS}/{name}")
     return buffer.getvalue()
 
 
-def _target(name: str) -> Path:
-    """Where a name of a :func:`pack_kernels` zip goes; ValueError for any other name."""
+def _target(name: str) -> Path | None:
+    """Where a name of a :func:`pack_kernels` zip goes (None: not a kernel's or a header's)."""
     if _KERNEL.fullmatch(name):
         return Path(compat.inductor_cache_dir()) / name
     if _HEADER.fullmatch(name):
         return Path(compat.inductor_header_dir()) / name.split("/", 1)[1]
-    raise ValueError(f"holds files that are not compiled kernels: {name!r}")
+    return None
 
 
 def unpack_kernels(kernels: bytes) -> list[str]:
@@ -260,12 +260,12 @@ def unpack_kernels(kernels: bytes) -> list[str]:
         return []
     written = []
     with zipfile.ZipFile(io.BytesIO(kernels)) as archive:
-        names = archive.namelist()
-        bad = [n for n in names if not (_KERNEL.fullmatch(n) or _HEADER.fullmatch(n))]
+        targets = {name: _target(name) for name in archive.namelist()}
+        bad = [name for name, target in targets.items() if target is None]
         if bad:
             raise ValueError(f"holds files that are not compiled kernels: {bad[:3]}")
-        for name in names:
-            target = _target(name)
+        for name, target in targets.items():
+            assert target is not None
             if target.exists():
                 continue
             target.parent.mkdir(parents=True, exist_ok=True)
