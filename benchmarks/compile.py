@@ -178,8 +178,10 @@ def _run_probe(args: argparse.Namespace, kind: str, cache_file: str | None, log:
         raise RuntimeError(f"the {kind} probe failed:\n{proc.stderr[-3000:]}")
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     result["process_s"] = time.perf_counter() - t0
-    log(f"  {kind}: first step {result.get('first_step_s', 0.0):.1f} s "
-        f"(load {result['load_average'][0] if result['load_average'] else '?'})")
+    load = result["load_average"][0] if result["load_average"] else "?"
+    done = (f"first step {result['first_step_s']:.1f} s" if "first_step_s" in result
+            else f"done in {result['process_s']:.1f} s")
+    log(f"  {kind}: {done} (load {load})")
     return result
 
 
