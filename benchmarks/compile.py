@@ -17,12 +17,16 @@ a GPU), every compile is timed in a fresh process whose ``TORCHINDUCTOR_CACHE_DI
   unrelated function was compiled): inductor's one-time work on a machine (probing the CPU's
   vector instructions, precompiling its C++ header) is done, so what remains is the model's
   own compile time, the part that grows with depth.
+* ``depth``: the cold compiles of ``prepared`` at several depths (``--depths``), and the
+  straight line through each side's times: its slope is the compile time each block adds,
+  its intercept the time a compile costs whatever the depth. Regional compilation's claim is
+  a slope near zero.
 
 ``compile_s`` is the first step's time less a steady step's. The machine's load average is
 recorded at the start and the end of every process (timings on a shared machine vary).
 
     python benchmarks/compile.py [--json out.json] [--quick] [--repeats N]
-                                 [--only regional,cache,prepared]
+                                 [--only regional,cache,prepared,depth] [--depths 3,6,12,24]
 """
 
 from __future__ import annotations
@@ -52,16 +56,20 @@ import accelfn as af
 from accelfn.core import compat
 from accelfn.observe.timing import environment, interleaved, resolve_device, sync
 
-SECTIONS = ("regional", "cache", "prepared")
+SECTIONS = ("regional", "cache", "prepared", "depth")
 TARGETS = {"regional_compile": 0.5, "regional_steady": 0.05, "cache": 0.2}
 
 
 def _config(args: argparse.Namespace, device: torch.device) -> GPTConfig:
     if args.quick:
-        return GPTConfig(vocab=256, seq=32, layers=4, dim=32, heads=2)
-    if device.type == "cuda":
-        return GPTConfig(layers=12)
-    return GPTConfig(vocab=512, seq=64, layers=12, dim=64, heads=4)
+        c = GPTConfig(vocab=256, seq=32, layers=4, dim=32, heads=2)
+    elif device.type == "cuda":
+        c = GPTConfig(layers=12)
+    else:
+        c = GPTConfig(vocab=512, seq=64, layers=12, dim=64, heads=4)
+    if args.layers:
+        c.layers = args.layers
+    return c
 
 
 def _load() -> list[float] | None:
@@ -148,7 +156,8 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_probe(args: argparse.Namespace, kind: str, cache_file: str | None, log: Any,
-               machine: str | None = None, first_only: bool = False) -> dict[str, Any]:
+               machine: str | None = None, first_only: bool = False,
+               layers: int | None = None) -> dict[str, Any]:
     """``kind`` in a fresh process on a fresh machine: empty ``TORCHINDUCTOR_CACHE_DIR`` and
     ``TMPDIR`` (inductor keeps its precompiled C++ headers under the temporary directory),
     unless ``machine`` is given (then its directories, as a restart on that machine finds
@@ -163,6 +172,8 @@ def _run_probe(args: argparse.Namespace, kind: str, cache_file: str | None, log:
         cmd = [sys.executable, __file__, "--probe", kind, "--device", args.device,
                "--steps", str(args.steps), "--batch-size", str(args.batch_size),
                "--backend", args.backend]
+        if layers:
+            cmd += ["--layers", str(layers)]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         if args.quick:
@@ -181,7 +192,8 @@ def _run_probe(args: argparse.Namespace, kind: str, cache_file: str | None, log:
     load = result["load_average"][0] if result["load_average"] else "?"
     done = (f"first step {result['first_step_s']:.1f} s" if "first_step_s" in result
             else f"done in {result['process_s']:.1f} s")
-    log(f"  {kind}: {done} (load {load})")
+    depth = f" ({layers} block{'s' if layers > 1 else ''})" if layers else ""
+    log(f"  {kind}{depth}: {done} (load {load})")
     return result
 
 
@@ -276,20 +288,30 @@ def bench_cache(colds: list[dict[str, Any]], warms: list[dict[str, Any]],
     }
 
 
-def bench_prepared(args: argparse.Namespace, fresh_wholes: list[dict[str, Any]],
-                   log: Any) -> dict[str, Any]:
-    wholes: list[dict[str, Any]] = []
-    regionals: list[dict[str, Any]] = []
+def _prepared_pairs(args: argparse.Namespace, log: Any, depths: list[int | None],
+                    repeats: int) -> dict[int | None, tuple[list[dict[str, Any]],
+                                                            list[dict[str, Any]]]]:
+    """Whole-model and regional cold compiles, back to back, each in a fresh process on a
+    copy of one prepared machine: ``repeats`` pairs at each depth."""
+    runs: dict[int | None, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {
+        d: ([], []) for d in depths}
     with tempfile.TemporaryDirectory(prefix="accelfn-machines-") as root:
         template = os.path.join(root, "prepared")
         _run_probe(args, "prepare", None, log, machine=template)
-        for i in range(args.repeats):
-            for kind, runs in (("whole", wholes), ("regional", regionals)):
-                machine = os.path.join(root, f"{kind}-{i}")
-                shutil.copytree(template, machine, symlinks=True)
-                runs.append(_run_probe(args, kind, None, log, machine=machine,
-                                       first_only=True))
-                shutil.rmtree(machine, ignore_errors=True)
+        for i in range(repeats):
+            for depth in depths:
+                for kind, side in zip(("whole", "regional"), runs[depth], strict=True):
+                    machine = os.path.join(root, f"{kind}-{depth}-{i}")
+                    shutil.copytree(template, machine, symlinks=True)
+                    side.append(_run_probe(args, kind, None, log, machine=machine,
+                                           first_only=True, layers=depth))
+                    shutil.rmtree(machine, ignore_errors=True)
+    return runs
+
+
+def bench_prepared(args: argparse.Namespace, fresh_wholes: list[dict[str, Any]],
+                   log: Any) -> dict[str, Any]:
+    wholes, regionals = _prepared_pairs(args, log, [None], args.repeats)[None]
     ratio, ratios = _median_ratio(regionals, wholes, "compile_s")
     return {
         "whole": wholes[0], "regional": regionals[0], "repeats": len(wholes),
@@ -309,6 +331,32 @@ def bench_prepared(args: argparse.Namespace, fresh_wholes: list[dict[str, Any]],
     }
 
 
+def _line(depths: list[int], times: list[float]) -> dict[str, float]:
+    fit = statistics.linear_regression(depths, times)
+    return {"s_per_block": fit.slope, "intercept_s": fit.intercept}
+
+
+def bench_depth(args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    depths = sorted({int(d) for d in args.depths.split(",")})
+    runs = _prepared_pairs(args, log, list(depths), args.depth_repeats)
+    whole = [_median(runs[d][0], "compile_s") for d in depths]
+    regional = [_median(runs[d][1], "compile_s") for d in depths]
+    lines = {"whole": _line(depths, whole), "regional": _line(depths, regional)}
+    return {
+        "depths": depths, "repeats": args.depth_repeats,
+        "whole_compile_s": whole, "regional_compile_s": regional,
+        "compile_ratio_by_depth": [r / w for r, w in zip(regional, whole, strict=True)],
+        "fit": lines,
+        "per_block_ratio": lines["regional"]["s_per_block"] / lines["whole"]["s_per_block"],
+        "note": "cold compile_s (medians over repeats) at each depth, each in a fresh process "
+                "on a copy of one machine that compiled an unrelated function before, the "
+                "two sides of a depth back to back; fit = the least-squares line through "
+                "each side's times against the number of blocks: s_per_block is what each "
+                "block adds to the compile, intercept_s what the compile costs at any depth; "
+                "per_block_ratio = regional's slope / the whole model's",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", default=",".join(SECTIONS))
@@ -325,6 +373,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", default="inductor",
                    help="torch.compile backend ('eager' traces without generating code: "
                         "checks the script in seconds, its times are not compile times)")
+    p.add_argument("--depths", default="3,6,12,24",
+                   help="the depth section's numbers of blocks (at least two)")
+    p.add_argument("--depth-repeats", type=int, default=1,
+                   help="cold compiles per side at each depth in the depth section")
+    p.add_argument("--layers", type=int, default=None,
+                   help="blocks in the GPT (default: 12, 4 with --quick)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per process")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--probe", choices=("whole", "regional", "warm", "prepare"),
@@ -341,8 +395,17 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(only) - set(SECTIONS))
     if unknown:
         p.error(f"--only {unknown}: the sections are {', '.join(SECTIONS)}")
-    if args.repeats < 1:
-        p.error("--repeats must be at least 1")
+    if args.repeats < 1 or args.depth_repeats < 1:
+        p.error("--repeats and --depth-repeats must be at least 1")
+    if "depth" in only:
+        try:
+            depths = {int(d) for d in args.depths.split(",")}
+        except ValueError:
+            depths = set()
+        if len(depths) < 2 or min(depths) < 2:
+            p.error(f"--depths {args.depths!r}: give at least two different numbers of "
+                    "blocks, each at least 2 (a block must repeat to be compiled once), "
+                    "comma-separated, e.g. 3,6,12,24")
     if "cache" in only and args.backend != "inductor":
         p.error("the cache section measures inductor's compiled code: leave --backend out "
                 "or pass --only regional,prepared")
@@ -369,7 +432,8 @@ def main(argv: list[str] | None = None) -> int:
             writer = _run_probe(args, "whole", cache_file, log, machine=machine)
             if not os.path.exists(cache_file):
                 raise RuntimeError("the cold probe wrote no compile cache file")
-        for i in range(args.repeats):  # each repeat's probes back to back
+        fresh = {"regional", "cache", "prepared"} & set(only)  # cold on fresh machines
+        for i in range(args.repeats if fresh else 0):  # each repeat's probes back to back
             log(f"repeat {i + 1} of {args.repeats}:")
             wholes.append(_run_probe(args, "whole", None, log))  # plain: no cache file
             if "regional" in only:
@@ -386,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
         if "prepared" in only:
             log("prepared machines:")
             result["prepared"] = bench_prepared(args, wholes, log)
+        if "depth" in only:
+            log("depths, on prepared machines:")
+            result["depth"] = bench_depth(args, log)
     result["machine"]["load_average_end"] = _load()
     text = json.dumps(_round(result), indent=2)
     if args.json:

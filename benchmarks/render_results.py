@@ -246,6 +246,36 @@ def overhead(r: dict[str, Any], name: str) -> str:
 
 
 def compile_(r: dict[str, Any], name: str) -> str:
+    parts = [compile_ratios(r, name)] if "regional" in r else []
+    if "depth" in r:
+        parts.append(compile_depth(r, name))
+    return "\n\n".join(parts)
+
+
+def compile_depth(r: dict[str, Any], name: str) -> str:
+    d, m = r["depth"], r["model"]
+    load = r["machine"]["load_average"]
+    fit = d["fit"]
+    rows = ["| blocks | whole-model cold compile s | regional s | regional / whole |",
+            "|---:|---:|---:|---:|"]
+    rows += [f"| {n} | {w:.1f} | {g:.1f} | {_x(x)} |" for n, w, g, x in zip(
+        d["depths"], d["whole_compile_s"], d["regional_compile_s"],
+        d["compile_ratio_by_depth"], strict=True)]
+    rows.append(f"| each block adds | {fit['whole']['s_per_block']:.2f} | "
+                f"{fit['regional']['s_per_block']:.2f} | {_x(d['per_block_ratio'])} |")
+    rows.append(f"| any depth costs | {fit['whole']['intercept_s']:.1f} | "
+                f"{fit['regional']['intercept_s']:.1f} | |")
+    return (f"### Compile time against depth ({r['machine']['date'][:10]}, "
+            f"{r['machine']['cpu']}, {r['machine']['cpu_cores']} cores, load average "
+            f"{load[0]:.2f})\n\n`{r['command']}` -> `{name}`. The same GPT (width {m['dim']}, "
+            f"sequence {m['seq']}, batch {m['batch']}) at {len(d['depths'])} depths; each cold "
+            f"compile in a fresh process on a machine that has compiled before, median of "
+            f"{d['repeats']}. The last two rows are the least-squares line through each "
+            f"column: the seconds each block adds, and the seconds a compile costs at any "
+            f"depth.\n\n" + "\n".join(rows))
+
+
+def compile_ratios(r: dict[str, Any], name: str) -> str:
     g, c, m = r["regional"], r["cache"], r["model"]
     prepared = r.get("prepared")
     load = r["machine"]["load_average"]

@@ -306,3 +306,36 @@ def test_results_page_renders_overhead_times_and_instructions(tmp_path: Path) ->
     del result["instructions"]
     path.write_text(json.dumps(result))
     assert "callgrind" not in _render(path)
+
+
+@pytest.mark.slow
+def test_compile_benchmark_depth_section_fits_a_line_per_side(tmp_path: Path) -> None:
+    # the depth sweep checked with the 'eager' backend (its times are not compile times)
+    out = tmp_path / "cpu-compile-depth.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compile.py"), "--quick", "--backend",
+         "eager", "--only", "depth", "--depths", "2,4", "--steps", "2", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    depth = json.loads(out.read_text())["depth"]
+    assert depth["depths"] == [2, 4]
+    for side in ("whole", "regional"):
+        times = depth[f"{side}_compile_s"]
+        fit = depth["fit"][side]
+        slope = (times[1] - times[0]) / 2  # two points: the line passes through both
+        assert fit["s_per_block"] == pytest.approx(slope, abs=1e-3)
+        assert fit["intercept_s"] == pytest.approx(times[0] - 2 * slope, abs=1e-3)
+    assert "(2 blocks)" in proc.stderr and "(4 blocks)" in proc.stderr
+    page = _render(out)
+    assert "### Compile time against depth" in page and "| each block adds |" in page
+    assert "regional / whole-model cold compile time" not in page  # no ratios section ran
+
+
+@pytest.mark.parametrize("depths", ["12", "12,12", "12,1", "6,x"])
+def test_compile_benchmark_refuses_depths_it_cannot_fit(depths: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compile.py"), "--only", "depth",
+         "--depths", depths], cwd=ROOT, capture_output=True, text=True, timeout=300,
+        check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "at least two different numbers of blocks, each at least 2" in proc.stderr
