@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
@@ -66,16 +67,65 @@ def _policy(save: Iterable[Any]) -> Callable[..., CheckpointPolicy]:
     return policy
 
 
+def _running_stat_modules(block: nn.Module) -> tuple[nn.Module, ...]:
+    """The modules of ``block`` whose forward updates running statistics in training mode:
+    batch/instance norms with ``track_running_stats`` (any module following that convention)."""
+    return tuple(m for m in block.modules() if getattr(m, "track_running_stats", False) is True)
+
+
+class _KeepRunningStats:
+    """The recompute context: the running statistics a recompute's training-mode forward
+    updates a second time are put back as the original forward left them. ``__exit__`` runs
+    also when the recompute stops early (torch raises inside it once it has every saved
+    tensor). Re-enterable: a graph kept with ``retain_graph`` recomputes once per backward.
+    ``inner`` (selective checkpointing's recompute mode) is entered inside, so the copies made
+    here are not seen as recomputed ops."""
+
+    def __init__(self, modules: tuple[nn.Module, ...],
+                 inner: contextlib.AbstractContextManager[Any] | None = None) -> None:
+        self.modules = modules
+        self.inner = inner
+        self.saved: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+
+    def __enter__(self) -> None:
+        with torch.no_grad():
+            self.saved.append([(buf, buf.clone()) for m in self.modules if m.training
+                               for buf in m.buffers(recurse=False)])
+        if self.inner is not None:
+            try:
+                self.inner.__enter__()
+            except BaseException:
+                self.saved.pop()
+                raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self.inner is not None:
+                self.inner.__exit__(*exc)
+        finally:
+            with torch.no_grad():
+                for buf, value in self.saved.pop():
+                    buf.copy_(value)
+
+
 def _run_checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any,
                       **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
     save: tuple[Any, ...] | None = module.__dict__["_accelfn_ckpt_save"]
-    if save is None:
+    # Under torch.compile the recompute is the partitioner's, inside the graph, which applies
+    # buffer mutations once; context_fn must there be a pair of TorchDispatchModes.
+    stats: tuple[nn.Module, ...] = (
+        () if torch.compiler.is_compiling() else module.__dict__["_accelfn_ckpt_stats"])
+    if save is None and not stats:
         return torch_checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
-    def context_fn() -> Any:
-        return create_selective_checkpoint_contexts(_policy(save))  # type: ignore[no-untyped-call]
+    def context_fn() -> tuple[Any, Any]:
+        if save is None:
+            return contextlib.nullcontext(), _KeepRunningStats(stats)
+        forward_ctx, recompute_ctx = create_selective_checkpoint_contexts(  # type: ignore[no-untyped-call]
+            _policy(save))
+        return forward_ctx, (_KeepRunningStats(stats, recompute_ctx) if stats else recompute_ctx)
 
     return torch_checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn,
                             **kwargs)
@@ -91,6 +141,7 @@ def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -
                 "predicate(name, module)")
         for _, module in chosen[::every]:
             module.__dict__["_accelfn_ckpt_save"] = save
+            module.__dict__["_accelfn_ckpt_stats"] = _running_stat_modules(module)
             wrap_forward(module, "checkpoint", _run_checkpointed)
         state.slot(_SLOT, lambda: {"blocks": len(chosen[::every])})
         return prepared

@@ -90,8 +90,9 @@ def test_resnet_checkpointed_equals_plain_gradients():
     state = af.TrainState(m1, o1)
     af.checkpointed(fn)(state, batch)
     reference_update(m2, o2, batch, fn)
-    # BatchNorm statistics are updated once more by recomputation: compare parameters only
     assert_params_equal(m1, m2)
+    for (name, b1), (_, b2) in zip(m1.named_buffers(), m2.named_buffers()):
+        assert torch.equal(b1, b2), f"buffer {name} differs"  # BatchNorm statistics once
 
 
 def test_wrap_keeps_state_dict_and_deepcopy_runs_its_own_weights():
@@ -123,3 +124,127 @@ def test_bad_options():
         af.checkpointed(every=0)
     with pytest.raises(ValueError, match="blocks"):
         af.checkpointed(blocks="all")
+
+
+class ResBlock(nn.Module):
+    """A torchvision-style basic block: conv-BN-ReLU-conv-BN plus the identity."""
+
+    def __init__(self, channels: int, momentum: float | None) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels, momentum=momentum)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels, momentum=momentum)
+
+    def forward(self, x):
+        h = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(h)))
+
+
+class ResNetLike(nn.Module):
+    def __init__(self, momentum: float | None = 0.1) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.blocks = nn.Sequential(*(ResBlock(4, momentum) for _ in range(3)))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)).mean((2, 3)))
+
+
+def image_loss(model, batch):
+    return F.cross_entropy(model(batch["image"]), batch["label"])
+
+
+def image_batch(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"image": torch.randn(4, 3, 6, 6, generator=g),
+            "label": torch.randint(0, 3, (4,), generator=g)}
+
+
+def assert_state_equal(m1, m2):
+    s1, s2 = m1.state_dict(), m2.state_dict()
+    assert list(s1) == list(s2)
+    for key in s1:
+        assert torch.equal(s1[key], s2[key]), f"{key} differs from the plain loop"
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+@pytest.mark.parametrize("options", [
+    {}, {"every": 2}, {"blocks": (ResBlock,)}, {"blocks": lambda n, m: n == "blocks.1"},
+    {"selective": True}, {"selective": [torch.ops.aten.convolution.default]},
+])
+def test_batchnorm_statistics_updated_once_as_without_checkpointing(options, momentum):
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(ResNetLike(momentum))
+    step = af.checkpointed(**options)(image_loss)
+    state = af.TrainState(m1, o1)
+    for i in range(3):
+        step(state, image_batch(i))
+        reference_update(m2, o2, image_batch(i), image_loss)
+    assert state.slots["checkpointed"]["blocks"] >= 1
+    assert m1.blocks[1].bn1.num_batches_tracked == 3
+    assert_state_equal(m1, m2)  # parameters and running_mean/var/num_batches_tracked
+
+
+def test_batchnorm_statistics_with_accumulation_and_amp():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(ResNetLike())
+    step = af.with_amp(af.with_accumulation(2)(af.checkpointed(image_loss)))
+    state = af.TrainState(m1, o1)
+    for i in range(2):
+        step(state, image_batch(i))
+        reference_update(m2, o2, image_batch(i), image_loss, micro=2, amp_dtype=torch.bfloat16)
+    assert m1.blocks[0].bn2.num_batches_tracked == 4
+    assert_state_equal(m1, m2)
+
+
+def test_frozen_batchnorm_in_eval_mode_is_left_alone():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(ResNetLike())
+    for model in (m1, m2):
+        for module in model.modules():
+            if isinstance(module, nn.BatchNorm2d):
+                module.eval()
+    state = af.TrainState(m1, o1)
+    step = af.checkpointed(image_loss)
+    for i in range(2):
+        step(state, image_batch(i))
+        reference_update(m2, o2, image_batch(i), image_loss)
+    assert m1.blocks[0].bn1.num_batches_tracked == 0
+    assert_state_equal(m1, m2)
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_batchnorm_last_in_block_with_and_without_early_stop(early_stop):
+    # the block ends in its BatchNorm: an early-stopping recompute stops inside it
+    def make():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Sequential(
+            *(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(2))),
+            nn.Linear(8, 4))
+
+    (m1, o1), (m2, o2) = clone_setup(make())
+    step = af.checkpointed(classify)
+    state = af.TrainState(m1, o1)
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        for i in range(3):
+            step(state, make_batch(seed=i))
+            reference_update(m2, o2, as_dict(make_batch(seed=i)), classify)
+    assert_state_equal(m1, m2)
+
+
+def test_backward_twice_through_a_kept_graph_restores_statistics_each_time():
+    torch.manual_seed(0)
+    model = ResNetLike()
+    plain = copy.deepcopy(model)
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    af.checkpointed(image_loss).prepare(state)
+    batch = image_batch(0)
+    loss = image_loss(model, batch)
+    loss.backward(retain_graph=True)
+    loss.backward()
+    image_loss(plain, batch).backward()
+    assert model.blocks[0].bn1.num_batches_tracked == 1
+    for (name, b1), (_, b2) in zip(model.named_buffers(), plain.named_buffers()):
+        assert torch.equal(b1, b2), name
