@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -161,6 +163,27 @@ def with_amp(
         if not (isinstance(spec, (type, str)) or callable(spec)):
             raise TypeError(f"with_amp(fp32=...) got {spec!r}; give a module type, name or "
                             "predicate(name, module)")
-    if init_scale <= 0 or growth_interval < 1:
-        raise ValueError("with_amp needs init_scale > 0 and growth_interval >= 1")
+    _check_scaler_options(init_scale, growth_interval)
     return configure("with_amp", fn, _amp(dtype, specs, float(init_scale), int(growth_interval)))
+
+
+_FP32_MAX = torch.finfo(torch.float32).max  # GradScaler keeps its scale in float32
+
+
+def _check_scaler_options(init_scale: object, growth_interval: object) -> None:
+    scale_range = f"a finite number > 0 (at most {_FP32_MAX:.3g}, float32's largest)"
+    if isinstance(init_scale, bool) or not isinstance(init_scale, numbers.Real):
+        raise TypeError(f"with_amp(init_scale={init_scale!r}) must be {scale_range}, e.g. "
+                        "init_scale=2.0**16 (the default)")
+    if not (math.isfinite(init_scale) and 0 < float(init_scale) <= _FP32_MAX):
+        raise ValueError(f"with_amp(init_scale={init_scale!r}) must be {scale_range}, e.g. "
+                         "init_scale=2.0**16 (the default): a scale that is not finite makes "
+                         "every fp16 update overflow and be skipped")
+    if isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral):
+        raise TypeError(f"with_amp(growth_interval={growth_interval!r}) must be an int >= 1 "
+                        "(the number of overflow-free updates before the scale grows), e.g. "
+                        "growth_interval=2000 (the default)")
+    if growth_interval < 1:
+        raise ValueError(f"with_amp(growth_interval={growth_interval!r}) must be an int >= 1 "
+                         "(the number of overflow-free updates before the scale grows), e.g. "
+                         "growth_interval=2000 (the default)")

@@ -134,3 +134,37 @@ def test_fp32_spec_matching_nothing_is_an_error(net):
     state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="matched no module"):
         af.with_amp(fp32=nn.LSTM)(classify)(state, make_batch())
+
+
+@pytest.mark.parametrize(("options", "error", "match"), [
+    ({"init_scale": float("inf")}, ValueError, r"init_scale=inf.*finite number > 0"),
+    ({"init_scale": float("nan")}, ValueError, r"init_scale=nan.*finite number > 0"),
+    ({"init_scale": 0.0}, ValueError, r"init_scale=0\.0.*finite number > 0"),
+    ({"init_scale": -1}, ValueError, r"init_scale=-1.*finite number > 0"),
+    ({"init_scale": 1e39}, ValueError, r"init_scale=1e\+39.*float32's largest"),
+    ({"init_scale": "65536"}, TypeError, r"init_scale='65536'.*finite number > 0"),
+    ({"init_scale": True}, TypeError, r"init_scale=True.*finite number > 0"),
+    ({"init_scale": torch.tensor(2.0)}, TypeError, r"init_scale=tensor.*finite number > 0"),
+    ({"growth_interval": 2.7}, TypeError, r"growth_interval=2\.7.*int >= 1"),
+    ({"growth_interval": 2.0}, TypeError, r"growth_interval=2\.0.*int >= 1"),
+    ({"growth_interval": True}, TypeError, r"growth_interval=True.*int >= 1"),
+    ({"growth_interval": "10"}, TypeError, r"growth_interval='10'.*int >= 1"),
+    ({"growth_interval": 0}, ValueError, r"growth_interval=0.*int >= 1"),
+])
+def test_bad_scaler_options_are_refused_when_built(options, error, match):
+    with pytest.raises(error, match=match):
+        af.with_amp(dtype=torch.float16, **options)
+    with pytest.raises(error, match=match):
+        af.with_amp(**options)(classify)
+
+
+def test_good_scaler_options_reach_the_grad_scaler(net):
+    import numpy as np
+
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    step = af.with_amp(dtype=torch.float16, init_scale=np.float32(1024),
+                       growth_interval=np.int64(3))(classify)
+    metrics = step(state, make_batch())
+    assert metrics["loss_scale"] == 1024.0
+    assert state.slots["with_amp"].get_growth_interval() == 3
+    assert type(state.slots["with_amp"].get_growth_interval()) is int
