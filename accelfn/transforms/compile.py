@@ -402,7 +402,10 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
         options=(("mode", mode), ("fullgraph", fullgraph), ("dynamic", dynamic),
                  ("backend", backend), ("optimizer", optimizer), ("options", options),
                  ("regional", regional), ("cache", None if cache is None else str(cache))),
-        label=f"compiled({', '.join(parts)})" if parts else "compiled")
+        label=f"compiled({', '.join(parts)})" if parts else "compiled",
+        # its after_update (with cache=) only writes the compile cache's file; the scaler's
+        # update, the EMA average and float8's scale precompute neither compile nor read it
+        commutes=frozenset({"with_amp", "with_ema", "with_float8"}))
 
 
 @overload

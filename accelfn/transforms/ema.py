@@ -236,7 +236,8 @@ def _ema(schedule: _Schedule, options: tuple[tuple[str, Any], ...], label: str,
                      evaluate_context=evaluate_context),
         options=options, label=label,
         # its after_update reads the weights, which these after_update hooks leave as they are
-        commutes=frozenset({"with_amp", "with_float8"}),
+        # (the scaler's update, float8's scale precompute, the compile cache's write)
+        commutes=frozenset({"with_amp", "with_float8", "compiled"}),
         evaluate_options=("weights",))
 
 

@@ -220,7 +220,8 @@ def _float8(min_features: int, predicate: Predicate | None, recipe: str,
                  ("fsdp_float8_all_gather", fsdp_float8_all_gather), ("emulate", emulate)),
         label=f"with_float8({', '.join(parts)})",
         # its forward_context enters nothing (a check); its after_update only reads weights
-        commutes=frozenset({"with_amp", "with_ema"}),
+        # (and sets float8 scales that the compile cache's write does not read)
+        commutes=frozenset({"with_amp", "with_ema", "compiled"}),
     )
 
 
