@@ -108,4 +108,7 @@ def with_accumulation(n: int, *, mode: str = "split", dim: int = 0) -> Transform
             f"{f', dim={dim}' if dim else ''})"
     hooks = _split_mode(n, dim) if mode == "split" else _calls_mode(n, dim)
     return Transform("with_accumulation", hooks, options=(("n", n), ("mode", mode), ("dim", dim)),
-                     label=label)
+                     label=label,
+                     # its abort hook only closes its own window (the engine clears the
+                     # gradients); with_amp's only makes the scaler forget the failed step
+                     commutes=frozenset({"with_amp"}))

@@ -181,3 +181,46 @@ def test_calls_mode_failures_refused_input_keeps_window_failed_call_discards_it(
     for got, want in zip(probe.grads, full_batch_grads(ref_model, as_dict(whole), classify)):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert state.step == 2
+
+
+@pytest.mark.parametrize("outer", [True, False])
+def test_calls_mode_with_fp16_amp_equals_grad_scaler_loop(net, outer):
+    """Calls mode under fp16 loss scaling, either order: the seeds' GradScaler loop with
+    loss / n per call, the scale growing after every update; a call that fails mid-window
+    discards the window and the scaler's step (both abort hooks), and training goes on."""
+    (m1, o1), (m2, o2) = clone_setup(net, torch.optim.SGD, momentum=0.9)
+    calls = af.with_accumulation(2, mode="calls")
+    amp = af.with_amp(dtype=torch.float16, init_scale=2.0**10, growth_interval=1)
+    fail = {"on": False}
+
+    def fn(model, batch):
+        if fail["on"]:
+            raise RuntimeError("boom")
+        return classify(model, batch)
+
+    step = calls(amp(fn)) if outer else amp(calls(fn))
+    state = af.TrainState(m1, o1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    batches = [make_batch(n=6, seed=i) for i in range(6)]
+    for i, batch in enumerate(batches):
+        step(state, batch)
+        if i == 2:  # window open: a failing call discards it
+            fail["on"] = True
+            with pytest.raises(RuntimeError, match="boom"):
+                step(state, batch)
+            fail["on"] = False
+            assert all(p.grad is None for p in m1.parameters())
+    windows = [batches[0:2], batches[3:5]]  # batches[2] was discarded; batches[5] is open
+    for window in windows:
+        for batch in window:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = classify(m2, as_dict(batch))["loss"]
+            scaler.scale(loss / 2).backward()
+        scaler.step(o2)
+        scaler.update()
+        o2.zero_grad(set_to_none=True)
+    assert state.step == 2
+    assert state.slots["with_amp"].get_scale() == scaler.get_scale() == 2.0**12
+    # fp16 backward rounds differently when the loss is weighted by samples (the step's
+    # loss * 6, gradients / 12) than by loss / 2: 4e-5 apart; a 5% weighting error is 2e-3
+    assert_params_equal(m1, m2, exact=False, atol=1e-4, rtol=1e-4)
