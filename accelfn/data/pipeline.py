@@ -227,9 +227,11 @@ def loader(
                 "have no batch; lower batch_size or pass drop_last=False"
             )
         num_batches = sampler.num_batches
+        # num_workers and worker_type are not part of the checked configuration: the batches
+        # do not depend on them, nor does the state (a PoolMapper's has the shape of a
+        # Mapper's), so a position resumes with others, e.g. with the default
+        # min(8, cpu_count) on a machine with another number of cores.
         config["num_samples"] = n
-        config["num_workers"] = workers
-        config["worker_type"] = worker_type
         node: BaseNode[Any]
         on_host = (dev is None or dev.type == "cpu") and not on_device_source
         if kind == "tensordict" and transform is not None and on_host:

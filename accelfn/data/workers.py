@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
-from torchdata.nodes import BaseNode
+from torchdata.nodes import BaseNode, ParallelMapper
 
 from .rng import own_process_generators
 
@@ -33,6 +33,9 @@ _WORKER_FN: Callable[[Any], Any] | None = None
 PARENT_POLL_S = 0.1
 
 _HAS_PROC = os.path.isdir("/proc/self")
+
+#: The key of ``torchdata.nodes.Mapper``'s state, whose shape a PoolMapper's state has.
+_IT_STATE: str = ParallelMapper.IT_STATE_KEY
 
 
 def _alive(pid: int) -> bool:
@@ -102,6 +105,11 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
     resume is exact whatever was in flight. Exceptions in ``map_fn`` are re-raised with
     their type and message. Worker processes exit within 0.1 s (``PARENT_POLL_S``) of the
     death of the process that created the pool, by ``SIGKILL`` too.
+
+    Its state has the shape of ``torchdata.nodes.Mapper``'s (``{"it_state": {"source": ...}}``)
+    whatever ``num_workers`` and ``worker_type``, so that a position saved with workers
+    resumes without them, and the other way round (the batches do not depend on them); the
+    ``{"source": ...}`` it had before loads too.
 
     (``torchdata.nodes.ParallelMapper`` in torchdata 0.11 starts new threads or processes on
     every ``reset()``, i.e. every epoch.)
@@ -179,6 +187,8 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
             fut.cancel()
         self._pending.clear()
         self._exhausted = False
+        if initial_state is not None and _IT_STATE in initial_state:
+            initial_state = initial_state[_IT_STATE]  # else a state written before: {"source"}
         self.source.reset(None if initial_state is None else initial_state["source"])
         self._state = self.source.state_dict()
 
@@ -203,7 +213,7 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
         return result
 
     def get_state(self) -> dict[str, Any]:
-        return {"source": self._state}
+        return {_IT_STATE: {"source": self._state}}
 
     def close(self) -> None:
         """Stop the workers (a later ``reset()`` starts new ones)."""

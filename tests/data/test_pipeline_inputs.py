@@ -1,0 +1,108 @@
+"""accelfn.data.loader: positions across worker counts, dict sources, bad input, dead workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+import accelfn.data as ad
+
+
+class Ranged:
+    """Map-style samples with a random draw (seeded per sample by the loader); module level so
+    that worker processes can unpickle it."""
+
+    def __init__(self, n: int = 40) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": torch.tensor(i), "noise": torch.rand(())}
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(
+        x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x.keys())
+        for x, y in zip(a, b)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# A position carries across num_workers and worker_type (the batches do not depend on them)
+
+
+@pytest.mark.parametrize(
+    ("saved", "resumed"),
+    [
+        ((1, "thread"), (2, "thread")),
+        ((1, "process"), (2, "process")),
+        ((0, "thread"), (2, "process")),
+        ((2, "thread"), (0, "thread")),
+    ],
+)
+def test_a_map_position_resumes_with_another_number_of_workers(saved, resumed):
+    def make(workers):
+        n, kind = workers
+        return ad.loader(Ranged(), batch_size=4, seed=3, num_workers=n, worker_type=kind)
+
+    with make(saved) as ref:
+        full = list(ref) + list(ref)  # two epochs, uninterrupted
+    with make(saved) as first:
+        it = iter(first)
+        head = [next(it) for _ in range(3)]
+        state = first.state_dict()
+    assert _same(head, full[:3])
+    with make(resumed) as second:
+        second.load_state_dict(state)
+        rest = list(second) + list(second)
+    assert _same(rest, full[3:20])
+
+
+@pytest.mark.parametrize(
+    ("transform", "saved", "resumed"),
+    [
+        (None, 0, 2),
+        (None, 2, 0),
+        (ad.RandomHorizontalFlip(), 0, 2),
+        (ad.RandomHorizontalFlip(), 2, 0),
+    ],
+)
+def test_a_tensordict_position_resumes_with_another_number_of_workers(transform, saved, resumed):
+    td = TensorDict({"image": torch.rand(30, 1, 2, 2), "label": torch.arange(30)}, [30])
+
+    def make(workers):
+        return ad.loader(td, batch_size=4, seed=1, num_workers=workers, transform=transform)
+
+    full = list(make(saved))
+    first = make(saved)
+    it = iter(first)
+    head = [next(it) for _ in range(2)]
+    state = first.state_dict()
+    assert _same(head, full[:2])
+    with make(resumed) as second:
+        second.load_state_dict(state)
+        assert _same(list(second), full[2:])
+
+
+def test_a_position_is_the_same_whatever_the_workers():
+    states = []
+    for workers, kind in [(0, "thread"), (1, "thread"), (2, "thread"), (2, "process")]:
+        with ad.loader(Ranged(), batch_size=4, num_workers=workers, worker_type=kind) as lo:
+            it = iter(lo)
+            next(it), next(it)
+            states.append(lo.state_dict())
+    assert all(s == states[0] for s in states)
+
+
+def test_a_pool_mapper_reads_the_state_it_wrote_before():
+    sampler = ad.IndexBatchSampler(12, 3, shuffle=False)
+    pool = ad.PoolMapper(sampler, lambda idx: idx.tolist(), 2)
+    pool.reset(None)
+    first = [next(pool), next(pool)]
+    old = pool.state_dict()["it_state"]  # {"source": ...}: a PoolMapper's state until now
+    pool.reset(old)
+    assert first == [[0, 1, 2], [3, 4, 5]] and next(pool) == [6, 7, 8]
+    pool.close()
