@@ -277,16 +277,28 @@ class SampleCollator:
 class IterableBatcher(EpochCounting[TensorDict]):
     """Batch and collate the samples of an iterable source node into TensorDicts.
 
-    Sharding is by position: rank ``r`` of ``w`` keeps samples ``r, r + w, r + 2w, ...`` of
-    each pass over the iterable. Its state is the source's state plus counters (plain ints).
-    The random draws of ``sample_transform`` come from generators seeded with
-    ``mix_seed(seed, epoch, position)`` (as in [`SampleCollator`][]); the iterable's own draws,
-    made while it is read, are not managed.
+    The iterable is read in rounds of ``batch_size * world_size`` samples, and rank ``r`` of
+    ``w`` keeps samples ``r, r + w, r + 2w, ...`` of each round (so of each pass: sharding is
+    by position). Every rank reads the whole stream and decides alone, so all ranks yield the
+    same number of batches of the same sizes (the same as a map-style source of that length
+    gives), with no communication: a DDP step is never run by some ranks only.
+
+    * With ``drop_last`` a batch is yielded only for a whole round; the final, incomplete
+      round (fewer than ``batch_size * world_size`` samples) is dropped on every rank.
+    * Without it the final round of ``k`` samples gives every rank a last batch of
+      ``ceil(k / w)`` samples; the round is padded by wrapping around to its start (as
+      ``torch.utils.data.DistributedSampler`` pads its permutation), so at most ``w - 1``
+      samples are seen twice in an epoch, by different ranks, with the same augmentation.
+
+    Its state is the source's state plus counters (plain ints). The random draws of
+    ``sample_transform`` come from generators seeded with ``mix_seed(seed, epoch,
+    position)`` (as in [`SampleCollator`][]); the iterable's own draws, made while it is
+    read, are not managed.
 
     Raises:
         ValueError: (while iterating) an epoch of the iterable yields no batch at all: the
-            iterable is empty, holds fewer than ``batch_size`` samples with ``drop_last``, or
-            is a one-shot iterator that was already consumed.
+            iterable is empty, holds fewer than ``batch_size * world_size`` samples with
+            ``drop_last``, or is a one-shot iterator that was already consumed.
     """
 
     COUNTERS = ("pos", "batches")
@@ -317,36 +329,66 @@ class IterableBatcher(EpochCounting[TensorDict]):
         self.world_size = world_size
         self.spec: SampleSpec | None = None
 
-    def next(self) -> TensorDict:
-        self._started = True
-        samples: list[tuple[int, dict[str, torch.Tensor]]] = []
-        while len(samples) < self.batch_size:
+    def _prepare(self, pos: int, raw: Any) -> tuple[int, dict[str, torch.Tensor]]:
+        if self.sample_transform is not None:
+            with seeded_draws(mix_seed(self.seed, self._epoch, pos)):
+                raw = self.sample_transform(raw)
+        sample = sample_to_dict(raw, self.keys, pos)
+        if self.spec is None:
+            self.spec = SampleSpec.of(sample, self.ragged_keys)
+        return pos, sample
+
+    def _read_round(self) -> tuple[int, list[tuple[int, Any]], list[tuple[int, Any]]]:
+        """Read one round: how many samples it had, this rank's ``(position, raw sample)``
+        pairs, and (without ``drop_last``) the round's first ``world_size`` ones."""
+        w = self.world_size
+        size = self.batch_size * w
+        mine: list[tuple[int, Any]] = []
+        head: list[tuple[int, Any]] = []
+        read = 0
+        while read < size:
             try:
                 raw = next(self.source)
             except StopIteration:
                 break
             pos = self._pos
             self._pos += 1
-            if pos % self.world_size != self.rank:
-                continue
-            if self.sample_transform is not None:
-                with seeded_draws(mix_seed(self.seed, self._epoch, pos)):
-                    raw = self.sample_transform(raw)
-            sample = sample_to_dict(raw, self.keys, pos)
-            if self.spec is None:
-                self.spec = SampleSpec.of(sample, self.ragged_keys)
-            samples.append((pos, sample))
-        if len(samples) < self.batch_size and (self.drop_last or not samples):
+            if read % w == self.rank:
+                mine.append((pos, raw))
+            elif read < w and not self.drop_last:
+                head.append((pos, raw))
+            read += 1
+        return read, mine, head
+
+    def next(self) -> TensorDict:
+        self._started = True
+        w = self.world_size
+        read, mine, head = self._read_round()
+        whole = read == self.batch_size * w
+        if not whole and (self.drop_last or read == 0):
             if self._batches == 0:
+                needed = (
+                    f"with drop_last=True a batch needs a whole round of batch_size * "
+                    f"world_size = {self.batch_size * w} samples"
+                    if self.drop_last
+                    else "it needs at least one sample"
+                )
                 raise ValueError(
                     f"the iterable source gave no batch in epoch {self._epoch}: it yielded "
-                    f"{self._pos} samples ({len(samples)} for rank {self.rank} of "
-                    f"{self.world_size}), batch_size={self.batch_size}, "
-                    f"drop_last={self.drop_last}. Check that it is not empty, use a smaller "
-                    "batch_size or drop_last=False, and pass a re-iterable (a list, an "
+                    f"{self._pos} samples, and {needed} (batch_size={self.batch_size}, rank "
+                    f"{self.rank} of world_size={w}). Check that it is not empty, use a "
+                    "smaller batch_size or drop_last=False, and pass a re-iterable (a list, an "
                     "IterableDataset) rather than a one-shot generator"
                 )
             raise StopIteration
+        if not whole:  # the final round, padded by wrapping around to its start
+            count = -(-read // w)
+            # this rank's slot past the samples read (at most one) takes sample slot % read,
+            # one of the round's first w, never this rank's own
+            for slot in range(self.rank + len(mine) * w, count * w, w):
+                offset = slot % read
+                mine.append(head[offset if offset < self.rank else offset - 1])
+        samples = [self._prepare(pos, raw) for pos, raw in mine]
         self._batches += 1
         assert self.spec is not None  # set by the first sample, and the batch has one
         return collate_samples(samples, self.spec)

@@ -716,3 +716,98 @@ def test_transform_placement_does_not_change_batches(workers):
     built = ad.loader(td, batch_size=10, seed=4, transform=augment(), num_workers=workers)
     for _ in range(2):
         assert same_batches(list(manual), list(built))
+
+
+# --------------------------------------------------------------------------------------------
+# Iterable sources across ranks: every rank gets the same number of batches (DDP lockstep)
+
+
+def _iterable_shards(n, batch_size, world_size, drop_last):
+    data = _Reiterable([{"x": torch.tensor(i)} for i in range(n)])
+    return [
+        [
+            b["x"].tolist()
+            for b in ad.loader(
+                data, batch_size=batch_size, shuffle=False, drop_last=drop_last, rank=r,
+                world_size=world_size, prefetch=0,
+            )
+        ]
+        for r in range(world_size)
+    ]
+
+
+def test_iterable_ranks_get_equal_batches_with_drop_last():
+    # 10 samples, 3 ranks, batches of 2: one whole round of 6, the 4 left would give rank 0
+    # a second batch that ranks 1 and 2 never join.
+    assert _iterable_shards(10, 2, 3, True) == [[[0, 3]], [[1, 4]], [[2, 5]]]
+
+
+def test_iterable_ranks_get_equal_batches_without_drop_last():
+    # The last round (6..9) is padded by wrapping around to its start, as
+    # DistributedSampler pads the permutation: each rank gets ceil(10 / 3) = 4 samples.
+    assert _iterable_shards(10, 2, 3, False) == [
+        [[0, 3], [6, 9]], [[1, 4], [7, 6]], [[2, 5], [8, 7]]
+    ]
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize(
+    "n, batch_size, world_size",
+    [(n, b, w) for n in (1, 5, 7, 12, 13) for b in (1, 2, 3) for w in (1, 2, 3, 4)],
+)
+def test_iterable_shards_match_map_style_counts(n, batch_size, world_size, drop_last):
+    if drop_last and n < batch_size * world_size:
+        return  # no whole round: the empty-epoch error (tested elsewhere)
+    shards = _iterable_shards(n, batch_size, world_size, drop_last)
+    # every rank runs the same steps, with the same batch sizes, as a map-style source has
+    sizes = [[len(b) for b in shard] for shard in shards]
+    mapped = [
+        [
+            b["label"].numel()
+            for b in ad.loader(
+                make_td(n), batch_size=batch_size, shuffle=False, drop_last=drop_last,
+                rank=r, world_size=world_size, prefetch=0,
+            )
+        ]
+        for r in range(world_size)
+    ]
+    assert sizes == mapped
+    seen = sorted(i for shard in shards for b in shard for i in b)
+    if drop_last:  # each kept sample once; fewer than a round dropped
+        kept = (n // (batch_size * world_size)) * batch_size * world_size
+        assert seen == list(range(kept))
+    else:  # each sample at least once; fewer than world_size padded
+        assert set(seen) == set(range(n))
+        assert len(seen) == -(-n // world_size) * world_size
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize("stop", [1, 2, 3, 4])
+def test_iterable_shard_resumes_exactly(drop_last, stop):
+    def make():
+        return ad.loader(
+            _Reiterable([{"x": torch.tensor(i)} for i in range(23)]), batch_size=2,
+            shuffle=False, drop_last=drop_last, rank=1, world_size=3,
+            transform=lambda b: b.set("noise", torch.rand(b.batch_size[0])),
+        )
+
+    reference = make()
+    full = [b.clone() for _ in range(2) for b in reference]
+    reference.close()
+    per_epoch = len(full) // 2
+    assert per_epoch == (3 if drop_last else 4)
+    first = make()
+    seen = []
+    while len(seen) < stop:
+        for b in first:
+            seen.append(b.clone())
+            if len(seen) == stop:
+                break
+    state = roundtrip(first.state_dict())
+    first.close()
+    resumed = make()
+    resumed.load_state_dict(state)
+    rest = [b.clone() for _ in range(2 - stop // per_epoch) for b in resumed]
+    resumed.close()
+    assert same_batches(seen, full[:stop])
+    assert same_batches(rest, full[stop:])
