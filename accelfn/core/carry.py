@@ -10,8 +10,14 @@ A step function that takes a parameter named ``carry`` receives what it returned
 The carried values live in the TrainState (slot ``carry``) and are checkpointed with it. Under
 ``with_accumulation(n)`` each micro-batch position keeps its own carry, since micro-batch
 ``i`` of a batch holds the same rows as micro-batch ``i`` of the previous one; ``evaluate``
-keeps a separate one. A call that fails leaves the carry as it was. ``state.reset_carry()``
-starts over (at an epoch boundary, say).
+keeps a separate one. A call that fails leaves the carry as it was, and so does a call whose
+update is skipped (non-finite loss or gradients, an fp16 overflow): the skipped batch is
+dropped with its update, so a NaN carry cannot poison the calls after it. When a fused
+optimizer decides the skip on the device, the choice is made there (``torch.where``, no host
+read), and a skipped call that had no carry before leaves zeros, what the recurrent modules
+take None for. Under ``with_accumulation(n, mode="calls")`` the calls that only accumulate
+commit their carry (there is no update yet to skip); the window's last call commits with
+the update. ``state.reset_carry()`` starts over (at an epoch boundary, say).
 """
 
 from __future__ import annotations
@@ -20,9 +26,10 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
-__all__ = ["SLOT", "Carries", "detached", "takes_carry"]
+__all__ = ["SLOT", "Carries", "detached", "kept", "takes_carry"]
 
 SLOT = "carry"
 
@@ -49,6 +56,23 @@ def detached(value: Any) -> Any:
                     f"{type(value).__name__}")
 
 
+def kept(old: Any, new: Any, skip: Tensor) -> Any:
+    """``old`` where the device flag ``skip`` is set, ``new`` otherwise, leaf by leaf (zeros
+    stand in for an old leaf that is missing or of another shape, dtype or device)."""
+    if isinstance(new, Tensor):
+        if not (isinstance(old, Tensor) and old.shape == new.shape and old.dtype == new.dtype
+                and old.device == new.device):
+            old = torch.zeros_like(new)
+        return torch.where(skip.to(new.device), old, new)
+    if isinstance(new, (tuple, list)):
+        olds = old if isinstance(old, type(new)) and len(old) == len(new) else [None] * len(new)
+        return type(new)(kept(o, n, skip) for o, n in zip(olds, new))
+    if isinstance(new, dict):
+        previous = old if isinstance(old, dict) else {}
+        return {k: kept(previous.get(k), v, skip) for k, v in new.items()}
+    return None
+
+
 class Carries:
     """The carried values, by mode (``"train"``, ``"evaluate"``) and micro-batch position."""
 
@@ -60,6 +84,14 @@ class Carries:
 
     def commit(self, mode: str, new: dict[int, Any]) -> None:
         self.values[mode].update(new)
+
+    def commit_unless(self, mode: str, new: dict[int, Any], skip: Tensor) -> None:
+        """Commit ``new`` unless the device flag ``skip`` is set, without reading it: each
+        carried tensor becomes ``torch.where(skip, old, new)`` (zeros where there was no old
+        one of the same shape, dtype and device: what the recurrent modules take None for)."""
+        values = self.values[mode]
+        for index, value in new.items():
+            values[index] = kept(values.get(index), value, skip)
 
     def reset(self, mode: str | None = None) -> None:
         for key in ([mode] if mode else list(self.values)):

@@ -32,7 +32,8 @@ from .batch import Batch, batch_size, check_batch
 from .carry import SLOT as CARRY
 from .carry import Carries, detached, takes_carry
 from .checks import check_optimizer_holds_trainable, check_stack, out_of_memory
-from .guard import NonFiniteError, nonfinite
+from .guard import SLOT as GUARD_SLOT
+from .guard import Guard, NonFiniteError, nonfinite
 from .outputs import unpack
 from .protocol import (
     GRADIENT_PHASES,
@@ -211,7 +212,7 @@ class Step:
             carried: dict[int, Any] = {}
             absolute = self._backward(ctx, plan, sums, plan.absolute or ctx.distributed is not None,
                                       carried)
-            if self._carry:
+            if self._carry and not plan.update:  # no update to wait for: the call succeeded
                 state.slot(CARRY, Carries).commit("train", carried)
         except BaseException as error:
             self._abort(ctx)
@@ -220,7 +221,8 @@ class Step:
             raise
         if not plan.update:
             return TensorDict(sums.result(divide=True), batch_size=[])
-        return self._update(ctx, sums, absolute)
+        # the carry is committed with the update, if it is applied (see accelfn.core.carry)
+        return self._update(ctx, sums, absolute, carried if self._carry else None)
 
     def _backward(self, ctx: CallContext, plan: Plan, sums: Sums, absolute: bool,
                   carried: dict[int, Any]) -> bool:
@@ -312,6 +314,9 @@ class Step:
     def _abort(self, ctx: CallContext) -> None:
         """Undo a failed call: gradients cleared, every transform's partial work undone."""
         ctx.state.optimizer.zero_grad(set_to_none=True)
+        guard = ctx.state.get_slot(GUARD_SLOT)
+        if isinstance(guard, Guard):  # a decision deferred by this call: no update to settle
+            guard.forget(ctx.state.step)
         for _, hook in self._hooks["abort"]:
             hook(ctx)
 
@@ -327,7 +332,8 @@ class Step:
             return None
         return self._update(ctx, sums, True)
 
-    def _update(self, ctx: CallContext, sums: Sums, absolute: bool) -> TensorDict:
+    def _update(self, ctx: CallContext, sums: Sums, absolute: bool,
+                carried: dict[int, Any] | None = None) -> TensorDict:
         state, prepared = ctx.state, ctx.prepared
         optimizer = state.optimizer
         metrics = sums.result(divide=absolute)
@@ -335,35 +341,62 @@ class Step:
         if absolute:
             uctx.divisor = uctx.weight_total = torch.as_tensor(
                 sums.weight, dtype=torch.float32, device=prepared.device)
+        fresh = not optimizer.state  # the first update: a failed one leaves no state either
+        decided: Decision | None = None
         try:
-            decision = self._gradient_path(uctx)
-        except BaseException:
+            decision = decided = self._gradient_path(uctx)
+            lr = optimizer.param_groups[0]["lr"]  # the learning rate this update uses
+            if isinstance(lr, Tensor):  # schedulers update a tensor learning rate in place
+                lr = lr.detach().clone()
+            on_device = self._apply(uctx, decision)  # the skip flag when decided on the device
+        except BaseException as error:
+            optimizing = decided is not None  # the optimizer step itself raised
+            if optimizing and fresh:
+                optimizer.state.clear()  # half-built state would break the next update
             self._abort(uctx)
+            if optimizing:
+                if isinstance(error, torch.OutOfMemoryError):
+                    raise _optimizer_out_of_memory(self, error, fresh) from error
+                error.add_note(_optimizer_failed(fresh))
             raise
-        lr = optimizer.param_groups[0]["lr"]  # the learning rate this update uses
-        if isinstance(lr, Tensor):  # schedulers update a tensor learning rate in place
-            lr = lr.detach().clone()
-        on_device = self._apply(uctx, decision)  # the skip flag when decided on the device
-        device = prepared.device
-        after = self._hooks["after_update"]
-        # fills, not copies: nothing waits for the device
-        metrics["lr"] = lr if isinstance(lr, Tensor) else torch.scalar_tensor(float(lr),
-                                                                               device=device)
-        skip_value: Tensor | None = None
-        if on_device is not None:
-            skip_value = on_device.float()
-        elif decision.checked or after:
-            skip_value = torch.scalar_tensor(1.0 if decision.skip else 0.0, device=device)
-        if decision.checked:
-            assert skip_value is not None
-            metrics["skipped"] = skip_value
-        compat.zero_grad(optimizer)
-        state.step += 1
-        if after:
-            assert skip_value is not None
-            skipped = on_device if on_device is not None else skip_value.bool()
-            for _, hook in after:
-                hook(uctx, skipped)
+        # from here on the update is applied (or skipped): it cannot be undone
+        counted = False
+        try:
+            if decision.skip is False:
+                state.step_scheduler()
+            if carried is not None:
+                carries = state.slot(CARRY, Carries)
+                if on_device is not None:
+                    carries.commit_unless("train", carried, on_device)
+                elif not decision.skip:
+                    carries.commit("train", carried)
+            device = prepared.device
+            after = self._hooks["after_update"]
+            # fills, not copies: nothing waits for the device
+            metrics["lr"] = lr if isinstance(lr, Tensor) else torch.scalar_tensor(float(lr),
+                                                                                   device=device)
+            skip_value: Tensor | None = None
+            if on_device is not None:
+                skip_value = on_device.float()
+            elif decision.checked or after:
+                skip_value = torch.scalar_tensor(1.0 if decision.skip else 0.0, device=device)
+            if decision.checked:
+                assert skip_value is not None
+                metrics["skipped"] = skip_value
+            compat.zero_grad(optimizer)
+            state.step += 1
+            counted = True
+            if after:
+                assert skip_value is not None
+                skipped = on_device if on_device is not None else skip_value.bool()
+                for _, hook in after:
+                    hook(uctx, skipped)
+        except BaseException as error:
+            if not counted:
+                state.step += 1
+            self._abort(uctx)
+            error.add_note(_after_update_failed(state.step, decision.skip))
+            raise
         if uctx.metrics:
             metrics.update(uctx.metrics)
         return compat.tensordict_unchecked(metrics, _SCALAR, None)  # type: ignore[no-any-return]
@@ -388,9 +421,10 @@ class Step:
         return decision  # type: ignore[no-any-return]
 
     def _apply(self, ctx: UpdateContext, decision: Decision) -> Tensor | None:
-        """Run the optimizer step as decided; returns the device flag 'skipped' when the
-        decision was taken on the device (None: decided on the host)."""
-        state, optimizer = ctx.state, ctx.state.optimizer
+        """Run the optimizer step as decided (the scheduler steps after it, in ``_update``);
+        returns the device flag 'skipped' when the decision was taken on the device (None:
+        decided on the host)."""
+        optimizer = ctx.state.optimizer
         flags = decision.flags
         if decision.skip is None:  # decided on the device by a fused optimizer
             assert flags is not None
@@ -403,7 +437,6 @@ class Step:
             return skip  # the scheduler steps when the guard settles the decision
         if not decision.skip:
             ctx.prepared.optimizer_step()
-            state.step_scheduler()
         return None
 
     # ----------------------------------------------------------------- evaluation
@@ -446,6 +479,41 @@ class Step:
         if self._carry:
             state.slot(CARRY, Carries).commit("evaluate", carried)
         return TensorDict(sums.result(divide=n > 1), batch_size=[])
+
+
+def _optimizer_failed(fresh: bool) -> str:
+    state = ("the optimizer had no state before this update and has none now; the "
+             "parameters are unchanged unless it updated some before failing" if fresh else
+             "the parameters and the optimizer's state are as the optimizer left them when it "
+             "failed: unchanged if it failed before changing any, else partly updated (resume "
+             "from the last checkpoint to be exact)")
+    return (f"accelfn: the optimizer step raised; gradients were cleared and any loss scaler "
+            f"reset, so the next call works; {state}")
+
+
+def _optimizer_out_of_memory(step: Step, error: BaseException,
+                             fresh: bool) -> torch.OutOfMemoryError:
+    return torch.OutOfMemoryError(
+        f"out of memory in the optimizer step of {step} (after backward: the activations "
+        f"are already freed, so a smaller batch or more micro-batches does not help); "
+        f"{_optimizer_failed(fresh).removeprefix('accelfn: the optimizer step raised; ')}. "
+        "Try: foreach=False in the optimizer (its foreach kernels allocate temporaries the "
+        "size of all parameters) or fused=True; an optimizer with less state (SGD, Adafactor); "
+        f"distributed(...) with FSDP to shard its state over processes. ({error})")
+
+
+def _after_update_failed(update: int, skip: bool | None) -> str:
+    if skip is True:
+        applied = "the update was skipped (parameters and optimizer unchanged)"
+    elif skip is False:
+        applied = "the optimizer step was applied: parameters were updated, which cannot be undone"
+    else:
+        applied = ("the optimizer step ran: parameters were updated, which cannot be undone, "
+                   "unless it skipped on the device on non-finite gradients")
+    return (f"accelfn: this failed after the optimizer step; {applied}, and it counts as "
+            f"update {update}. Gradients were cleared and any loss scaler reset, so the next "
+            "call works; the scheduler step and after-update hooks (EMA, loss-scale update) "
+            "that had not run yet did not run for this update")
 
 
 def lift(fn: LossFn | Step) -> Step:

@@ -63,6 +63,12 @@ class Guard:
             host = flags
         self._pending = (host, event, update, policy, limit)
 
+    def forget(self, update: int) -> None:
+        """Drop a decision deferred by ``update`` when that update failed (it applied
+        nothing: the decision must not count it nor step the scheduler for it)."""
+        if self._pending is not None and self._pending[2] == update:
+            self._pending = None
+
     def settle(self, state: TrainState) -> None:
         """Apply a deferred decision: count it, step the scheduler if the update was real."""
         if self._pending is None:
