@@ -74,6 +74,41 @@ def _check_int(name: str, value: Any, low: int) -> int:
     return value
 
 
+def _check_bool(name: str, value: Any, *, none: bool = False) -> None:
+    if isinstance(value, bool) or (none and value is None):
+        return
+    expected = "True, False or None" if none else "True or False"
+    raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _check_seed(seed: Any) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(
+            f"seed must be an int, got {seed!r} ({type(seed).__name__}); pass an integer such "
+            "as seed=0 (a float is not rounded for you, and None does not mean random)"
+        )
+    if not -(2**63) <= seed < 2**63:
+        raise ValueError(f"seed must be in [-2**63, 2**63) (an int64), got {seed}")
+    return seed
+
+
+def _check_keys(name: str, keys: Any) -> None:
+    if keys is None:
+        return
+    if isinstance(keys, (str, bytes)):
+        # A string is a sequence of one-letter keys: refused rather than taken as one key, so
+        # that there is a single spelling (a list, whatever the number of keys) and a string
+        # meant as a list of keys ("image,label") is not read as one key either.
+        raise TypeError(
+            f"{name}={keys!r} is a string; pass a list or tuple of keys, e.g. "
+            f"{name}=[{keys!r}] for one key"
+        )
+    if not isinstance(keys, Sequence):
+        raise TypeError(
+            f"{name} must be a list or tuple of keys, got {keys!r} ({type(keys).__name__})"
+        )
+
+
 def loader(
     source: Any,
     *,
@@ -134,7 +169,8 @@ def loader(
             e.g. ``torchvision.transforms.v2``; its random draws (and those of
             ``dataset[i]``) are seeded per sample, so runs are reproducible with any
             ``num_workers`` (see ``accelfn.data.rng``).
-        keys: keys to load (TensorDict source), or names of tuple fields (other sources).
+        keys: keys to load (TensorDict source), or names of tuple fields (other sources): a
+            list or tuple, also for one key (``keys=["image"]``; a string is refused).
         ragged_keys: keys holding variable-length 1-D tensors (collated padded, plus
             ``<key>_lengths``); default the dataset's ``ragged_keys`` attribute if any.
         prefetch: batches prepared ahead (0: none, load on demand in the loop's thread).
@@ -154,6 +190,12 @@ def loader(
     """
     _check_int("batch_size", batch_size, 1)
     _check_int("prefetch", prefetch, 0)
+    _check_seed(seed)
+    _check_bool("shuffle", shuffle)
+    _check_bool("drop_last", drop_last)
+    _check_bool("pin_memory", pin_memory, none=True)
+    _check_keys("keys", keys)
+    _check_keys("ragged_keys", ragged_keys)
     if num_workers is not None:
         _check_int("num_workers", num_workers, 0)
     if worker_type not in ("thread", "process"):
@@ -173,9 +215,9 @@ def loader(
     config: dict[str, Any] = {
         "source": kind,
         "batch_size": batch_size,
-        "shuffle": bool(shuffle),
-        "seed": int(seed),
-        "drop_last": bool(drop_last),
+        "shuffle": shuffle,
+        "seed": seed,
+        "drop_last": drop_last,
         "rank": rank,
         "world_size": world_size,
         "transform": transform is not None,

@@ -106,3 +106,40 @@ def test_a_pool_mapper_reads_the_state_it_wrote_before():
     pool.reset(old)
     assert first == [[0, 1, 2], [3, 4, 5]] and next(pool) == [6, 7, 8]
     pool.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Bad arguments: refused, naming the option, the value and what is expected
+
+
+def _td(n: int = 10) -> TensorDict:
+    return TensorDict({"image": torch.zeros(n, 1, 2, 2), "label": torch.arange(n)}, [n])
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"seed": 1.7}, TypeError, r"seed must be an int, got 1\.7 \(float\)"),
+        ({"seed": None}, TypeError, r"seed must be an int, got None"),
+        ({"seed": "abc"}, TypeError, r"seed must be an int, got 'abc' \(str\)"),
+        ({"seed": True}, TypeError, r"seed must be an int, got True"),
+        ({"seed": 2**64}, ValueError, r"seed must be in \[-2\*\*63, 2\*\*63\)"),
+        ({"shuffle": "no"}, TypeError, r"shuffle must be True or False, got 'no' \(str\)"),
+        ({"shuffle": 0}, TypeError, r"shuffle must be True or False, got 0 \(int\)"),
+        ({"drop_last": "yes"}, TypeError, r"drop_last must be True or False, got 'yes'"),
+        ({"pin_memory": "auto"}, TypeError, r"pin_memory must be True, False or None"),
+        ({"keys": "image"}, TypeError, r"keys='image' is a string; .*keys=\['image'\]"),
+        ({"keys": 3}, TypeError, r"keys must be a list or tuple of keys, got 3 \(int\)"),
+        ({"ragged_keys": "jpeg"}, TypeError, r"ragged_keys='jpeg' is a string; .*\['jpeg'\]"),
+    ],
+)
+def test_d_bad_options_are_refused_with_the_fix(options, error, match):
+    with pytest.raises(error, match=match):
+        ad.loader(_td(), batch_size=4, **options)
+
+
+def test_d_the_checks_do_not_refuse_good_values():
+    assert len(ad.loader(_td(), batch_size=4, seed=-3, shuffle=False, drop_last=False)) == 3
+    assert len(ad.loader(_td(), batch_size=4, seed=2**63 - 1, keys=("image",))) == 2
+    b = next(iter(ad.loader(_td(), batch_size=4, keys=["label"], pin_memory=False)))
+    assert list(b.keys()) == ["label"]
