@@ -124,8 +124,13 @@ def _cuda_bf16() -> bool:
 
 def _run_in_fp32(module: nn.Module, forward: Callable[..., Any], *args: Any,
                  **kwargs: Any) -> Any:
-    device_type = next(module.parameters(), torch.empty(0)).device.type
-    with torch.autocast(device_type, enabled=False):
+    # Autocast off for the CPU and for the accelerator, whichever is on: not the device of the
+    # module's parameters, which a module without any (a softmax, a loss) does not have.
+    accelerator = torch.accelerator.current_accelerator()
+    off_there = (torch.autocast(accelerator.type, enabled=False)
+                 if accelerator is not None and accelerator.type != "cpu"
+                 else contextlib.nullcontext())
+    with torch.autocast("cpu", enabled=False), off_there:
         return forward(*_to_fp32(args), **_to_fp32(kwargs))
 
 

@@ -168,3 +168,61 @@ def test_good_scaler_options_reach_the_grad_scaler(net):
     assert metrics["loss_scale"] == 1024.0
     assert state.slots["with_amp"].get_growth_interval() == 3
     assert type(state.slots["with_amp"].get_growth_interval()) is int
+
+
+class Attention(nn.Module):
+    """Parameter-free scores (a matmul autocast would run in low precision) and softmax."""
+
+    def forward(self, q, k):
+        self.autocast_seen = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"))
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ k
+
+
+class AttnNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.attn = Attention()
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = self.inp(x).unsqueeze(0)
+        return self.head(self.attn(h, h).squeeze(0))
+
+
+def test_fp32_island_without_parameters_runs_in_fp32_and_matches_autocast_off():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(AttnNet())
+    seen = []
+    m1.attn.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+
+    def by_hand(model, batch):
+        h = model.inp(batch["x"]).unsqueeze(0)
+        with torch.autocast("cpu", enabled=False):
+            a = model.attn(h.float(), h.float())
+        return F.cross_entropy(model.head(a.squeeze(0)), batch["y"])
+
+    state = af.TrainState(m1, o1)
+    for i in range(2):
+        af.with_amp(fp32=Attention)(classify)(state, make_batch(seed=i))
+        reference_update(m2, o2, as_dict(make_batch(seed=i)), by_hand, amp_dtype=torch.bfloat16)
+    assert seen == [torch.float32, torch.float32]
+    assert_params_equal(m1, m2)
+
+
+def test_fp32_island_without_parameters_turns_the_accelerators_autocast_off(monkeypatch):
+    # a parameter-free island on a GPU: the autocast to turn off is the GPU's, not the CPU's
+    # (simulated on the CPU: the accelerator is said to be cuda and its autocast flag is set)
+    monkeypatch.setattr(torch.accelerator, "current_accelerator",
+                        lambda *a, **k: torch.device("cuda"))
+    model = AttnNet()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = af.with_amp(fp32=Attention)(classify)
+    was = torch.is_autocast_enabled("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    try:
+        step(state, make_batch())
+        assert torch.is_autocast_enabled("cuda")
+    finally:
+        torch.set_autocast_enabled("cuda", was)
+    assert model.attn.autocast_seen == (False, False)
