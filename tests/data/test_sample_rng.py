@@ -492,3 +492,51 @@ def test_cuda_draws_get_a_cuda_generator_and_leave_the_global_ones_alone():
         with ad.loader(td, batch_size=8, device="cuda", transform=jitter) as loader:
             runs.append([b.cpu() for b in loader])
     assert same_batches(runs[0], runs[1])
+
+
+# --------------------------------------------------------------------------------------------
+# Plain callables inside Compose, and the other global generators (NumPy, Python's random)
+
+
+def _add_noise(batch):  # a plain f(batch) -> batch, which Compose allows; draws with torch.rand
+    return batch.set("noise", torch.rand(batch.batch_size[0]))
+
+
+def _add_more_noise(batch):
+    return batch.set("more", torch.rand(batch.batch_size[0]))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_plain_callable_in_compose_is_seeded_per_batch(workers):
+    td = TensorDict({"image": Images().images, "label": torch.arange(N)}, [N])
+    tf = ad.Compose(ad.RandomHorizontalFlip(), _add_noise, _add_more_noise)
+    runs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        before = torch.get_rng_state()
+        with ad.loader(td, batch_size=8, seed=0, num_workers=workers, device="cpu",
+                       transform=tf) as loader:
+            runs.append([b.clone() for _ in range(2) for b in loader])
+        assert torch.equal(torch.get_rng_state(), before)  # the loop's stream is untouched
+    assert same_batches(runs[0], runs[1])
+    batches = runs[0]
+    assert not torch.equal(batches[0]["noise"], batches[1]["noise"])  # new draws per batch
+    assert not torch.equal(batches[0]["noise"], batches[0]["more"])  # and per member
+    assert not torch.equal(batches[0]["noise"], batches[6]["noise"])  # and per epoch
+
+
+def test_plain_callables_in_compose_leave_the_other_members_draws_alone():
+    td = TensorDict({"image": Images().images, "label": torch.arange(N)}, [N])
+    mixed = ad.Compose(ad.RandomHorizontalFlip(), _add_noise, ad.RandomResizedCrop(8))
+    alone = ad.Compose(ad.RandomHorizontalFlip(), ad.RandomResizedCrop(8))
+    with ad.loader(td, batch_size=8, seed=3, transform=mixed) as loader:
+        a = [b["image"].clone() for b in loader]
+    with ad.loader(td, batch_size=8, seed=3, transform=alone) as loader:
+        b = [b["image"].clone() for b in loader]
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and len(a) == len(b)
+    # called directly: the same generator state gives the same draws
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    batch = td[:8]
+    assert torch.equal(mixed(batch, generator=g1)["noise"], mixed(batch, generator=g2)["noise"])
+    assert not torch.equal(mixed(batch, generator=g1)["noise"],  # g1 moved on: new draws
+                           mixed(batch, generator=g2.manual_seed(5))["noise"])

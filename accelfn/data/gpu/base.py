@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 from tensordict import TensorDictBase
+
+from ..rng import seeded_draws
 
 __all__ = [
     "BatchTransform",
@@ -124,11 +127,27 @@ def fit_image(img: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     return out
 
 
+def _member_seed(generator: torch.Generator, position: int) -> int:
+    """A seed for the plain member at ``position`` of a Compose, from ``generator``'s state,
+    without drawing from it (the state is read on the host: no device sync)."""
+    state = generator.get_state()
+    digest = hashlib.blake2b(state.numpy().tobytes(), digest_size=8,
+                             salt=position.to_bytes(8, "little")).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
 class Compose:
     """Apply transforms in order, passing the same generator to those that take one.
 
     ``Compose(a, b, c)(batch, generator=g)`` is ``c(b(a(batch, generator=g), ...), ...)``.
-    Plain callables ``f(batch) -> batch`` may be mixed in.
+    Plain callables ``f(batch) -> batch`` may be mixed in. Given a generator, a plain
+    callable's draws from torch's default generators (``torch.rand`` without
+    ``generator=``) are taken, as in the loader (``accelfn.data.rng.seeded_draws``),
+    from generators seeded from ``g``'s current state and the callable's position, never from
+    torch's global generators: the same ``g`` state gives the same draws, ``g`` itself is not
+    drawn from (the other members draw what they would without the plain callable), and the
+    loader's per-batch generator makes them reproducible per batch. Without a generator,
+    plain callables draw from torch's global generators, as when called alone.
     """
 
     def __init__(self, *transforms: Callable[..., TensorDictBase]) -> None:
@@ -144,8 +163,14 @@ class Compose:
     def __call__(
         self, batch: TensorDictBase, generator: torch.Generator | None = None
     ) -> TensorDictBase:
-        for t, takes in zip(self.transforms, self._takes_gen):
-            batch = t(batch, generator=generator) if takes else t(batch)
+        for i, (t, takes) in enumerate(zip(self.transforms, self._takes_gen)):
+            if takes:
+                batch = t(batch, generator=generator)
+            elif generator is None:
+                batch = t(batch)
+            else:
+                with seeded_draws(_member_seed(generator, i)):
+                    batch = t(batch)
             if not isinstance(batch, TensorDictBase):
                 raise TypeError(f"{t!r} returned {type(batch).__name__}, not a TensorDict")
         return batch
