@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -14,7 +15,9 @@ __all__ = ["ChannelsLast", "Normalize", "ToDtype"]
 
 
 def _max_value(dtype: torch.dtype) -> float:
-    return 1.0 if dtype.is_floating_point else float(torch.iinfo(dtype).max)
+    if dtype.is_floating_point or dtype == torch.bool:
+        return 1.0
+    return float(torch.iinfo(dtype).max)
 
 
 class _EachKey:
@@ -37,12 +40,15 @@ class _EachKey:
 
 
 class Normalize(_EachKey):
-    """``(x / max - mean) / std`` per channel, output in ``dtype``: a cast and two in-place ops.
+    """``(x / max - mean) / std`` per channel, output in ``dtype``, bitwise as torchvision.
 
     Integer inputs (uint8 images) are first scaled to ``[0, 1]`` by their dtype's maximum
-    (255), so ``Normalize`` on raw uint8 batches equals ``ToDtype(float32, scale=True)``
-    followed by ``torchvision``'s ``Normalize``. Floating inputs are taken as already in
-    ``[0, 1]``-scale.
+    (255), so ``Normalize`` on raw uint8 batches equals ``ToDtype(dtype, scale=True)``
+    followed by ``torchvision``'s ``Normalize``, bit for bit: the same three roundings (scale,
+    subtract, divide), in as many passes over the batch as a fused scale-and-shift would take
+    (the scale writes the output dtype directly; float64 output takes one more pass). Floating
+    inputs are taken as already in ``[0, 1]``-scale: a cast to ``dtype``, then torchvision's
+    subtract and divide.
 
     Args:
         mean: per-channel means (in ``[0, 1]`` units).
@@ -71,20 +77,15 @@ class Normalize(_EachKey):
         self.std = tuple(float(s) for s in std)
         self.dtype = dtype
         self.keys = as_keys(keys)
-        self._cache: dict[
-            tuple[torch.device, torch.dtype, int], tuple[torch.Tensor, torch.Tensor]
-        ] = {}
+        self._cache: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def _coeffs(
-        self, device: torch.device, in_dtype: torch.dtype, ndim: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (device, in_dtype, ndim)
+    def _coeffs(self, device: torch.device, ndim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, ndim)
         if key not in self._cache:
-            top = _max_value(in_dtype)
             shape = (1, len(self.mean)) + (1,) * (ndim - 2)
-            scale = torch.tensor([1.0 / (top * s) for s in self.std], dtype=self.dtype)
-            shift = torch.tensor([-m / s for m, s in zip(self.mean, self.std)], dtype=self.dtype)
-            self._cache[key] = (scale.view(shape).to(device), shift.view(shape).to(device))
+            mean = torch.tensor(self.mean, dtype=self.dtype).view(shape).to(device)
+            std = torch.tensor(self.std, dtype=self.dtype).view(shape).to(device)
+            self._cache[key] = (mean, std)
         return self._cache[key]
 
     def _convert(self, key: str, x: torch.Tensor) -> torch.Tensor:
@@ -93,18 +94,70 @@ class Normalize(_EachKey):
                 f"Normalize: key {key!r} has {x.shape[1]} channels (dim 1) but mean/std "
                 f"have {len(self.mean)}"
             )
-        scale, shift = self._coeffs(x.device, x.dtype, x.dim())
-        return x.to(self.dtype, copy=True).mul_(scale).add_(shift)
+        mean, std = self._coeffs(x.device, x.dim())
+        if x.dtype.is_floating_point:
+            y = x.to(self.dtype, copy=True)
+        else:
+            c = 1.0 / _max_value(x.dtype)
+            if self.dtype != torch.float64 and torch.result_type(x, c) == torch.float32:
+                # One pass: computed in float32 and rounded to ``dtype`` on store, which is
+                # what ``x.to(dtype).mul_(c)`` computes too (float32 arithmetic for 16-bit
+                # floats), without the separate cast.
+                y = torch.mul(x, c, out=torch.empty_like(x, dtype=self.dtype))
+            else:
+                y = x.to(self.dtype).mul_(c)
+        return y.sub_(mean).div_(std)
 
     def __repr__(self) -> str:
         return f"Normalize(mean={self.mean}, std={self.std}, dtype={self.dtype}, keys={self.keys})"
 
 
-class ToDtype(_EachKey):
-    """Cast keys to ``dtype``; with ``scale``, map integer ranges to ``[0, 1]`` and back.
+# Value bits of the integer dtypes ``ToDtype(scale=True)`` rescales (torchvision's table).
+_INT_BITS = {
+    torch.uint8: 8,
+    torch.int8: 7,
+    torch.int16: 15,
+    torch.uint16: 16,
+    torch.int32: 31,
+    torch.int64: 63,
+}
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+# Refused by torchvision: the float cannot hold every integer of the range.
+_UNSAFE = {
+    (torch.float32, torch.int32),
+    (torch.float32, torch.int64),
+    (torch.float64, torch.int64),
+}
 
-    ``scale=True``: uint8 -> float divides by 255; float -> uint8 multiplies by 255, rounds and
-    clamps (as ``torchvision.transforms.v2.ToDtype(..., scale=True)``).
+
+def _scalable(dtype: torch.dtype, src: bool) -> bool:
+    return dtype in _INT_BITS or dtype in _FLOATS or (src and dtype == torch.bool)
+
+
+def _largest_at_most(n: int, dtype: torch.dtype) -> float:
+    """The largest value of the floating ``dtype`` that is at most the integer ``n > 0``."""
+    digits = round(-math.log2(torch.finfo(dtype).eps)) + 1  # significand bits
+    drop = n.bit_length() - digits
+    return float(n if drop <= 0 else (n >> drop) << drop)
+
+
+class ToDtype(_EachKey):
+    """Cast keys to ``dtype``; with ``scale``, rescale value ranges as torchvision does.
+
+    Bitwise equal to ``torchvision.transforms.v2.functional.to_dtype(x, dtype, scale)``:
+
+    - ``scale=False``, or float -> float: a plain cast.
+    - int -> float: ``x.to(dtype) * (1 / max(x.dtype))`` (uint8: divide by 255).
+    - float -> int: ``x * (max(dtype) + 1 - 1e-3)`` truncated, so ``[0, 1]`` spreads evenly
+      over ``0..max`` (0.5 -> 127 for uint8). Where torchvision's product falls outside the
+      integer range its cast overflows (float32 1.0 -> uint16 gives 0, bfloat16 1.0 -> uint8
+      gives 0); here it saturates (65535, 255): the one difference. float32 -> int32/int64 and
+      float64 -> int64 are refused as in torchvision, and float16 -> uint16/int32/int64 too
+      (float16 cannot hold the scaled values).
+    - int -> int: a shift by the difference in value bits (uint8 -> int16: ``<< 7``).
+
+    ``scale=True`` takes the floating dtypes float16, bfloat16, float32, float64 and the
+    integer dtypes uint8, int8, int16, uint16, int32, int64 (bool as input for float output).
     """
 
     MIN_DIM = 0
@@ -112,18 +165,51 @@ class ToDtype(_EachKey):
     def __init__(
         self, dtype: torch.dtype, *, scale: bool = False, keys: str | Sequence[str] = ("image",)
     ) -> None:
+        if scale and not _scalable(dtype, src=False):
+            raise TypeError(self._unscalable(dtype))
         self.dtype = dtype
         self.scale = scale
         self.keys = as_keys(keys)
 
+    @staticmethod
+    def _unscalable(dtype: torch.dtype) -> str:
+        return (
+            f"ToDtype with scale=True rescales float16, bfloat16, float32, float64, uint8, "
+            f"int8, int16, uint16, int32 and int64 (and bool to a float), not {dtype}; cast it "
+            "with scale=False"
+        )
+
     def _convert(self, key: str, x: torch.Tensor) -> torch.Tensor:
         src, dst = x.dtype, self.dtype
-        if not self.scale or src.is_floating_point == dst.is_floating_point:
+        if src == dst:
+            return x
+        if not self.scale:
             return x.to(dst)
+        if not _scalable(src, src=True) or (src == torch.bool and not dst.is_floating_point):
+            raise TypeError(f"ToDtype: key {key!r}: " + self._unscalable(src))
         if dst.is_floating_point:
+            if src.is_floating_point:
+                return x.to(dst)
             return x.to(dst).mul_(1.0 / _max_value(src))
         info = torch.iinfo(dst)
-        return (x * _max_value(dst)).round_().clamp_(info.min, info.max).to(dst)
+        if src.is_floating_point:
+            k = float(info.max) + 1.0 - 1e-3
+            if (src, dst) in _UNSAFE or k > torch.finfo(src).max:
+                raise TypeError(
+                    f"ToDtype: key {key!r} ({src}) cannot be converted safely to {dst} with "
+                    "scale=True (torchvision refuses it too); convert to a smaller integer "
+                    "dtype, or cast to float64 first (ToDtype(torch.float64)) for int32"
+                )
+            hi = _largest_at_most(info.max, src)
+            return x.mul(k).clamp_(info.min, hi).to(dst)
+        shift = _INT_BITS[dst] - _INT_BITS[src]
+        if shift < 0:
+            if src == torch.uint16:  # no bit shifts for uint16 (as torchvision)
+                return (x / (1 << -shift)).to(dst)
+            return x.bitwise_right_shift(-shift).to(dst)
+        if dst == torch.uint16:
+            return x.to(dst) * (1 << shift)
+        return x.to(dst).bitwise_left_shift_(shift)
 
     def __repr__(self) -> str:
         return f"ToDtype({self.dtype}, scale={self.scale}, keys={self.keys})"

@@ -1,0 +1,146 @@
+"""accelfn.data.gpu against torchvision.transforms.v2 applied per sample with the same random
+parameters: bitwise where the docs claim equivalence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tensordict import TensorDict
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as TF
+
+import accelfn.data as ad
+
+CPU = torch.device("cpu")
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def randint(shape, low, high, dtype, seed=0):
+    return torch.randint(low, high, shape, generator=gen(seed)).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# ToDtype: torchvision's formulas for every pair of dtypes
+
+INTS = [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64]
+FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+def _sample(dtype, n=4096):
+    if dtype.is_floating_point:
+        edges = torch.tensor([0.0, 0.3, 0.5, 0.7, 0.999, 0.9999, 1.0])
+        return torch.cat([edges, torch.rand(n, generator=gen(7))]).to(dtype).view(1, 1, 1, -1)
+    info = torch.iinfo(dtype)
+    lo, hi = info.min, info.max
+    edges = torch.tensor([lo, hi, 0, 1, hi // 2], dtype=torch.int64)
+    if dtype == torch.int64:
+        r = torch.randint(lo, hi, (n,), generator=gen(7), dtype=torch.int64)
+    else:
+        r = torch.randint(lo, hi + 1, (n,), generator=gen(7), dtype=torch.int64)
+    return torch.cat([edges, r]).to(dtype).view(1, 1, 1, -1)
+
+
+def _ours(x, dtype, scale):
+    return ad.ToDtype(dtype, scale=scale)(TensorDict({"image": x}, [1]))["image"]
+
+
+# torchvision refuses the first three; float16 cannot hold the scaled values of the others
+# (its largest value is 65504), where torchvision's output is all overflow.
+REFUSED = {
+    (torch.float32, torch.int32), (torch.float32, torch.int64), (torch.float64, torch.int64),
+    (torch.float16, torch.uint16), (torch.float16, torch.int32), (torch.float16, torch.int64),
+}
+
+
+def _largest_at_most(n, dtype):
+    """The largest ``dtype`` value <= the integer ``n`` (stepping the bit pattern down)."""
+    x = torch.tensor(float(n), dtype=torch.float64).to(dtype).view(1)
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    while x.double().item() > n:
+        x = (x.view(bits) - 1).view(dtype)
+    return int(x.double().item())
+
+
+@pytest.mark.parametrize("dst", INTS + FLOATS, ids=str)
+@pytest.mark.parametrize("src", INTS + FLOATS, ids=str)
+def test_to_dtype_scale_equals_torchvision_bitwise(src, dst):
+    x = _sample(src)
+    if (src, dst) in REFUSED:
+        with pytest.raises(TypeError, match="cannot be converted safely"):
+            _ours(x, dst, True)
+        return
+    ref = TF.to_dtype(x, dst, scale=True)
+    out = _ours(x, dst, True)
+    assert out.dtype == dst
+    if src.is_floating_point and not dst.is_floating_point:
+        # torchvision's product can land past the integer range (float32 1.0 * 65535.999 is
+        # 65536.0; bfloat16 1.0 * 255.999 is 256), where its cast wraps around: accelfn
+        # saturates there and is bitwise equal everywhere else.
+        info = torch.iinfo(dst)
+        p = x.mul(info.max + 1.0 - 1e-3).double().trunc()
+        over, under = p >= float(info.max) + 1, p < info.min  # (exact in float64)
+        inside = ~over & ~under
+        assert torch.equal(out[inside], ref[inside])
+        assert (out[over] == _largest_at_most(info.max, src)).all()
+        assert (out[under] == info.min).all()
+    else:
+        assert torch.equal(out, ref)
+
+
+def test_to_dtype_scale_examples_from_torchvision():
+    x = torch.tensor([0.0, 0.3, 0.5, 0.7, 0.999, 1.0]).view(1, 1, 1, 6)
+    assert _ours(x, torch.uint8, True).flatten().tolist() == [0, 76, 127, 179, 255, 255]
+    u = torch.tensor([0, 128, 255], dtype=torch.uint8).view(1, 1, 1, 3)
+    assert _ours(u, torch.int16, True).flatten().tolist() == [0, 16384, 32640]
+    one = torch.ones(1, 1, 1, 1)
+    assert _ours(one, torch.uint16, True).item() == 65535  # torchvision: 0 (wraps around)
+    assert _ours(one.bfloat16(), torch.uint8, True).item() == 255  # torchvision: 0
+    assert _ours(one.half(), torch.int16, True).item() == 32752  # torchvision: -32768
+
+
+@pytest.mark.parametrize("dst", [torch.uint8, torch.int64, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("src", [torch.uint8, torch.int16, torch.float32, torch.float64], ids=str)
+def test_to_dtype_without_scale_is_a_cast(src, dst):
+    x = _sample(src) if not src.is_floating_point else _sample(src) * 300
+    ref = TF.to_dtype(x, dst, scale=False)
+    assert torch.equal(_ours(x, dst, False), ref)
+
+
+def test_to_dtype_refuses_dtypes_it_cannot_scale():
+    with pytest.raises(TypeError, match=r"ToDtype.*scale=True.*torch\.bool"):
+        ad.ToDtype(torch.bool, scale=True)
+    with pytest.raises(TypeError, match=r"ToDtype.*scale=True.*torch\.bool"):
+        _ours(torch.ones(1, 1, 1, 1, dtype=torch.bool), torch.uint8, True)
+    assert _ours(torch.ones(1, 1, 1, 1, dtype=torch.bool), torch.bool, False).dtype == torch.bool
+    x = torch.tensor([True, False]).view(1, 1, 1, 2)
+    assert torch.equal(_ours(x, torch.float32, True), TF.to_dtype(x, torch.float32, scale=True))
+
+
+# --------------------------------------------------------------------------------------------
+# Normalize
+
+
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+@pytest.mark.parametrize("dtype", FLOATS, ids=str)
+def test_normalize_uint8_is_bitwise_to_dtype_then_v2_normalize(dtype):
+    x = randint((6, 3, 16, 16), 0, 256, torch.uint8, seed=9)
+    x[0, :, 0, :] = torch.arange(16, dtype=torch.uint8) * 17
+    out = ad.Normalize(MEAN, STD, dtype=dtype)(TensorDict({"image": x}, [6]))["image"]
+    ref = v2.Normalize(MEAN, STD)(v2.ToDtype(dtype, scale=True)(x))
+    assert out.dtype == dtype and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("src,dtype", [(torch.float32, torch.float32),
+                                       (torch.float64, torch.float64),
+                                       (torch.float32, torch.float16)], ids=str)
+def test_normalize_float_is_bitwise_v2_normalize(src, dtype):
+    x = torch.rand(6, 3, 16, 16, generator=gen(4)).to(src)
+    out = ad.Normalize(MEAN, STD, dtype=dtype)(TensorDict({"image": x}, [6]))["image"]
+    ref = v2.Normalize(MEAN, STD)(v2.ToDtype(dtype)(x))
+    assert out.dtype == dtype and torch.equal(out, ref)
+    assert torch.equal(x, torch.rand(6, 3, 16, 16, generator=gen(4)).to(src))  # input kept
