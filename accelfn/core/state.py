@@ -177,8 +177,9 @@ class TrainState:
         """
         if name not in self._slots:
             obj = factory()
-            if name in self._pending:
-                _load_into(obj, self._pending.pop(name), name)
+            if name in self._pending:  # kept waiting if it does not fit: a retry still gets it
+                _load_into(obj, self._pending[name], name)
+                del self._pending[name]
             self._slots[name] = obj
         return self._slots[name]
 
@@ -190,6 +191,13 @@ class TrainState:
     def slots(self) -> dict[str, Any]:
         """The transform state objects created so far, by name."""
         return dict(self._slots)
+
+    @property
+    def at_update_boundary(self) -> bool:
+        """Whether no accumulation window is open (``with_accumulation(n, mode="calls")``
+        between its calls), so that the state can be saved. A host read of plain counters:
+        no sync. Every process of a run shares it (they make the same calls)."""
+        return not any(_open_calls(obj) for obj in self._slots.values())
 
     @property
     def device(self) -> torch.device:
@@ -223,7 +231,12 @@ class TrainState:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what [`state_dict`][] returned; refuses a mismatched checkpoint whole."""
+        """Restore what [`state_dict`][] returned; refuses a mismatched checkpoint whole.
+
+        Loading a checkpoint rolls back to it: an accumulation window open at the call
+        (``mode="calls"``) is discarded with the gradients it accumulated. A failed load
+        changes nothing, the open window included. [`snapshot`][]'s copy loads too, and
+        puts back exactly what it copied."""
         missing = {"model", "optimizer", "scheduler", "step", "slots"} - set(state_dict)
         if missing:
             raise KeyError(f"not a TrainState checkpoint: missing {sorted(missing)}")
@@ -238,26 +251,41 @@ class TrainState:
                 "the checkpoint and this state disagree on having a scheduler; build the state "
                 "the way the checkpointed run did"
             )
-        backup = self._snapshot()
+        backup = self.snapshot()
+        was_open = not self.at_update_boundary
         try:
             self._apply(state_dict)
         except BaseException:
             self._apply(backup)  # whole or nothing: never a partial restore
             raise
+        if "pending" not in state_dict and was_open:  # a checkpoint: the window is gone
+            for name, obj in self._slots.items():
+                discard = getattr(obj, "discard", None)
+                if name not in state_dict["slots"] and callable(discard):
+                    discard()
+            self.model.zero_grad(set_to_none=True)
 
-    def _snapshot(self) -> dict[str, Any]:
-        """A deep copy of the current state, to roll back a failed load."""
+    def snapshot(self) -> dict[str, Any]:
+        """A deep copy of the whole state, to roll back to with [`load_state_dict`][].
+
+        Unlike [`state_dict`][] it can be taken with an accumulation window open: it holds
+        the window and its gradients, so it is no checkpoint (it cannot be saved).
+        """
         self.sync()
-        return copy.deepcopy({
+        snap = {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "step": self.step,
-            "slots": {name: _save(obj) for name, obj in self._slots.items()},
+            "slots": {name: _save(obj, rollback=True) for name, obj in self._slots.items()},
             "pending": dict(self._pending),
             "schedule": {"epoch": self.epoch, "real_updates": self._real_updates,
                          "every": self.scheduler_every},
-        })
+        }
+        if not self.at_update_boundary:  # the open window's gradients
+            snap["grads"] = [None if p.grad is None else p.grad.detach()
+                             for p in self.model.parameters()]
+        return copy.deepcopy(snap)
 
     def _apply(self, state_dict: dict[str, Any]) -> None:
         self.model.load_state_dict(state_dict["model"], strict=True)
@@ -276,6 +304,9 @@ class TrainState:
                 _load_into(self._slots[name], saved, name)
             else:
                 self._pending[name] = saved
+        if "grads" in state_dict:  # a rollback with a window open: its gradients
+            for p, grad in zip(self.model.parameters(), state_dict["grads"]):
+                p.grad = None if grad is None else grad.to(p.device, copy=True)
 
     def __repr__(self) -> str:
         sched = type(self.scheduler).__name__ if self.scheduler is not None else None
@@ -286,7 +317,14 @@ class TrainState:
         )
 
 
-def _save(obj: Any) -> Any:
+def _open_calls(obj: Any) -> int:
+    calls = getattr(obj, "open_calls", 0)
+    return calls if isinstance(calls, int) else 0
+
+
+def _save(obj: Any, rollback: bool = False) -> Any:
+    if rollback and hasattr(obj, "rollback_state_dict"):  # may hold what a checkpoint cannot
+        return obj.rollback_state_dict()
     if hasattr(obj, "state_dict"):
         return obj.state_dict()
     if isinstance(obj, dict):

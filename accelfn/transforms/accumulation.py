@@ -24,6 +24,15 @@ class _Window:
         sums, self.calls, self.sums = self.sums, 0, Sums()
         return sums
 
+    @property
+    def open_calls(self) -> int:
+        """Calls of the open window (0 at an update boundary), read by TrainState."""
+        return self.calls
+
+    def discard(self) -> None:
+        """Forget the open window (TrainState clears its gradients)."""
+        self.close()
+
     def state_dict(self) -> dict[str, Any]:
         if self.calls:
             raise RuntimeError(
@@ -31,9 +40,19 @@ class _Window:
                 "applied); call step.flush(state) or save at a window boundary")
         return {"calls": 0}
 
+    def rollback_state_dict(self) -> dict[str, Any]:
+        """The open window as it is, for TrainState's rollback copy (not a checkpoint)."""
+        return {"calls": self.calls, "sums": self.sums}
+
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.calls = int(saved["calls"])
-        self.sums = Sums()
+        sums = saved.get("sums")  # a rollback copy's open window
+        calls = int(saved["calls"])
+        if calls and not isinstance(sums, Sums):
+            raise ValueError(
+                f"the checkpointed accumulation window has {calls} open call(s) but not their "
+                "gradients; checkpoints are saved at window boundaries ({'calls': 0})")
+        self.calls = calls
+        self.sums = sums if isinstance(sums, Sums) else Sums()
 
 
 def _split_mode(n: int, dim: int) -> Hooks:

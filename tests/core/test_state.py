@@ -113,3 +113,83 @@ def test_a_load_that_fails_midway_changes_nothing():
     assert repr(target.optimizer.state_dict()) == opt_before
     target.load_state_dict(saved)  # a good checkpoint still loads afterwards
     assert target.step == good.step
+
+
+def _calls_run():
+    torch.manual_seed(0)
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    return state, af.with_accumulation(2, mode="calls")(classify)
+
+
+def test_loading_discards_an_open_calls_window_and_its_gradients():
+    """Loading a checkpoint rolls back to it, mid-window too: the open window and the
+    gradients it accumulated are discarded, and training goes on as from the checkpoint."""
+    state, step = _calls_run()
+    batches = [make_batch(seed=i) for i in range(5)]
+    for b in batches[:2]:
+        step(state, b)
+    saved = copy.deepcopy(state.state_dict())  # at a window boundary
+    twin, _ = _calls_run()
+    twin.load_state_dict(copy.deepcopy(saved))
+    step(state, batches[2])  # a window is open now
+    assert any(p.grad is not None for p in state.model.parameters())
+    state.load_state_dict(saved)
+    assert all(p.grad is None for p in state.model.parameters())
+    assert state.state_dict()["slots"]["accumulation"] == {"calls": 0}  # saveable: closed
+    for b in batches[3:]:
+        step(state, b)
+        step(twin, b)
+    assert state.step == twin.step == 2
+    assert_params_equal(state.model, twin.model)
+
+
+def test_loading_a_checkpoint_without_the_window_discards_it_too():
+    state, step = _calls_run()
+    saved = copy.deepcopy(state.state_dict())  # before any call: no accumulation slot
+    step(state, make_batch(seed=0))
+    state.load_state_dict(saved)
+    assert all(p.grad is None for p in state.model.parameters())
+    assert state.state_dict()["slots"]["accumulation"] == {"calls": 0}
+
+
+def test_a_failed_load_keeps_the_open_window_and_its_gradients():
+    state, step = _calls_run()
+    twin, _ = _calls_run()
+    batches = [make_batch(seed=i) for i in range(4)]
+    for b in batches[:3]:
+        step(state, b)
+        step(twin, b)
+    grads = [p.grad.clone() for p in state.model.parameters()]
+    broken = copy.deepcopy(_boundary_checkpoint())
+    optimizer_state = dict(broken["optimizer"])
+    optimizer_state["param_groups"] = [*broken["optimizer"]["param_groups"]] * 2
+    broken["optimizer"] = optimizer_state
+    with pytest.raises(ValueError, match="parameter groups"):  # the load's own error
+        state.load_state_dict(broken)
+    assert all(torch.equal(p.grad, g) for p, g in zip(state.model.parameters(), grads))
+    step(state, batches[3])  # closes the window the failed load left as it was
+    step(twin, batches[3])
+    assert state.step == twin.step == 2
+    assert_params_equal(state.model, twin.model)
+
+
+def _boundary_checkpoint():
+    state, step = _calls_run()
+    step(state, make_batch(seed=7))
+    step(state, make_batch(seed=8))
+    return state.state_dict()
+
+
+def test_a_pending_slot_that_fails_to_load_stays_pending():
+    """A checkpointed slot applied when its transform creates it: a creation refused for a
+    mismatch keeps it waiting, so the right transform still gets the checkpoint's values."""
+    source = _state(Net())
+    source.slot("custom", lambda: {"count": torch.zeros(())})["count"].fill_(3)
+    saved = copy.deepcopy(source.state_dict())
+    fresh = _state(Net())
+    fresh.load_state_dict(saved)
+    with pytest.raises(ValueError, match="different transform stack"):
+        fresh.slot("custom", lambda: {"other": torch.zeros(())})
+    assert fresh.state_dict()["slots"]["custom"]["count"] == 3  # still saved as pending
+    assert fresh.slot("custom", lambda: {"count": torch.zeros(())})["count"] == 3
