@@ -179,7 +179,9 @@ def checkpointed(
     ``predicate(name, module)``; ``every=k`` checkpoints every k-th chosen block.
     ``selective=True`` keeps the outputs of compute-intensive ops (matmuls, convolutions,
     attention) and recomputes only the cheap ones; or give the list of ops to keep.
-    The wrap keeps parameter names, so ``state_dict`` keys do not change.
+    The wrap keeps parameter names, so ``state_dict`` keys do not change. Running statistics
+    (BatchNorm ``running_mean``/``running_var``/``num_batches_tracked``) update once per
+    forward, as without checkpointing: the recompute's second update is undone.
     """
     if not (blocks == "auto" or isinstance(blocks, (type, tuple)) or callable(blocks)):
         raise ValueError(

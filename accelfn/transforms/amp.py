@@ -156,7 +156,10 @@ def with_amp(
     halves the scale, exactly as ``scaler.step``/``scaler.update`` do). The default dtype is
     bf16 (fp16 on GPUs without bf16). ``fp32`` names modules that must run in float32 with
     autocast off (module types, qualified names, or ``predicate(name, module)``), e.g.
-    ``fp32=nn.LSTM``. Metrics: ``loss_scale`` with fp16.
+    ``fp32=nn.LSTM``; autocast is off there for the CPU and the accelerator, so modules without
+    parameters (a softmax, a loss) qualify too. ``init_scale`` is a finite number > 0 and
+    ``growth_interval`` an int >= 1 (else an error when the transform is built).
+    Metrics: ``loss_scale`` with fp16.
     """
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(
