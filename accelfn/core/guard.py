@@ -128,6 +128,8 @@ def grads_nonfinite(grads: list[Tensor], device: torch.device) -> Tensor:
     one = torch.ones((), dtype=torch.float32, device=device)
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for g in grads:
+        if g.layout != torch.strided:  # sparse (nn.Embedding(sparse=True)): its values
+            g = _values(g)
         groups.setdefault((g.device, g.dtype), []).append(g)
     for (dev, _), group in groups.items():
         flag = found if dev == device else torch.zeros((), device=dev)
@@ -135,6 +137,14 @@ def grads_nonfinite(grads: list[Tensor], device: torch.device) -> Tensor:
         if flag is not found:
             found += flag.to(device)
     return found > 0
+
+
+def _values(grad: Tensor) -> Tensor:
+    """The values a sparse gradient applies, as GradScaler checks them: duplicates of a COO
+    gradient summed (``coalesce``), the stored values of a compressed one."""
+    if grad.layout == torch.sparse_coo:
+        return grad.coalesce().values()
+    return grad.values()
 
 
 Evidence = list[tuple[Tensor, bool]]  # (tensor, is_flag): a value is bad when non-finite

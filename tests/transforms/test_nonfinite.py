@@ -259,3 +259,70 @@ def test_a_finite_loss_and_norm_whose_sum_overflows_are_not_bad():
     assert _host_flags([(inf, False), (big, False)]) == [True, False]
     assert _host_flags([(big, False), (-inf, False)]) == [False, True]
     assert _host_flags([(big, False), (torch.tensor(True), True)]) == [False, True]
+
+
+# ------------------------------------------------------------- sparse gradients (nn.Embedding)
+class _Sparse(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(20, 4, sparse=True)
+
+    def forward(self, i):
+        return self.emb(i).sum(-1)
+
+
+def _sparse_fn(model, b):
+    return torch.nn.functional.mse_loss(model(b["i"]), b["t"])
+
+
+def _sparse_batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"i": torch.randint(0, 20, (6,), generator=g), "t": torch.randn(6, generator=g)}
+
+
+_SPARSE_OPTIMIZERS = {"SGD": lambda p: torch.optim.SGD(p, lr=0.1),
+                      "SparseAdam": lambda p: torch.optim.SparseAdam(list(p), lr=0.1)}
+
+
+@pytest.mark.parametrize("opt", sorted(_SPARSE_OPTIMIZERS))
+@pytest.mark.parametrize("policy,micro", [("skip", 1), ("raise", 1), ("skip", 2)])
+def test_sparse_gradients_are_checked_and_match_the_plain_loop(opt, policy, micro):
+    model, ref = _Sparse(), _Sparse()
+    state = af.TrainState(model, _SPARSE_OPTIMIZERS[opt](model.parameters()))
+    ref_opt = _SPARSE_OPTIMIZERS[opt](ref.parameters())
+    step = af.with_nonfinite(policy=policy)(af.with_accumulation(micro)(_sparse_fn))
+    for s in range(3):
+        metrics = step(state, _sparse_batch(s))
+        assert metrics["skipped"] == 0
+        b = _sparse_batch(s)
+        for part in ([slice(0, 3), slice(3, 6)] if micro == 2 else [slice(0, 6)]):
+            (_sparse_fn(ref, {k: v[part] for k, v in b.items()}) / micro).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    assert_params_equal(model, ref)
+
+
+def _poison_sparse(g, value):
+    g = g.coalesce()
+    values = g.values().clone()
+    values[0, 0] = value
+    return torch.sparse_coo_tensor(g.indices(), values, g.shape, check_invariants=True)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_sparse_gradient_is_caught(value):
+    model = _Sparse()
+    state = af.TrainState(model, torch.optim.SparseAdam(list(model.parameters()), lr=0.1))
+    poisoned = {"on": True}
+    model.emb.weight.register_hook(  # one NaN/Inf value in the sparse gradient, finite loss
+        lambda g: _poison_sparse(g, value) if poisoned["on"] else g)
+    step = af.lift(_sparse_fn)
+    before = model.emb.weight.detach().clone()
+    metrics = step(state, _sparse_batch(0))
+    assert metrics["skipped"] == 1 and torch.isfinite(metrics["loss"])
+    assert torch.equal(model.emb.weight, before)
+    with pytest.raises(af.NonFiniteError, match="non-finite gradients"):
+        af.with_nonfinite(policy="raise")(_sparse_fn)(state, _sparse_batch(1))
+    poisoned["on"] = False
+    assert step(state, _sparse_batch(2))["skipped"] == 0
