@@ -40,20 +40,72 @@ from .workers import PoolMapper
 __all__ = ["loader"]
 
 
+def _columns(
+    source: Mapping[Any, Any], sizes: dict[Any, int], prefix: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """A dict source as a dict of tensors (NumPy arrays converted without a copy, nested dicts
+    kept nested), with each leaf's first dimension in ``sizes``; anything else is refused,
+    naming the key."""
+    out: dict[str, Any] = {}
+    for k, value in source.items():
+        if not isinstance(k, str):
+            raise TypeError(
+                f"dict source: keys must be strings (the batch's keys), got {k!r} "
+                f"({type(k).__name__}); a map-style dataset keyed by index is a dict whose "
+                "keys are all ints"
+            )
+        key: Any = (*prefix, k) if prefix else k
+        if isinstance(value, Mapping):
+            out[k] = _columns(value, sizes, (*prefix, k))
+            continue
+        if isinstance(value, torch.Tensor):
+            column = value
+        elif type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+            try:
+                column = torch.as_tensor(value)
+            except TypeError as e:
+                raise TypeError(
+                    f"dict source: key {key!r} holds a NumPy array of dtype {value.dtype}, "
+                    f"which has no torch dtype ({e}); store numbers (e.g. indices into a list "
+                    "kept aside), or use a map-style dataset (__getitem__ and __len__) for "
+                    "other values"
+                ) from None
+        else:
+            what = "a list" if isinstance(value, (list, tuple)) else (
+                f"a value of type {type(value).__name__}"
+            )
+            raise TypeError(
+                f"dict source: key {key!r} holds {what}; a dict source holds one tensor (or "
+                "NumPy array) per key, with one row per sample along dim 0: convert numbers "
+                "with torch.as_tensor(...), and for other values (file names, strings) use a "
+                "map-style dataset (__getitem__ and __len__) that loads each sample"
+            )
+        if column.dim() == 0:
+            raise TypeError(
+                f"dict source: key {key!r} holds a 0-dim tensor; a dict source holds one row "
+                "per sample along dim 0 (a constant belongs outside the dataset)"
+            )
+        out[k] = column
+        sizes[key] = column.shape[0]
+    return out
+
+
 def _as_source(source: Any) -> tuple[str, Any]:
     if isinstance(source, TensorDictBase):
         return "tensordict", source
-    if isinstance(source, Mapping) and source and all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in source.items()
-    ):
-        sizes = {k: v.shape[0] if v.dim() else None for k, v in source.items()}
+    if isinstance(source, Mapping) and any(isinstance(k, str) for k in source):
+        # A dict of columns (a map-style dataset as a dict is keyed by index, not by name).
+        sizes: dict[Any, int] = {}
+        columns = _columns(source, sizes)
+        if not sizes:
+            raise ValueError("the dict source holds no tensor (only empty dicts)")
         n = next(iter(sizes.values()))
-        if n is None or any(size != n for size in sizes.values()):
+        if any(size != n for size in sizes.values()):
             raise ValueError(
                 f"a dict of tensors is used as a dataset with one row per sample along dim 0, "
                 f"but the tensors have different first dimensions: {sizes}"
             )
-        return "tensordict", TensorDict(dict(source), batch_size=[n])
+        return "tensordict", TensorDict(columns, batch_size=[n])
     if isinstance(source, torch.utils.data.IterableDataset):
         return "iterable", source
     if hasattr(source, "__getitem__") and hasattr(source, "__len__"):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,7 +20,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 
 from .gpu.base import as_pair, fit_image
-from .pipeline import loader
+from .pipeline import _as_source, loader
 
 __all__ = [
     "ImageFiles",
@@ -112,6 +112,8 @@ def preload(
         TypeError: ``source`` is an iterable without a length.
     """
     path = Path(path)
+    if isinstance(source, Mapping) and any(isinstance(k, str) for k in source):
+        source = _as_source(source)[1]  # a dict of columns, as a TensorDict (checked)
     if isinstance(source, TensorDictBase):
         n = source.batch_size[0] if source.batch_dims else 0
     elif isinstance(source, torch.utils.data.IterableDataset) or not hasattr(source, "__len__"):

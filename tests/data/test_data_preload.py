@@ -172,3 +172,15 @@ def test_preload_a_torchvision_dataset_of_pil_images(tmp_path):
 
     img, label = ds[7]
     assert torch.equal(td["image"][7], pil_to_tensor(img)) and int(td["label"][7]) == label
+
+
+def test_preload_a_dict_of_columns(tmp_path):
+    np = pytest.importorskip("numpy")
+    src = {"x": torch.arange(30.0).view(10, 3), "y": np.arange(10)}
+    td = ad.preload(src, tmp_path / "d")
+    assert td.batch_size == torch.Size([10])
+    assert ad.preload_info(tmp_path / "d")["num_samples"] == 10
+    assert torch.equal(td["x"], src["x"]) and td["y"].tolist() == list(range(10))
+    with pytest.raises(TypeError, match="key 'name' holds a list"):
+        ad.preload({"x": torch.zeros(4), "name": list("abcd")}, tmp_path / "e")
+    assert not (tmp_path / "e").exists()  # refused before anything is written

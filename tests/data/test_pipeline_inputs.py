@@ -143,3 +143,62 @@ def test_d_the_checks_do_not_refuse_good_values():
     assert len(ad.loader(_td(), batch_size=4, seed=2**63 - 1, keys=("image",))) == 2
     b = next(iter(ad.loader(_td(), batch_size=4, keys=["label"], pin_memory=False)))
     assert list(b.keys()) == ["label"]
+
+
+# --------------------------------------------------------------------------------------------
+# Dict sources: one tensor (or NumPy array) per key
+
+
+def test_c_numpy_values_of_a_dict_source_are_taken_as_tensors():
+    np = pytest.importorskip("numpy")
+    image = np.arange(30, dtype=np.float32).reshape(10, 3)
+    for src in [
+        {"image": torch.as_tensor(image), "label": np.arange(10)},
+        {"image": image, "label": np.arange(10)},
+    ]:
+        batches = list(ad.loader(src, batch_size=4, shuffle=False))
+        assert len(batches) == 2
+        assert batches[1]["label"].tolist() == [4, 5, 6, 7]
+        assert batches[1]["label"].dtype == torch.int64
+        assert torch.equal(batches[0]["image"], torch.as_tensor(image[:4]))
+
+
+def test_c_nested_dict_sources_are_taken_as_nested_keys():
+    src = {"image": torch.zeros(8, 2), "meta": {"label": torch.arange(8)}}
+    b = next(iter(ad.loader(src, batch_size=4, shuffle=False)))
+    assert b["meta", "label"].tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ([f"f{i}.jpg" for i in range(10)], r"key 'name' holds a list.*map-style dataset"),
+        (3, r"key 'name' holds a value of type int"),
+        (torch.tensor(1), r"key 'name' holds a 0-dim tensor"),
+    ],
+)
+def test_c_a_dict_source_with_another_value_is_refused_naming_the_key(value, match):
+    with pytest.raises(TypeError, match=match):
+        ad.loader({"image": torch.zeros(10, 3), "name": value}, batch_size=4)
+
+
+def test_c_a_numpy_array_that_is_not_numeric_is_refused_naming_the_key():
+    np = pytest.importorskip("numpy")
+    names = np.array([f"f{i}.jpg" for i in range(10)])
+    with pytest.raises(TypeError, match=r"key 'name' holds a NumPy array of dtype <U6"):
+        ad.loader({"image": torch.zeros(10, 3), "name": names}, batch_size=4)
+
+
+def test_c_a_dict_source_with_keys_of_mixed_types_is_refused():
+    with pytest.raises(TypeError, match=r"keys must be strings.*got 0 \(int\)"):
+        ad.loader({"image": torch.zeros(10, 3), 0: torch.zeros(10)}, batch_size=4)
+
+
+def test_c_a_dict_source_with_rows_of_different_lengths_is_refused():
+    with pytest.raises(ValueError, match="different first dimensions"):
+        ad.loader({"image": torch.zeros(10, 3), "label": torch.zeros(9)}, batch_size=4)
+
+
+def test_c_a_dict_source_of_empty_dicts_is_refused():
+    with pytest.raises(ValueError, match="holds no tensor"):
+        ad.loader({"meta": {}}, batch_size=4)
