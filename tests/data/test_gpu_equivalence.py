@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from tensordict import TensorDict
+from torchvision import tv_tensors
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as TF
 
@@ -20,6 +21,64 @@ def gen(seed: int = 0) -> torch.Generator:
 
 def randint(shape, low, high, dtype, seed=0):
     return torch.randint(low, high, shape, generator=gen(seed)).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# RandomCrop: padding as torchvision (int, [all], [left/right, top/bottom], [l, t, r, b])
+
+PADDINGS = [2, [3], (2, 0), (0, 3), (1, 2, 3, 4), [4, 0, 0, 1]]
+MODES = [("constant", "constant"), ("reflect", "reflect"), ("replicate", "edge"), ("edge", "edge")]
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+@pytest.mark.parametrize("mode,tv_mode", MODES)
+def test_random_crop_padding_equals_v2_random_crop_per_sample(padding, mode, tv_mode):
+    b, h, w, size = 12, 7, 9, (5, 6)
+    x = randint((b, 3, h, w), 0, 256, torch.uint8, seed=5)
+    out = ad.RandomCrop(size, padding, fill=7, padding_mode=mode)(
+        TensorDict({"image": x}, [b]), generator=gen(2)
+    )["image"]
+    assert out.shape == (b, 3, *size)
+    offsets = set()
+    for i in range(b):
+        padded = TF.pad(x[i], list(padding) if not isinstance(padding, int) else padding,
+                        fill=7, padding_mode=tv_mode)
+        hp, wp = padded.shape[-2:]
+        hits = [
+            (oy, ox)
+            for oy in range(hp - size[0] + 1)
+            for ox in range(wp - size[1] + 1)
+            if torch.equal(TF.crop(padded, oy, ox, *size), out[i])
+        ]
+        assert hits, f"sample {i} is no crop of the torchvision-padded sample"
+        offsets.add(hits[0])
+    assert len(offsets) > 3
+    # A crop of the whole padded image leaves no randomness: the v2 class itself must agree.
+    full = (hp, wp)
+    whole = ad.RandomCrop(full, padding, fill=7, padding_mode=mode)(
+        TensorDict({"image": x}, [b]), generator=gen(2)
+    )["image"]
+    tv = v2.RandomCrop(full, padding=padding, fill=7, padding_mode=tv_mode)
+    for i in range(b):
+        assert torch.equal(whole[i], tv(tv_tensors.Image(x[i])).as_subclass(torch.Tensor))
+
+
+def test_random_crop_two_padding_values_are_left_right_then_top_bottom():
+    img = torch.arange(1, 25, dtype=torch.uint8).view(1, 1, 4, 6)
+    out = ad.RandomCrop((4, 10), padding=(2, 0))(TensorDict({"image": img}, [1]))["image"]
+    assert out.shape == (1, 1, 4, 10)
+    assert torch.equal(out[0], v2.RandomCrop((4, 10), padding=[2, 0])(img[0]))
+
+
+@pytest.mark.parametrize("padding", [(1, 2, 3), (-1, 0), [], "2"])
+def test_random_crop_bad_padding_says_what_is_accepted(padding):
+    with pytest.raises(ValueError, match="padding"):
+        ad.RandomCrop(4, padding)
+
+
+def test_random_crop_rejects_symmetric_padding_with_a_way_out():
+    with pytest.raises(ValueError, match="'constant', 'reflect', 'edge'"):
+        ad.RandomCrop(4, 1, padding_mode="symmetric")
 
 
 # --------------------------------------------------------------------------------------------

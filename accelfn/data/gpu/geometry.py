@@ -14,6 +14,35 @@ from .base import as_keys, as_pair, same_size_images, uniform
 __all__ = ["RandomCrop", "RandomHorizontalFlip", "RandomResizedCrop"]
 
 
+# torchvision's padding modes (and torch's name for "edge") -> torch.nn.functional.pad's.
+_PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "replicate",
+              "replicate": "replicate"}
+
+
+def _padding(padding: int | Sequence[int]) -> tuple[int, int, int, int]:
+    """torchvision's ``padding`` (int, ``[p]``, ``[lr, tb]``, ``[l, t, r, b]``) as
+    ``(left, top, right, bottom)``."""
+    if isinstance(padding, int) and not isinstance(padding, bool):
+        values: tuple[int, ...] = (padding,) * 4
+    elif (
+        isinstance(padding, Sequence)
+        and not isinstance(padding, str)
+        and len(padding) in (1, 2, 4)
+        and all(isinstance(p, int) and not isinstance(p, bool) for p in padding)
+    ):
+        values = tuple(padding)
+        values = values * 4 if len(values) == 1 else values * 2 if len(values) == 2 else values
+    else:
+        values = ()
+    if len(values) != 4 or min(values) < 0:
+        raise ValueError(
+            "RandomCrop: padding must be an int or a sequence of 1, 2 or 4 ints >= 0, in "
+            "torchvision's order (every side; [left_right, top_bottom]; [left, top, right, "
+            f"bottom]), got {padding!r}"
+        )
+    return values[0], values[1], values[2], values[3]
+
+
 class RandomCrop:
     """Pad by ``padding`` then crop ``size`` at a random offset, independently per sample.
 
@@ -23,9 +52,11 @@ class RandomCrop:
 
     Args:
         size: output ``(height, width)`` (or one int).
-        padding: pixels added on each side: int or ``(vertical, horizontal)``.
+        padding: pixels added, in torchvision's order: an int (every side), ``[p]`` (every
+            side), ``[left_right, top_bottom]``, or ``[left, top, right, bottom]``.
         fill: value of constant padding.
-        padding_mode: ``"constant"``, ``"reflect"`` or ``"replicate"``.
+        padding_mode: ``"constant"``, ``"reflect"`` or ``"edge"`` (``"replicate"``, torch's
+            name for it, is accepted too); torchvision's ``"symmetric"`` is not supported.
         keys: batch keys to crop (all with the same offsets per sample).
     """
 
@@ -39,10 +70,11 @@ class RandomCrop:
         keys: str | Sequence[str] = ("image",),
     ) -> None:
         self.size = as_pair(size, "size")
-        self.padding = as_pair(padding, "padding")
-        if padding_mode not in ("constant", "reflect", "replicate"):
+        self.padding = _padding(padding)
+        if padding_mode not in _PAD_MODES:
             raise ValueError(
-                f"padding_mode must be 'constant', 'reflect' or 'replicate', got {padding_mode!r}"
+                "RandomCrop: padding_mode must be 'constant', 'reflect', 'edge' (or torch's "
+                f"name for it, 'replicate'), got {padding_mode!r}; 'symmetric' is not supported"
             )
         self.fill = fill
         self.padding_mode = padding_mode
@@ -53,9 +85,9 @@ class RandomCrop:
     ) -> TensorDictBase:
         xs = same_size_images(batch, self.keys, "RandomCrop")
         b, device = xs[0].shape[0], xs[0].device
-        ph, pw = self.padding
+        left, top, right, bottom = self.padding
         th, tw = self.size
-        hp, wp = xs[0].shape[-2] + 2 * ph, xs[0].shape[-1] + 2 * pw
+        hp, wp = xs[0].shape[-2] + top + bottom, xs[0].shape[-1] + left + right
         if th > hp or tw > wp:
             raise ValueError(
                 f"RandomCrop: crop size {self.size} is larger than the padded image "
@@ -70,19 +102,22 @@ class RandomCrop:
         for k, x in zip(self.keys, xs):
             lead = x.shape[1:-2]
             x = x.reshape(b, -1, *x.shape[-2:])
-            if ph or pw:
-                pad = (pw, pw, ph, ph)
+            if any(self.padding):
+                pad = (left, right, top, bottom)
                 if self.padding_mode == "constant":
                     x = F.pad(x, pad, value=self.fill)
                 else:
-                    x = F.pad(x, pad, mode=self.padding_mode)
+                    x = F.pad(x, pad, mode=_PAD_MODES[self.padding_mode])
             x = x.reshape(b, x.shape[1], hp * wp)
             y = x.gather(2, flat.expand(b, x.shape[1], th * tw))
             out.set(k, y.reshape(b, *lead, th, tw))
         return out
 
     def __repr__(self) -> str:
-        return f"RandomCrop(size={self.size}, padding={self.padding}, keys={self.keys})"
+        return (
+            f"RandomCrop(size={self.size}, padding={self.padding}, fill={self.fill}, "
+            f"padding_mode={self.padding_mode!r}, keys={self.keys})"
+        )
 
 
 class RandomResizedCrop:
