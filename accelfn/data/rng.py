@@ -15,7 +15,10 @@ generators seeded with a given seed instead, leaving torch's global generators u
   ``torch.manual_seed(seed)``); it costs about 6 us per torch call made in the block;
 * in a worker process of a ``PoolMapper`` (which has nobody to share the process's
   generators with) by seeding the global generators, which is cheaper and also covers
-  functions that cannot take a generator.
+  functions that cannot take a generator. There NumPy's global generator
+  (``np.random.rand``) and Python's ``random`` are seeded with ``seed`` too, so their draws
+  also depend on the sample only, not on the worker (forked workers would otherwise all
+  draw the same NumPy numbers).
 
 Code that seeds torch's global CPU generator itself (``torch.manual_seed(index)``, then draws,
 as torchvision's ``FakeData`` does to make one fixed image per index) draws what that seed
@@ -25,19 +28,24 @@ seeding still meets the training loop's draws, so ``worker_type="process"`` suit
 
 Not covered, in threads: functions that draw but take no generator (``F.dropout`` and the
 other dropouts, ``F.rrelu``, ``F.gumbel_softmax``, fractional max-pooling; a warning names the
-first use of each), and Python's ``random`` and NumPy's global generators.
+first use of each), and Python's ``random`` and NumPy's global generators: they are shared
+by all threads (the training loop's too), so they cannot be seeded per sample there; draw
+from a generator seeded per sample (``np.random.default_rng(seed)``), draw with torch, or
+use ``worker_type="process"``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import random
 import threading
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -79,6 +87,7 @@ _routes: dict[Any, int] = {}
 _warned: set[str] = set()
 _local = threading.local()
 _process_owns_generators = False
+_NUMPY_KEY = 0x6E756D70  # an extra seed word for NumPy's generator ("nump")
 
 
 def _route(func: Any) -> int:
@@ -239,11 +248,16 @@ def seeded_draws(seed: int) -> Iterator[Draws]:
     drawing from or changing torch's global generators (see the module's docstring for how,
     and for what is not covered): two blocks run with the same seed draw the same numbers
     whatever else runs in other threads meanwhile. Draws given an explicit ``generator=``
-    keep it. Blocks may nest (the inner one has its own generators). Yields a [`Draws`][]
+    keep it. Blocks may nest (the inner one has its own generators). In a worker process of
+    a ``PoolMapper`` it seeds that process's own global generators instead: torch's, NumPy's
+    and Python's ``random`` (in threads those two are not managed). Yields a [`Draws`][]
     that says, once the block is over, whether code in it seeded the global generator.
     """
     if _process_owns_generators:
         torch.default_generator.manual_seed(seed)
+        random.seed(seed)
+        # both are MT19937 seeded alike from these words: a third one keeps them apart
+        np.random.seed([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, _NUMPY_KEY])
         if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]  # untyped in torch
             torch.cuda.manual_seed_all(seed)
         yield Draws()

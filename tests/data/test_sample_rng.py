@@ -540,3 +540,35 @@ def test_plain_callables_in_compose_leave_the_other_members_draws_alone():
     assert torch.equal(mixed(batch, generator=g1)["noise"], mixed(batch, generator=g2)["noise"])
     assert not torch.equal(mixed(batch, generator=g1)["noise"],  # g1 moved on: new draws
                            mixed(batch, generator=g2.manual_seed(5))["noise"])
+
+
+class GlobalDraws:
+    """Draws from NumPy's and Python's global generators in ``__getitem__`` (as much
+    augmentation code does). Module level: process workers unpickle it."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int):
+        import random
+
+        import numpy as np
+
+        return {"i": torch.tensor(i), "py": torch.tensor(random.random()),
+                "np": torch.tensor(np.random.rand())}
+
+
+def _global_draws(num_workers: int, epochs: int = 2) -> list[TensorDict]:
+    with ad.loader(GlobalDraws(), batch_size=4, shuffle=False, num_workers=num_workers,
+                   worker_type="process") as loader:
+        return [b.clone() for _ in range(epochs) for b in loader]
+
+
+def test_numpy_and_python_random_are_seeded_per_sample_in_worker_processes():
+    two = _global_draws(2)
+    for key in ("np", "py"):
+        values = torch.cat([b[key] for b in two])
+        assert values.unique().numel() == values.numel(), key  # no two workers alike
+    assert not torch.equal(two[0]["np"], two[0]["py"])  # two streams, not one seeded twice
+    assert same_batches(two, _global_draws(1))  # per sample: not per worker
+    assert same_batches(two, _global_draws(2))  # reproducible
