@@ -64,6 +64,7 @@ class _Iterator(Iterator[TensorDictBase]):
         try:
             batch = owner._next()
         except StopIteration:
+            owner._ended = True  # the loop heard of the epoch's end (part of the position)
             if owner._last_return is not None:  # the loop's last step, up to the epoch's end
                 owner.total_time_s += time.perf_counter() - owner._last_return
             owner._last_return = None
@@ -151,6 +152,12 @@ class BatchLoader(Iterable[TensorDictBase]):
         self.config = dict(config or {})
         self._close_fns = tuple(close_fns)
         self._pending_state: dict[str, Any] | None = None
+        self._pending_ended = True
+        # Whether the current epoch's StopIteration reached the caller; and whether this
+        # epoch is a resumed position at an epoch's end that the caller had not heard of
+        # (it yields nothing: the loop runs its end-of-epoch code, then the next iter()).
+        self._ended = False
+        self._empty = False
         self._peeked: TensorDictBase | None = None
         self._peek_state: dict[str, Any] | None = None
         self._generation = 0
@@ -171,7 +178,9 @@ class BatchLoader(Iterable[TensorDictBase]):
         self._generation += 1
         self._last_return = None
         self._peeked = self._peek_state = None
+        self._ended = self._empty = False
         state, self._pending_state = self._pending_state, None
+        ended, self._pending_ended = self._pending_ended, True
         if state is None and self._read_start is not None:
             # state_dict() started the nodes only to read them: start them for real, at that
             # position (which makes the random draws that the read put back).
@@ -181,17 +190,24 @@ class BatchLoader(Iterable[TensorDictBase]):
             self.root.reset(None)
         else:
             self.root.reset(state)
-            # A position saved right after an epoch's last batch resumes at the next epoch.
+            # A position saved right after an epoch's last batch: if the loop had heard of
+            # the epoch's end, resume at the next epoch; if not, this epoch is that end.
             before = self.root.state_dict()
             try:
                 self._peeked = next(self.root)
                 self._peek_state = before
             except StopIteration:
-                self.root.reset(None)
+                if ended:
+                    self.root.reset(None)
+                else:
+                    self._empty = True
+                    self._peek_state = before
         self._active = True
         return _Iterator(self, self._generation)
 
     def _next(self) -> TensorDictBase:
+        if self._empty:
+            raise StopIteration
         if self._peeked is not None:
             batch, self._peeked, self._peek_state = self._peeked, None, None
             return batch
@@ -210,6 +226,11 @@ class BatchLoader(Iterable[TensorDictBase]):
 
         (With ``rng=DataLoaderRNG(generator=g)`` it also holds ``g``'s state, a uint8 tensor.)
 
+        ``"ended"`` says whether the epoch's end (its ``StopIteration``) had reached the loop:
+        a position taken right after an epoch's last batch, before that, resumes with that
+        end (the first ``iter()`` yields no batch, so the loop's end-of-epoch code runs once,
+        as it would have); one taken after it resumes at the next epoch.
+
         Safe to ``torch.save`` and to load with ``torch.load(..., weights_only=True)``. Loading
         it into an identically configured loader and iterating yields exactly the batches an
         uninterrupted run would have yielded next (including the next epoch's, if it was taken
@@ -217,8 +238,9 @@ class BatchLoader(Iterable[TensorDictBase]):
         before the first ``iter()`` (when the nodes are started to be read).
         """
         root: Any
+        ended = self._ended
         if self._pending_state is not None:
-            root = self._pending_state
+            root, ended = self._pending_state, self._pending_ended
         elif not self._active:
             if self._read_start is None:
                 # The nodes' state only exists once they are reset: start them to read it
@@ -231,7 +253,8 @@ class BatchLoader(Iterable[TensorDictBase]):
             root = self._peek_state
         else:
             root = self.root.state_dict()
-        return {"format": STATE_FORMAT, "config": dict(self.config), "root": root}
+        return {"format": STATE_FORMAT, "config": dict(self.config), "root": root,
+                "ended": ended}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from [`state_dict`][] at the next ``iter()``.
@@ -262,7 +285,16 @@ class BatchLoader(Iterable[TensorDictBase]):
                 "the loader state has no 'root' entry; pass what BatchLoader.state_dict() "
                 "returned"
             )
+        # Positions written before "ended" existed resumed an epoch's end at the next epoch.
+        ended = state.get("ended", True)
+        if not isinstance(ended, bool):
+            raise ValueError(
+                f"the loader state's 'ended' entry is {ended!r}; it must be True or False "
+                "(whether the epoch's end had reached the loop): pass what "
+                "BatchLoader.state_dict() returned"
+            )
         self._pending_state = state["root"]
+        self._pending_ended = ended
         self._peeked = self._peek_state = None
         self._read_start = None
 

@@ -10,9 +10,11 @@ import io
 import json
 import os
 import pickle
+import random
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from checkpoint_helpers import (
@@ -396,3 +398,72 @@ def test_train_state_load_state_dict_is_whole_or_nothing(saved):
     with pytest.raises(ValueError, match="parameter groups"):
         fresh.load_state_dict(state.state_dict())
     assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters()))
+
+
+# ------------------------------------------------------------------------- epoch boundary
+def _per_epoch_run(seed: int = 0):
+    """SGD with a per-epoch StepLR, 12 batches per epoch, dropout and RNG in the step."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    model = Net(dim=8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    state = af.TrainState(model, optimizer, scheduler=sched, scheduler_every="epoch")
+    loader = data.loader(dataset(), batch_size=4, seed=1)  # 48 samples: 12 batches
+    return state, loader, af.with_clipping(max_norm=0.5)(noisy)
+
+
+def _for_loop(state, loader, step, epochs, save_to=None, stop_at=None):
+    """``for epoch in range(state.epoch, E): for batch in loader: step`` then ``end_epoch()``;
+    saves (and stops: the process "dies") right after step ``stop_at``."""
+    lrs = []
+    for _ in range(state.epoch, epochs):
+        for batch in loader:
+            step(state, batch)
+            lrs.append(state.optimizer.param_groups[0]["lr"])
+            if state.step == stop_at:
+                ckpt.save(save_to, state, loader=loader, step=step)
+                return lrs
+        state.end_epoch()
+    return lrs
+
+
+def _while_loop(state, loader, step, steps, save_to=None, stop_at=None):
+    """The ``while`` loop: ``next(it)``, and on StopIteration ``end_epoch()`` and iter()."""
+    lrs = []
+    it = iter(loader)
+    while state.step < steps:
+        try:
+            batch = next(it)
+        except StopIteration:
+            state.end_epoch()
+            it = iter(loader)
+            continue
+        step(state, batch)
+        lrs.append(state.optimizer.param_groups[0]["lr"])
+        if state.step == stop_at:
+            ckpt.save(save_to, state, loader=loader, step=step)
+            return lrs
+    return lrs
+
+
+@pytest.mark.parametrize("shape", ["for", "while"])
+@pytest.mark.parametrize("stop_at", [12, 24, 7])  # an epoch's last batch, another, mid-epoch
+def test_a_resume_at_an_epochs_last_batch_equals_the_uninterrupted_run(tmp_path, shape,
+                                                                       stop_at):
+    loop = _for_loop if shape == "for" else _while_loop
+    length = 3 if shape == "for" else 30  # epochs, or steps (into the third epoch)
+    state, loader, step = _per_epoch_run()
+    reference_lrs = loop(state, loader, step, length)
+    reference = (state.step, state.epoch, [p.detach().clone() for p in state.model.parameters()])
+
+    first, first_loader, first_step = _per_epoch_run()
+    head = loop(first, first_loader, first_step, length, save_to=tmp_path, stop_at=stop_at)
+    resumed, resumed_loader, resumed_step = _per_epoch_run(seed=5)
+    scramble_rngs()
+    ckpt.load(tmp_path, resumed, loader=resumed_loader, step=resumed_step)
+    tail = loop(resumed, resumed_loader, resumed_step, length)
+    assert head + tail == reference_lrs  # the per-epoch schedule on time
+    assert (resumed.step, resumed.epoch) == reference[:2]
+    assert all(torch.equal(a, b) for a, b in zip(reference[2], resumed.model.parameters()))
