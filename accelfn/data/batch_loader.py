@@ -56,6 +56,13 @@ class _Iterator(Iterator[TensorDictBase]):
     def __next__(self) -> TensorDictBase:
         owner = self._owner
         if self._generation != owner._generation:
+            if owner._closed_at == owner._generation:  # the last change was a close()
+                raise RuntimeError(
+                    "this iterator is stale: its loader was closed (close() or leaving its "
+                    "`with` block) in the middle of the epoch, which stopped its threads and "
+                    "workers; call iter(loader) for a new epoch, or close the loader only "
+                    "after the epoch"
+                )
             raise RuntimeError(
                 "this iterator is stale: iter() was called again on its loader, which started "
                 "a new epoch; iterate the newest iterator"
@@ -158,6 +165,7 @@ class BatchLoader(Iterable[TensorDictBase]):
         # (it yields nothing: the loop runs its end-of-epoch code, then the next iter()).
         self._ended = False
         self._empty = False
+        self._closed_at = -1
         self._peeked: TensorDictBase | None = None
         self._peek_state: dict[str, Any] | None = None
         self._generation = 0
@@ -315,7 +323,10 @@ class BatchLoader(Iterable[TensorDictBase]):
 
     def close(self) -> None:
         """Stop background threads and persistent worker processes. The loader can still be
-        iterated (they restart with the next epoch). Also done at interpreter exit."""
+        iterated (they restart with the next epoch); an iterator of the epoch in progress is
+        stale (its ``next()`` raises). Also done at interpreter exit."""
+        self._generation += 1
+        self._closed_at = self._generation
         _stop_threads(self.root, self._close_fns)
 
     def __enter__(self) -> BatchLoader:

@@ -1,4 +1,4 @@
-"""A loader position at an epoch's end.
+"""A loader position at an epoch's end, and iterators of a closed loader.
 
 A position taken right after an epoch's last batch, before the loop heard of the epoch's
 end, resumes with that end (the first ``iter()`` is an empty epoch), so that the loop's
@@ -167,3 +167,17 @@ def test_a_malformed_end_flag_is_refused_before_anything_changes(bad):
         target.load_state_dict(state)
     assert target.state_dict() == good  # the pending position is still the one loaded before
 
+
+def test_an_iterator_continued_after_close_is_stale():
+    reference = make()
+    epochs = [[b["label"].tolist() for b in reference] for _ in range(2)]
+    loader = make("threads")
+    it = iter(loader)
+    got = [next(it)["label"].tolist() for _ in range(2)]
+    assert got == epochs[0][:2]
+    loader.close()
+    with pytest.raises(RuntimeError, match=r"stale.*closed"):
+        next(it)
+    # the loader itself can still be iterated: the next iter() starts the next epoch
+    assert [b["label"].tolist() for b in loader] == epochs[1]
+    loader.close()
