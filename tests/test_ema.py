@@ -494,3 +494,78 @@ def test_torchvision_schedule_passes_the_contract():
         reference=lambda m, o, b: plain_update(m, o, b, loss_fn), loss_fn=loss_fn,
         make_model=make_model, make_batch=lambda i: as_dict(make_batch(seed=i)), steps=4)
     assert {"reference", "orders", "resume"} <= set(report.passed), report.passed
+
+
+def _ema_run(seed=0):
+    torch.manual_seed(seed)
+    model = BNNet()
+    state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    return state, with_ema(decay=0.9)(classify)
+
+
+@pytest.mark.parametrize("how", ["state_dict", "checkpoint"])
+def test_saving_inside_ema_weights_saves_the_models_own_weights(tmp_path, how):
+    """Keeping the best model at evaluation time: a save inside ``ema_weights`` holds the
+    model's own weights as the model and the average as the EMA, and the run resumes from
+    it as if it had not been evaluated."""
+    from accelfn import checkpointing as ckpt
+
+    state, step = _ema_run()
+    for i in range(3):
+        step(state, make_batch(seed=i))
+    own = copy.deepcopy(state.model.state_dict())
+    ema = {k: v.clone() for k, v in ema_values(state).items()}
+    assert any(not torch.equal(own[k], ema[k]) for k in own if k in ema)
+    with ema_weights(state):
+        step.evaluate(state, make_batch(n=16, seed=99))
+        if how == "state_dict":
+            saved = _roundtrip_state(state.state_dict())
+        else:
+            ckpt.save(tmp_path, state, step=step)
+        assert torch.equal(state.model.inp.weight, ema["inp.weight"])  # still evaluating EMA
+    resumed, step2 = _ema_run(seed=5)
+    if how == "state_dict":
+        resumed.load_state_dict(saved)
+        step2.prepare(resumed)
+    else:
+        ckpt.load(tmp_path, resumed, step=step2)
+    for k, v in resumed.model.state_dict().items():
+        assert torch.equal(v, own[k]), k
+    for k, v in ema_values(resumed).items():
+        assert torch.equal(v, ema[k]), k
+    batch = make_batch(seed=3)
+    step(state, batch)
+    step2(resumed, batch)
+    for (k, a), b in zip(state.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), k
+    for k, v in ema_values(resumed).items():
+        assert torch.equal(v, ema_values(state)[k]), k
+
+
+def _roundtrip_state(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_loading_inside_ema_weights_is_refused_and_changes_nothing():
+    state, step = _ema_run()
+    step(state, make_batch(seed=0))
+    saved = copy.deepcopy(state.state_dict())
+    step(state, make_batch(seed=1))
+    own = copy.deepcopy(state.model.state_dict())
+    with ema_weights(state):
+        inside = copy.deepcopy(state.model.state_dict())
+        with pytest.raises(RuntimeError, match="ema_weights"):
+            state.load_state_dict(saved)
+        for k, v in state.model.state_dict().items():
+            assert torch.equal(v, inside[k]), k
+        with ema_weights(state):  # nested: still the model's own weights are saved
+            for k, v in state.state_dict()["model"].items():
+                assert torch.equal(v, own[k]), k
+    for k, v in state.model.state_dict().items():
+        assert torch.equal(v, own[k]), k
+    assert state.step == 2
+    state.load_state_dict(saved)  # outside the block it loads
+    assert state.step == 1

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -88,6 +89,7 @@ class TrainState:
         self._preparations: list[tuple[Any, Any, str]] = []
         self._scheduler_mark: Any = getattr(scheduler, "last_epoch", None)
         self._warned: set[str] = set()
+        self._lent: dict[int, torch.Tensor] = {}  # id(model tensor) -> its own value, held
 
     @property
     def model(self) -> nn.Module:
@@ -192,6 +194,35 @@ class TrainState:
         """The transform state objects created so far, by name."""
         return dict(self._slots)
 
+    @contextlib.contextmanager
+    def lend_model(self, tensors: Sequence[torch.Tensor],
+                   own: Sequence[torch.Tensor]) -> Iterator[None]:
+        """While the block runs, the model's ``tensors`` (its parameters and buffers, as
+        ``named_parameters()``/``named_buffers()`` give them) hold other values, e.g. EMA
+        weights to evaluate, and ``own`` holds their own values: [`state_dict`][] and
+        [`snapshot`][] give ``own`` in their place, and [`load_state_dict`][] refuses (the
+        block puts ``own`` back on exit). The caller swaps the values in and out."""
+        if len(tensors) != len(own):
+            raise ValueError(f"lend_model: {len(tensors)} tensors but {len(own)} own values")
+        added = {id(t): v for t, v in zip(tensors, own)
+                 if id(t) not in self._lent}  # nested blocks: the outermost's own values
+        self._lent.update(added)
+        try:
+            yield
+        finally:
+            for key in added:
+                self._lent.pop(key, None)
+
+    def _model_state_dict(self) -> dict[str, Any]:
+        """``model.state_dict()``, with the model's own values of tensors it lent."""
+        saved = self.model.state_dict()
+        if self._lent:
+            for key, tensor in self.model.state_dict(keep_vars=True).items():
+                own = self._lent.get(id(tensor))
+                if own is not None:
+                    saved[key] = own.detach()
+        return saved
+
     @property
     def at_update_boundary(self) -> bool:
         """Whether no accumulation window is open (``with_accumulation(n, mode="calls")``
@@ -221,7 +252,7 @@ class TrainState:
         slots = {name: _save(obj) for name, obj in self._slots.items()}
         slots.update({k: v for k, v in self._pending.items() if k not in slots})
         return {
-            "model": self.model.state_dict(),
+            "model": self._model_state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "step": self.step,
@@ -237,6 +268,11 @@ class TrainState:
         (``mode="calls"``) is discarded with the gradients it accumulated. A failed load
         changes nothing, the open window included. [`snapshot`][]'s copy loads too, and
         puts back exactly what it copied."""
+        if self._lent:
+            raise RuntimeError(
+                "load_state_dict inside `with af.ema_weights(state):` (the model holds "
+                "borrowed weights, and its own come back when the block ends, over what "
+                "would be loaded); load after the block")
         missing = {"model", "optimizer", "scheduler", "step", "slots"} - set(state_dict)
         if missing:
             raise KeyError(f"not a TrainState checkpoint: missing {sorted(missing)}")
@@ -273,7 +309,7 @@ class TrainState:
         """
         self.sync()
         snap = {
-            "model": self.model.state_dict(),
+            "model": self._model_state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
             "step": self.step,

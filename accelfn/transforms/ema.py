@@ -364,14 +364,21 @@ def ema_weights(state: TrainState) -> Iterator[nn.Module]:
     them too) and the model's values are put back on exit, also after an exception; changes
     made to the model inside the block are discarded and never reach the average. Costs one
     temporary copy of the weights. Yields ``state.model``.
+
+    Saving inside the block (the best model at evaluation time) saves the model's own
+    weights as the model, and the average as the EMA: ``state.state_dict()`` gives them
+    while the block runs. Loading inside it is refused (the block would put the old
+    weights back over the loaded ones).
     """
     slot = _ema_slot(state)
-    targets = [t.detach() for t in slot.sources(state.model)]
+    sources = slot.sources(state.model)
+    targets = [t.detach() for t in sources]
     with torch.no_grad():
         own = [t.clone() for t in targets]
         compat.foreach_copy_(targets, slot.values)
         try:
-            yield state.model
+            with state.lend_model(sources, own):
+                yield state.model
         finally:
             compat.foreach_copy_(targets, own)
 
