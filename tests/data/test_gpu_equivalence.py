@@ -24,6 +24,64 @@ def randint(shape, low, high, dtype, seed=0):
 
 
 # --------------------------------------------------------------------------------------------
+# RandomResizedCrop: masks are resized with nearest-neighbour sampling, as v2 does for Mask
+
+
+def _rrc_batch(b=48, h=20, w=24, mask_dtype=torch.int64, seed=0):
+    img = randint((b, 3, h, w), 0, 256, torch.uint8, seed)
+    labels = torch.tensor([0, 3, 7, 200])
+    mask = labels[randint((b, 1, h, w), 0, 4, torch.int64, seed + 1)].to(mask_dtype)
+    return TensorDict({"image": img, "mask": mask}, batch_size=[b])
+
+
+@pytest.mark.parametrize("size", [(8, 6), (20, 24), (40, 48), (37, 29), 13])
+@pytest.mark.parametrize("mask_dtype", [torch.int64, torch.uint8])
+def test_random_resized_crop_mask_equals_torchvision_resized_crop_of_a_mask(size, mask_dtype):
+    batch = _rrc_batch(mask_dtype=mask_dtype)
+    b, h, w = batch["image"].shape[0], *batch["image"].shape[-2:]
+    t = ad.RandomResizedCrop(size, keys=("image", "mask"))
+    boxes = t.boxes(b, h, w, gen(3), CPU)
+    out = t(batch, generator=gen(3))
+    out_size = [size, size] if isinstance(size, int) else list(size)
+    for i in range(b):
+        x1, y1, x2, y2 = (int(v) for v in boxes[i])
+        ref = TF.resized_crop(tv_tensors.Mask(batch["mask"][i]), y1, x1, y2 - y1, x2 - x1, out_size)
+        assert torch.equal(out["mask"][i], ref.as_subclass(torch.Tensor)), (i, boxes[i])
+    assert out["mask"].dtype == mask_dtype
+    assert set(out["mask"].unique().tolist()) <= {0, 3, 7, 200}
+    # The image is resampled as before (bilinear), with the same boxes as without a mask.
+    alone = ad.RandomResizedCrop(size)(batch.exclude("mask"), generator=gen(3))
+    assert torch.equal(out["image"], alone["image"])
+
+
+def test_random_resized_crop_of_image_and_mask_equals_the_v2_class_on_a_fixed_box():
+    # scale=(1, 1) and ratio=(w/h, w/h) fix the box to the whole image, so the v2 class draws
+    # the same box as accelfn and the output of the class itself can be compared.
+    batch = _rrc_batch(b=4, h=20, w=24)
+    kw = dict(scale=(1.0, 1.0), ratio=(24 / 20, 24 / 20))
+    out = ad.RandomResizedCrop((13, 30), keys=("image", "mask"), **kw)(batch, generator=gen())
+    tv = v2.RandomResizedCrop((13, 30), **kw)
+    for i in range(4):
+        _, ref = tv(tv_tensors.Image(batch["image"][i]), tv_tensors.Mask(batch["mask"][i]))
+        assert torch.equal(out["mask"][i], ref.as_subclass(torch.Tensor))
+
+
+def test_random_resized_crop_nearest_names_the_keys():
+    batch = _rrc_batch(b=8)
+    batch["seg"] = batch["mask"].clone()
+    t = ad.RandomResizedCrop(9, keys=("image", "seg", "mask"), nearest="seg")
+    out = t(batch, generator=gen(1))
+    assert set(out["seg"].unique().tolist()) <= {0, 3, 7, 200}
+    # "mask" is not named, so it is resampled bilinearly like an image.
+    assert not set(out["mask"].unique().tolist()) <= {0, 3, 7, 200}
+    with pytest.raises(ValueError, match=r"nearest.*'label'.*keys"):
+        ad.RandomResizedCrop(9, keys=("image", "mask"), nearest=("label",))
+    assert ad.RandomResizedCrop(9).nearest == ()
+    assert ad.RandomResizedCrop(9, keys=("image", "mask")).nearest == ("mask",)
+    assert ad.RandomResizedCrop(9, keys=("image", "mask"), nearest=()).nearest == ()
+
+
+# --------------------------------------------------------------------------------------------
 # RandomCrop: padding as torchvision (int, [all], [left/right, top/bottom], [l, t, r, b])
 
 PADDINGS = [2, [3], (2, 0), (0, 3), (1, 2, 3, 4), [4, 0, 0, 1]]

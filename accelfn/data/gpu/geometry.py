@@ -125,16 +125,22 @@ class RandomResizedCrop:
 
     The box is drawn as in ``torchvision.transforms.v2.RandomResizedCrop`` (area fraction
     uniform in ``scale``, log-aspect uniform in ``log(ratio)``, 10 tries, then a centre crop
-    clamped to ``ratio``), vectorised over the batch. Resampling is one
+    clamped to ``ratio``), vectorised over the batch. Images are resampled by one
     ``torchvision.ops.roi_align`` call (bilinear, averaging several points per output pixel
-    when shrinking, which acts as antialiasing). Integer inputs are resampled in float32 and
-    rounded back to their dtype.
+    when shrinking, which acts as antialiasing); integer images are resampled in float32 and
+    rounded back to their dtype. The ``nearest`` keys (segmentation masks, label maps) are
+    resampled with nearest-neighbour sampling instead, as one ``gather`` from the same boxes:
+    values stay in their label set, dtype kept, bitwise equal to torchvision's
+    ``resized_crop`` of a ``tv_tensors.Mask`` (``InterpolationMode.NEAREST``).
 
     Args:
         size: output ``(height, width)`` (or one int).
         scale: range of the crop's area as a fraction of the image.
         ratio: range of the crop's aspect ratio (width / height).
         keys: batch keys to crop (all with the same boxes per sample).
+        nearest: the keys among ``keys`` resampled with nearest-neighbour sampling; by
+            default ``"mask"`` if it is one of ``keys``, else none. ``nearest=()`` resamples
+            every key bilinearly.
     """
 
     def __init__(
@@ -144,15 +150,26 @@ class RandomResizedCrop:
         ratio: tuple[float, float] = (3 / 4, 4 / 3),
         *,
         keys: str | Sequence[str] = ("image",),
+        nearest: str | Sequence[str] | None = None,
     ) -> None:
         self.size = as_pair(size, "size")
+        self.keys = as_keys(keys)
+        if nearest is None:
+            self.nearest: tuple[str, ...] = ("mask",) if "mask" in self.keys else ()
+        else:
+            self.nearest = (nearest,) if isinstance(nearest, str) else tuple(nearest)
+        missing = [k for k in self.nearest if k not in self.keys]
+        if missing:
+            raise ValueError(
+                f"RandomResizedCrop: nearest names {missing}, which are not among keys "
+                f"{self.keys}; add them to keys or leave them out of nearest"
+            )
         if not (0 < scale[0] <= scale[1] <= 1):
             raise ValueError(f"scale must satisfy 0 < low <= high <= 1, got {scale}")
         if not (0 < ratio[0] <= ratio[1]):
             raise ValueError(f"ratio must satisfy 0 < low <= high, got {ratio}")
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
-        self.keys = as_keys(keys)
 
     def boxes(
         self, b: int, height: int, width: int, generator: torch.Generator | None,
@@ -199,10 +216,16 @@ class RandomResizedCrop:
         height, width = xs[0].shape[-2:]
         boxes = self.boxes(b, height, width, generator, device)
         rois = torch.cat([torch.arange(b, device=device, dtype=boxes.dtype)[:, None], boxes], 1)
+        flat = self._nearest_index(boxes, width) if self.nearest else None
         out = batch.copy()
         for k, x in zip(self.keys, xs):
             lead = x.shape[1:-2]
             x4 = x.reshape(b, -1, height, width)
+            if flat is not None and k in self.nearest:
+                x3 = x4.reshape(b, x4.shape[1], height * width)
+                y = x3.gather(2, flat.expand(b, x3.shape[1], flat.shape[-1]))
+                out.set(k, y.reshape(b, *lead, *self.size))
+                continue
             work = x4 if x4.dtype in (torch.float32, torch.float64) else x4.float()
             y = roi_align(work, rois.to(work.dtype), self.size, 1.0, -1, True)
             if not x.dtype.is_floating_point:
@@ -211,10 +234,30 @@ class RandomResizedCrop:
             out.set(k, y.to(x.dtype).reshape(b, *lead, *self.size))
         return out
 
+    def _nearest_index(self, boxes: torch.Tensor, width: int) -> torch.Tensor:
+        """Flat source indices ``(b, 1, out_h * out_w)`` of nearest-neighbour resampling.
+
+        As ``torch.nn.functional.interpolate(mode="nearest")`` computes them, in float32:
+        ``min(floor(i * (in / out)), in - 1)`` along each axis, offset by the box's corner.
+        """
+        th, tw = self.size
+        starts = boxes[:, :2].long()
+        extent = (boxes[:, 2:] - boxes[:, :2]).float()  # (w, h), integer-valued
+
+        def axis(n: int, length: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+            scale = (length / n)[:, None]
+            i = torch.arange(n, device=boxes.device, dtype=torch.float32)
+            src = (i * scale).floor_().long()
+            return torch.minimum(src, length.long()[:, None] - 1) + start[:, None]
+
+        rows = axis(th, extent[:, 1], starts[:, 1])
+        cols = axis(tw, extent[:, 0], starts[:, 0])
+        return (rows[:, :, None] * width + cols[:, None, :]).reshape(boxes.shape[0], 1, th * tw)
+
     def __repr__(self) -> str:
         return (
             f"RandomResizedCrop(size={self.size}, scale={self.scale}, ratio={self.ratio}, "
-            f"keys={self.keys})"
+            f"keys={self.keys}, nearest={self.nearest})"
         )
 
 
