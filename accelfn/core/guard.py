@@ -34,6 +34,15 @@ _PROCEED, _SKIP = Decision(False), Decision(True)  # decisions are values: these
 _UNCHECKED = Decision(checked=False)
 
 
+_BUFFERS = (
+    "buffers the forward updated, such as BatchNorm running statistics, are as the forward "
+    "left them, as with torch.amp.GradScaler (if they are non-finite now, reset them with "
+    "module.reset_running_stats() or resume from a checkpoint).")
+_REFUSED = (
+    "the update was not applied: parameters, optimizer state, scheduler, carry, EMA weights and "
+    "loss scale are unchanged and the gradients were cleared; " + _BUFFERS)
+
+
 class NonFiniteError(FloatingPointError):
     """Raised when the non-finite policy says a NaN/Inf loss or gradient must stop training."""
 
@@ -79,31 +88,37 @@ class Guard:
             if event is not None:
                 event.synchronize()
             values = host.tolist()
-        skipped = self._account(*_unpack_flags(values), update, policy, limit)
+        skipped = self._account(*_unpack_flags(values), update, policy, limit, done=True)
         if not skipped:
             state.step_scheduler()
 
     def _account(self, loss_bad: bool, grads_bad: bool, overflow: bool, update: int,
-                 policy: str, limit: int) -> bool:
+                 policy: str, limit: int, done: bool = False) -> bool:
+        """Count a bad update as skipped, or raise. A refused update is not counted (the call
+        fails and leaves the guard as it was) unless ``done``: skipped on the device already."""
         if not (loss_bad or grads_bad or overflow):
             self.consecutive = 0
             return False
-        self.skipped += 1
-        if overflow and not loss_bad:
-            return True  # an fp16 overflow: the loss scale backs off, it is not divergence
-        if policy == "off":
+        if (overflow and not loss_bad) or policy == "off":
+            # an fp16 overflow: the loss scale backs off, it is not divergence
+            self.skipped += 1
             return True
         what = "loss" if loss_bad else "gradients"
-        if policy == "raise":
+        if policy == "raise":  # decided on the host, never deferred: nothing was skipped
             raise NonFiniteError(
-                f"non-finite {what} at update {update}; no state was changed. Lower the "
-                "learning rate, clip gradients, or use with_nonfinite(policy='skip') to skip "
-                "such updates")
-        self.consecutive += 1
-        if self.consecutive >= limit:
+                f"non-finite {what} at update {update}; {_REFUSED} Lower the learning rate, clip "
+                "gradients, or use with_nonfinite(policy='skip') to skip such updates")
+        in_a_row = self.consecutive + 1
+        if in_a_row < limit or done:
+            self.skipped += 1
+            self.consecutive = in_a_row
+        if in_a_row >= limit:
+            state = ("the last was skipped on the device; " + _BUFFERS if done
+                     else f"the last was refused: {_REFUSED}")
             raise NonFiniteError(
-                f"{self.consecutive} updates in a row had a non-finite {what} (last at update "
-                f"{update}); training diverged. Lower the learning rate or check the data")
+                f"{in_a_row} updates in a row had a non-finite {what} (last at update "
+                f"{update}); training diverged: {state} Lower the learning rate or check "
+                "the data")
         return True
 
     def state_dict(self) -> dict[str, int]:

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from conftest import Net, as_dict, assert_params_equal, classify, make_batch
+from reference import reference_update
 
 import accelfn as af
 from accelfn.core.syncs import GUARD_READ
@@ -200,9 +201,11 @@ def test_fused_divergence_raises_one_update_later_with_state_intact(net):
     step(state, make_batch())
     step(state, make_batch())  # second bad update, decided on the device
     state_before = _snapshot(state)
-    with pytest.raises(af.NonFiniteError, match="2 updates in a row"):
+    with pytest.raises(af.NonFiniteError, match=r"2 updates in a row.*skipped on the device"):
         step(state, make_batch())  # settles the previous one and raises
     _assert_same(state_before, _snapshot(state))
+    guard = state.slots["nonfinite"]
+    assert (guard.skipped, guard.consecutive) == (2, 2)  # both were skipped, on the device
 
 
 def test_sync_probe_finds_no_host_sync_in_a_fused_step_and_the_guard_read_otherwise(net):
@@ -326,3 +329,61 @@ def test_a_non_finite_sparse_gradient_is_caught(value):
         af.with_nonfinite(policy="raise")(_sparse_fn)(state, _sparse_batch(1))
     poisoned["on"] = False
     assert step(state, _sparse_batch(2))["skipped"] == 0
+
+
+# ------------------------------------------------- refused updates: counters and what changed
+def _bn_net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(),
+                               torch.nn.Linear(8, 4))
+
+
+def _nan_batch(seed):
+    batch = make_batch(seed=seed)
+    batch["x"][0, 0] = float("nan")
+    return batch
+
+
+def test_refused_update_counts_nothing_and_says_buffers_are_as_the_forward_left_them():
+    model, ref = _bn_net(), _bn_net()
+    state = _setup(model)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    step = af.with_nonfinite(policy="raise")(classify)
+    step(state, make_batch(seed=0))
+    reference_update(ref, ref_opt, as_dict(make_batch(seed=0)), classify)
+    before = _snapshot(state)
+    with pytest.raises(af.NonFiniteError) as info:
+        step(state, _nan_batch(1))
+    message = str(info.value)
+    assert "parameters, optimizer state, scheduler, carry, EMA weights and loss scale are " \
+           "unchanged" in message and "no state was changed" not in message
+    assert "BatchNorm running statistics, are as the forward left them" in message
+    assert "reset_running_stats()" in message
+    _assert_same(before, _snapshot(state))
+    guard = state.slots["nonfinite"]
+    assert (guard.skipped, guard.consecutive) == (0, 0)  # refused, not skipped
+    # the hand-written loop that skips the step: its forward updated the buffers the same way
+    loss = classify(ref, as_dict(_nan_batch(1)))["loss"]
+    loss.backward()
+    ref_opt.zero_grad(set_to_none=True)
+    for (name, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+    assert model[1].running_mean.isnan().any()
+    model[1].reset_running_stats()  # what the message advises
+    step(state, make_batch(seed=2))
+    assert all(b.isfinite().all() for b in model.buffers())
+
+
+def test_refusal_at_max_consecutive_counts_the_skips_only():
+    state = _setup(Net())
+    step = af.with_nonfinite(policy="skip", max_consecutive=3)(classify)
+    step(state, _nan_batch(0))
+    step(state, _nan_batch(1))
+    guard = state.slots["nonfinite"]
+    for _ in range(2):  # refused again if the caller carries on with bad data
+        with pytest.raises(af.NonFiniteError, match=r"3 updates in a row.*last was refused: "
+                                                    "the update was not applied"):
+            step(state, _nan_batch(2))
+        assert (guard.skipped, guard.consecutive) == (2, 2)
+    assert step(state, make_batch(seed=3))["skipped"] == 0
+    assert (guard.skipped, guard.consecutive) == (2, 0)
