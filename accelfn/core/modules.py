@@ -79,3 +79,9 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 found.extend(members)
     names = [n for n, _ in found]
     return [(n, m) for n, m in found if not any(n.startswith(o + ".") for o in names if o != n)]
+
+
+def running_stat_modules(block: nn.Module) -> tuple[nn.Module, ...]:
+    """The modules of ``block`` whose forward updates running statistics in training mode:
+    batch/instance norms with ``track_running_stats`` (any module following that convention)."""
+    return tuple(m for m in block.modules() if getattr(m, "track_running_stats", False) is True)

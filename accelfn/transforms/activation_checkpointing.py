@@ -17,7 +17,7 @@ from torch.utils.checkpoint import (
 )
 
 from ..core.engine import LossFn, Step
-from ..core.modules import find_blocks, wrap_forward
+from ..core.modules import find_blocks, running_stat_modules, wrap_forward
 from ..core.protocol import Hooks, Prepared, Transform, configure
 from ..core.state import TrainState
 
@@ -65,12 +65,6 @@ def _policy(save: Iterable[Any]) -> Callable[..., CheckpointPolicy]:
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
-
-
-def _running_stat_modules(block: nn.Module) -> tuple[nn.Module, ...]:
-    """The modules of ``block`` whose forward updates running statistics in training mode:
-    batch/instance norms with ``track_running_stats`` (any module following that convention)."""
-    return tuple(m for m in block.modules() if getattr(m, "track_running_stats", False) is True)
 
 
 class _KeepRunningStats:
@@ -141,7 +135,7 @@ def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -
                 "predicate(name, module)")
         for _, module in chosen[::every]:
             module.__dict__["_accelfn_ckpt_save"] = save
-            module.__dict__["_accelfn_ckpt_stats"] = _running_stat_modules(module)
+            module.__dict__["_accelfn_ckpt_stats"] = running_stat_modules(module)
             wrap_forward(module, "checkpoint", _run_checkpointed)
         state.slot(_SLOT, lambda: {"blocks": len(chosen[::every])})
         return prepared

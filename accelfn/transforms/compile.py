@@ -10,7 +10,9 @@ whole model's speed. Under DDP or FSDP2 each block is compiled in place instead,
 wrappers and per-block hooks the sharding put there, and the rest stays eager: the blocks run
 through one compiled function whose code dynamo caches once for every block of a class. So
 too with a backend that does not compile through AOTAutograd (``"eager"``): torch's
-invoke_subgraph, run as traced, traces its region again at every call to build its schema.
+invoke_subgraph, run as traced, traces its region again at every call to build its schema;
+and for blocks that update running statistics in training (BatchNorm's: a torchvision
+ResNet's), whose buffer updates torch's nested regions refuse.
 
 The compile cache (``cache=path``) is ``torch.compiler.save_cache_artifacts()``'s bytes and a
 zip of the C++ kernels this process loaded from inductor's cache directory, behind a one-line
@@ -52,7 +54,7 @@ from torch import Tensor, nn
 
 from ..core import compat
 from ..core.engine import LossFn, Step
-from ..core.modules import find_blocks, inner_forward, wrap_forward
+from ..core.modules import find_blocks, inner_forward, running_stat_modules, wrap_forward
 from ..core.processes import is_main_process
 from ..core.protocol import Hooks, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
@@ -358,10 +360,13 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
         else:
             kwargs["mode"] = mode
         model = prepared.model
-        if regional and (prepared.process_group is not None or backend not in _NESTING):
+        if regional and (prepared.process_group is not None or backend not in _NESTING
+                         or any(running_stat_modules(b) for _, b in _blocks(state.model))):
             # sharded: each block compiled in place, inside the DDP wrapper and FSDP2's
             # per-block hooks, the rest eager (torch.compile of a sharded whole model traces
-            # the sharding's hooks); so too with a backend that runs dynamo's graph as traced
+            # the sharding's hooks); so too with a backend that runs dynamo's graph as traced,
+            # and for blocks that update running statistics (BatchNorm's), which torch's
+            # nested regions refuse in training ("in-place input or buffer mutations")
             _compile_blocks(state.model, kwargs)
         else:
             if regional:  # one graph; the blocks' code compiled once, called for each

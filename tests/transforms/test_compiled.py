@@ -155,6 +155,41 @@ def test_regional_with_checkpointed_in_either_order_matches_eager(fresh_dynamo):
     assert graphs() - g0 == 1  # the second order reused the first one's compiled code
 
 
+class NormBlock(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin, self.bn = torch.nn.Linear(dim, dim), torch.nn.BatchNorm1d(dim)
+
+    def forward(self, x):
+        return x + torch.relu(self.bn(self.lin(x)))
+
+
+class NormNet(Net):  # blocks whose forward updates BatchNorm running statistics
+    def __init__(self, depth: int = 3) -> None:
+        super().__init__(depth=depth)
+        self.blocks = torch.nn.ModuleList(NormBlock(8) for _ in range(depth))
+
+
+@pytest.mark.compile
+def test_regional_on_blocks_with_running_statistics_matches_eager(fresh_dynamo):
+    # torch's nested compile regions refuse blocks that mutate buffers in training
+    # (BatchNorm's running statistics): such blocks are compiled in place instead
+    torch.manual_seed(0)
+    base = NormNet()
+    expected = reference(copy.deepcopy(base))
+    for build in (lambda f: af.compiled(regional=True, backend="aot_eager")(f),
+                  lambda f: af.compiled(regional=True, backend="aot_eager")(af.checkpointed(f)),
+                  lambda f: af.checkpointed(af.compiled(regional=True, backend="aot_eager")(f))):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        train(build(classify), model)
+        assert all("_accelfn_compiled" in b.__dict__ for b in model.blocks)
+        got, want = model.state_dict(), expected.state_dict()
+        assert list(got) == list(want)
+        for name in want:  # parameters and running statistics (updated once per forward)
+            torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
+
+
 def test_regional_without_repeated_blocks_says_how_to_fix():
     model = torch.nn.Sequential(torch.nn.Linear(6, 4))
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
