@@ -17,6 +17,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import torch
@@ -90,6 +91,31 @@ def _noop() -> None:
     return None
 
 
+def _broke(fut: cf.Future[Any]) -> bool:
+    """Whether ``fut`` failed because its pool lost a worker process."""
+    return fut.done() and not fut.cancelled() and isinstance(fut.exception(), BrokenProcessPool)
+
+
+def _describe_samples(items: list[Any]) -> str:
+    """``items`` (index tensors, or pairs holding one, as samplers give) as "one of the
+    samples 16-19, 24" when they are indices, else as a count of items."""
+    indices: list[int] = []
+    for item in items:
+        idx = item if isinstance(item, torch.Tensor) else getattr(item, "indices", None)
+        if not isinstance(idx, torch.Tensor) or idx.is_floating_point():
+            return f"one of the items in flight ({len(items)})"
+        indices += idx.reshape(-1).tolist()
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive indices
+    for i in sorted(set(indices)):
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
+    shown = ", ".join(text[:20]) + (", ..." if len(text) > 20 else "")
+    return f"one of the samples in flight ({shown})"
+
+
 def _process_call(item: Any) -> Any:
     assert _WORKER_FN is not None
     return _WORKER_FN(item)
@@ -104,7 +130,10 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
     processed or waiting. Its state is the source's state as of the last item returned, so
     resume is exact whatever was in flight. Exceptions in ``map_fn`` are re-raised with
     their type and message. Worker processes exit within 0.1 s (``PARENT_POLL_S``) of the
-    death of the process that created the pool, by ``SIGKILL`` too.
+    death of the process that created the pool, by ``SIGKILL`` too. If a worker process dies
+    (killed for memory, a segfault), ``next()`` raises ``BrokenProcessPool`` naming the
+    samples in flight and what to check, and drops the pool: the next ``reset()`` (epoch)
+    starts new processes.
 
     Its state has the shape of ``torchdata.nodes.Mapper``'s (``{"it_state": {"source": ...}}``)
     whatever ``num_workers`` and ``worker_type``, so that a position saved with workers
@@ -147,7 +176,8 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
         self.max_in_flight = max_in_flight or 2 * num_workers
         self.mp_context = mp_context
         self._pool: cf.Executor | None = None
-        self._pending: deque[tuple[cf.Future[Any], dict[str, Any]]] = deque()
+        self._pending: deque[tuple[cf.Future[Any], dict[str, Any], Any]] = deque()
+        self._finalizer: weakref.finalize[Any, Any] | None = None
         self._state: dict[str, Any] | None = None
         self._exhausted = False
 
@@ -172,7 +202,9 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
                 # Start the processes now, from the thread calling reset() (normally the main
                 # thread), rather than from whichever thread submits the first item.
                 self._pool.submit(_noop)
-            weakref.finalize(self, self._pool.shutdown, wait=False, cancel_futures=True)
+            self._finalizer = weakref.finalize(
+                self, self._pool.shutdown, wait=False, cancel_futures=True
+            )
         return self._pool
 
     def _submit(self, pool: cf.Executor, item: Any) -> cf.Future[Any]:
@@ -182,8 +214,10 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        if any(_broke(fut) for fut, _, _ in self._pending):
+            self._drop_pool()  # a worker process died in an epoch left unfinished
         self._ensure_pool()
-        for fut, _ in self._pending:
+        for fut, _, _ in self._pending:
             fut.cancel()
         self._pending.clear()
         self._exhausted = False
@@ -200,17 +234,50 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
             except StopIteration:
                 self._exhausted = True
                 break
-            self._pending.append((self._submit(pool, item), self.source.state_dict()))
+            try:
+                fut = self._submit(pool, item)
+            except BrokenProcessPool as e:
+                raise self._broken([item]) from e
+            self._pending.append((fut, self.source.state_dict(), item))
 
     def next(self) -> Any:
         self._fill()
         if not self._pending:
             raise StopIteration
-        fut, state = self._pending.popleft()
-        result = fut.result()
+        fut, state, item = self._pending.popleft()
+        try:
+            result = fut.result()
+        except BrokenProcessPool as e:
+            raise self._broken([item]) from e
         self._state = state
         self._fill()
         return result
+
+    def _drop_pool(self) -> None:
+        """Forget a broken pool (its processes are gone or going): the next ``reset()``
+        starts a new one."""
+        for fut, _, _ in self._pending:
+            fut.cancel()
+        self._pending.clear()
+        if self._finalizer is not None:
+            self._finalizer()  # shutdown(wait=False, cancel_futures=True), once
+        self._pool = self._finalizer = None
+
+    def _broken(self, items: list[Any]) -> BrokenProcessPool:
+        """The error for a pool one of whose processes died, naming the samples in flight
+        (one of which it was loading, if the items are batches of indices); drops the pool."""
+        items += [item for _, _, item in self._pending]
+        self._drop_pool()
+        samples = _describe_samples(items)
+        return BrokenProcessPool(
+            "a worker process died abruptly (killed, e.g. by the out-of-memory killer, or "
+            "crashed, e.g. by a segfault in native code) while it was loading "
+            f"{samples}. Check the machine's memory (dmesg, the container's memory limit; "
+            "lower num_workers, batch_size or prefetch), and load these samples in this "
+            "process (num_workers=0, or dataset[i] by hand) to see a crash in the dataset's "
+            "__getitem__ or sample_transform. The pool is dropped: the next epoch (iter()) "
+            "starts new worker processes."
+        )
 
     def get_state(self) -> dict[str, Any]:
         return {_IT_STATE: {"source": self._state}}
@@ -218,8 +285,10 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
     def close(self) -> None:
         """Stop the workers (a later ``reset()`` starts new ones)."""
         if self._pool is not None:
-            for fut, _ in self._pending:
+            for fut, _, _ in self._pending:
                 fut.cancel()
             self._pending.clear()
             self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+            if self._finalizer is not None:
+                self._finalizer.detach()
+            self._pool = self._finalizer = None

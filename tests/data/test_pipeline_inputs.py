@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import re
+from concurrent.futures.process import BrokenProcessPool
+
 import pytest
 import torch
 from tensordict import TensorDict
@@ -202,3 +206,83 @@ def test_c_a_dict_source_with_rows_of_different_lengths_is_refused():
 def test_c_a_dict_source_of_empty_dicts_is_refused():
     with pytest.raises(ValueError, match="holds no tensor"):
         ad.loader({"meta": {}}, batch_size=4)
+
+
+# --------------------------------------------------------------------------------------------
+# A worker process that dies
+
+
+class Crashing:
+    """Sample 17 kills its worker process (as a segfault or the OOM killer would) while the
+    file ``flag`` exists."""
+
+    def __init__(self, flag: str) -> None:
+        self.flag = flag
+
+    def __len__(self) -> int:
+        return 40
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        if i == 17 and os.path.exists(self.flag):
+            os._exit(3)
+        return {"x": torch.tensor(float(i))}
+
+
+def test_e_a_dead_worker_process_is_reported_and_the_next_epoch_starts_new_ones(tmp_path):
+    flag = tmp_path / "crash"
+    loader = ad.loader(
+        Crashing(str(flag)), batch_size=4, shuffle=False, num_workers=2, worker_type="process"
+    )
+    flag.touch()
+    with pytest.raises(BrokenProcessPool) as info:
+        list(loader)
+    message = str(info.value)
+    assert "a worker process died" in message
+    named = re.search(r"one of the samples in flight \(([\d, -]+)\)", message)
+    assert named is not None
+    runs = [[int(x) for x in run.split("-")] for run in named.group(1).split(", ")]
+    assert any(run[0] <= 17 <= run[-1] for run in runs)  # sample 17 is among those named
+    assert "__getitem__" in message and "memory" in message and "num_workers=0" in message
+    flag.unlink()
+    try:
+        for _ in range(2):  # new workers: every later epoch is whole
+            assert [b["x"][0].item() for b in loader] == [4.0 * i for i in range(10)]
+    finally:
+        loader.close()
+
+
+def _load_or_die(flag: str, idx: torch.Tensor) -> list[int]:
+    if 17 in idx.tolist() and os.path.exists(flag):
+        os._exit(3)
+    return idx.tolist()
+
+
+def test_e_a_pool_broken_in_an_unfinished_epoch_is_replaced_at_the_next(tmp_path):
+    import functools
+    import time
+
+    flag = tmp_path / "crash"
+    flag.touch()
+    sampler = ad.IndexBatchSampler(24, 4, shuffle=False)
+    fn = functools.partial(_load_or_die, str(flag))
+    pool = ad.PoolMapper(sampler, fn, 1, worker_type="process", max_in_flight=6)
+    try:
+        pool.reset(None)
+        assert next(pool) == [0, 1, 2, 3]  # the batch with 17 is in flight: its worker dies
+        deadline = time.monotonic() + 30
+        while not pool._pending[-1][0].done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        flag.unlink()
+        pool.reset(None)  # the epoch is left unfinished: the next one gets a new pool
+        assert [next(pool) for _ in range(6)][-1] == [20, 21, 22, 23]
+    finally:
+        pool.close()
+
+
+def test_e_the_samples_in_flight_are_named_in_runs():
+    from accelfn.data.sampling import EpochBatch
+    from accelfn.data.workers import _describe_samples
+
+    items = [torch.tensor([4, 5, 6]), EpochBatch(torch.tensor([7, 9]), 1), torch.tensor([2])]
+    assert _describe_samples(items) == "one of the samples in flight (2, 4-7, 9)"
+    assert _describe_samples(["a", "b"]) == "one of the items in flight (2)"
