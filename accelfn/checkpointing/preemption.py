@@ -19,6 +19,12 @@ Under several processes the decision is taken by all of them together: every
 ``check_every`` boundaries one all-reduce (MAX) of one integer combines the flags, and every
 process stops at the same step, so none is left waiting in a collective for one that left.
 That all-reduce and its host read are the guard's whole cost; between checks it costs nothing.
+
+With ``with_accumulation(n, mode="calls")`` a checkpoint can only be taken at an update
+boundary (an open window's gradients are not saved): given the state, [`should_stop`][] and
+[`exit_if_requested`][] say stop only when no window is open, so a signal arriving mid-window
+stops the run when that window's update is applied (every process makes the same calls, so
+all stop at the same one). Keep ``n`` calls well within the grace period.
 """
 
 from __future__ import annotations
@@ -153,13 +159,20 @@ class PreemptionGuard:
         """The last signal received, or None."""
         return self._signal
 
-    def should_stop(self) -> bool:
+    def should_stop(self, state: TrainState | None = None) -> bool:
         """Whether to checkpoint and stop now; call it at every step boundary, on every process.
 
         Single process: [`requested`][]. Several processes: every ``check_every``-th call
-        all-reduces the flags (MAX), so all processes return True at the same call; other
-        calls return False without communicating. Once True, it stays True.
+        all-reduces the flags (MAX), so all processes agree at the same call; other calls
+        do not communicate. Once agreed, it stays agreed. With ``state`` it returns True only
+        at an update boundary (``state.at_update_boundary``: no ``mode="calls"``
+        accumulation window open), the only place the state can be saved; the agreement
+        itself is made as without it, so every process still communicates at the same calls.
         """
+        agreed = self._agree()
+        return agreed and (state is None or state.at_update_boundary)
+
+    def _agree(self) -> bool:
         if self._agreed:
             return True
         self._calls += 1
@@ -190,6 +203,11 @@ class PreemptionGuard:
         from .background import AsyncSave, wait_previous
         from .saving import save
 
+        if isinstance(state, TrainState) and not state.at_update_boundary:
+            raise RuntimeError(
+                "checkpoint_and_exit with an accumulation window open (mode='calls'): its "
+                "gradients cannot be saved. Use exit_if_requested(directory, state, ...) or "
+                "should_stop(state), which say stop at the window's end")
         try:
             wait_previous("save")
         except Exception as error:
@@ -207,8 +225,9 @@ class PreemptionGuard:
 
     def exit_if_requested(self, directory: str | os.PathLike[str], state: TrainState,
                           **save_options: Any) -> None:
-        """At a step boundary: ``if self.should_stop(): self.checkpoint_and_exit(...)``."""
-        if self.should_stop():
+        """At a step boundary: ``if self.should_stop(state): self.checkpoint_and_exit(...)``
+        (so with ``mode="calls"`` accumulation, at the end of the window open at the signal)."""
+        if self.should_stop(state):
             self.checkpoint_and_exit(directory, state, **save_options)
 
     def __repr__(self) -> str:

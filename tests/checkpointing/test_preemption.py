@@ -140,3 +140,81 @@ def test_sigterm_mid_run_checkpoints_exits_75_and_resumes_exactly(tmp_path):
     assert result["info"]["step"] == 3
     assert_same_run(load(out / "reference.pt"), result)
     assert torch.is_tensor(result["losses"][0])
+
+
+def _calls_run():
+    from conftest import Net, classify
+
+    import accelfn as af
+
+    torch.manual_seed(0)
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    return state, af.with_accumulation(3, mode="calls")(af.with_clipping(max_norm=0.5)(classify))
+
+
+def test_sigterm_mid_window_stops_at_the_windows_end_and_resumes_exactly(tmp_path):
+    """Calls-mode accumulation: a SIGTERM while a window is open stops at the window's end
+    (the first update boundary), with a checkpoint and status 75, not a crash."""
+    from conftest import make_batch
+
+    batches = [make_batch(seed=i) for i in range(9)]
+    state, step = _calls_run()
+    calls = 0
+    with pytest.raises(SystemExit) as exited, PreemptionGuard() as guard:
+        for batch in batches:
+            step(state, batch)
+            calls += 1
+            if calls == 4:  # the second window has one call
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.01)
+                assert guard.requested and not guard.should_stop(state)  # not mid-window
+            guard.exit_if_requested(tmp_path, state, step=step)
+    assert exited.value.code == EXIT_PREEMPTED
+    assert calls == 6 and state.step == 2  # stopped when the window closed
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-000000002"]
+    resumed, step2 = _calls_run()
+    ckpt.load(tmp_path, resumed, step=step2)
+    straight, step3 = _calls_run()
+    for batch in batches:
+        step3(straight, batch)
+    for batch in batches[6:]:
+        step2(resumed, batch)
+    assert resumed.step == straight.step == 3
+    for a, b in zip(resumed.model.parameters(), straight.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_several_processes_agree_and_stop_at_the_same_window_end(monkeypatch):
+    """The agreement's all-reduce runs as before (every check_every calls, whatever the
+    window); the stop it agreed is taken at the first boundary, the same call everywhere."""
+    from conftest import make_batch
+
+    reduces = []
+
+    def all_reduce(tensor, op):
+        reduces.append(int(tensor.item()))
+        tensor.fill_(1)
+
+    monkeypatch.setattr(preemption, "_world", lambda: 2)
+    monkeypatch.setattr(preemption.dist, "get_backend", lambda: "gloo")
+    monkeypatch.setattr(preemption.dist, "all_reduce", all_reduce)
+    state, step = _calls_run()
+    guard = PreemptionGuard(check_every=2)
+    decisions = []
+    for i in range(6):
+        step(state, make_batch(seed=i))
+        decisions.append(guard.should_stop(state))
+    # agreed at call 2 (its window open), True at each update boundary from then on
+    assert decisions == [False, False, True, False, False, True]
+    assert reduces == [0]
+
+
+def test_checkpoint_and_exit_mid_window_is_refused_before_saving(tmp_path):
+    from conftest import make_batch
+
+    state, step = _calls_run()
+    step(state, make_batch())
+    with pytest.raises(RuntimeError, match=r"window open.*exit_if_requested"):
+        PreemptionGuard().checkpoint_and_exit(tmp_path / "run", state, step=step)
+    assert not (tmp_path / "run").exists()
