@@ -1,7 +1,8 @@
 """load(): one call restores everything a run needs to continue exactly, whole or not at all.
 
-Everything is read and checked before anything changes (``_read_and_check()``); should
-restoring still fail part-way, what was restored is rolled back. Every file loads with
+Everything is read and checked before anything changes (``_read_and_check()``, before the
+step prepares the state; then ``_check_prepared()``, what only the prepared state can tell);
+should restoring still fail part-way, what was restored is rolled back. Every file loads with
 ``torch.load(weights_only=True)`` (DCP's metadata with the same restricted unpickler), so
 loading never runs pickled code.
 
@@ -108,11 +109,6 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
             f"the checkpoint's scheduler is {meta['scheduler']}, this state's is {here_sched}; "
             "build the state with the scheduler the checkpointed run used"
         )
-    if not meta["sharded"] and checks.is_sharded(state.model):
-        raise CheckpointError(
-            f"{path} holds an unsharded model but this model's parameters are sharded "
-            "(FSDP2); write the checkpoint with save(..., sharded=True) to load it under FSDP"
-        )
     same_world = int(meta["world_size"]) == world
     if not same_world and not allow_resharding:
         raise CheckpointError(
@@ -149,7 +145,6 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
         raise CheckpointError(f"{path / STATE_FILE} lacks parts of the training state")
     if not meta["optimizer_sharded"] and "optimizer" not in dropped:
         checks.check_optimizer_state(saved_state.get("optimizer"), state.optimizer)
-    checks.check_slots(saved_state.get("slots"), state)
     rank_state = None
     setters: list[tuple[str, Callable[[], None]]] = []
     if same_world:
@@ -161,6 +156,17 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
         if loader is not None:
             checks.check_loader(rank_state.get("loader"), loader)
     return _Checked(meta, payload, rank_state, setters, dcp_metadata)
+
+
+def _check_prepared(path: Path, state: TrainState, checked: _Checked) -> None:
+    """The checks that need the state as the step prepared it (sharded by FSDP2, with the
+    transforms' slots made)."""
+    if not checked.meta["sharded"] and checks.is_sharded(state.model):
+        raise CheckpointError(
+            f"{path} holds an unsharded model but this model's parameters are sharded "
+            "(FSDP2); write the checkpoint with save(..., sharded=True) to load it under FSDP"
+        )
+    checks.check_slots(checked.payload["state"].get("slots"), state)
 
 
 def load(
@@ -186,8 +192,10 @@ def load(
         path: a checkpoint directory, or a run's folder (then its newest committed one).
         state: the [`TrainState`][] to restore into, built like the saved one.
         loader: the loader whose position was saved.
-        step: the step being trained: its transform stack must be the saved one, and it
-            prepares ``state`` first (e.g. FSDP2 shards the model before shards are loaded).
+        step: the step being trained: its transform stack must be the saved one; once the
+            checkpoint's model, stack and optimizer are found to match, it prepares ``state``
+            before anything is restored (e.g. FSDP2 shards the model before shards are
+            loaded). A step refused for another stack prepares nothing.
         allow_resharding: load a checkpoint written by another number of processes:
             model, optimizer, scheduler and transform state are restored (sharded ones are
             resharded by DCP), RNG states and loader positions are not (they belonged to
@@ -216,16 +224,21 @@ def load(
     resolved = Path(from_rank0(str(resolved)))
     dropped = _DROPPED
     checked: _Checked | None = None
-    try:
-        if step is not None:
-            checks.stack_signature(step)
-            step.prepare(state)  # what the first call would do (collective under torchrun)
+    try:  # model, stack, optimizer, files, loader: before the step prepares anything
+        checks.stack_signature(step)
         checked = _read_and_check(resolved, state, loader, step, allow_resharding, rank, world,
                                   dropped)
     except BaseException as exc:
         error = exc
     agree(error, "checking the checkpoint")
     assert checked is not None
+    try:
+        if step is not None:  # only a step the checkpoint was saved with prepares the state:
+            step.prepare(state)  # what its first call would do (collective under torchrun)
+        _check_prepared(resolved, state, checked)
+    except BaseException as exc:
+        error = exc
+    agree(error, "checking the checkpoint")
     meta = checked.meta
 
     snapshot = clone(state.state_dict())

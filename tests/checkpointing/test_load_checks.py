@@ -11,7 +11,7 @@ import io
 
 import pytest
 import torch
-from checkpoint_helpers import assert_unchanged, dataset, forge, run, setup, snapshot
+from checkpoint_helpers import assert_unchanged, dataset, forge, noisy, run, setup, snapshot
 from conftest import Net
 
 import accelfn as af
@@ -182,3 +182,62 @@ def test_a_malformed_loader_position_is_refused_before_anything_is_restored(tmp_
         got, want = list(fresh_loader), list(twin)
         assert len(got) == len(want) == 12
         assert all(torch.equal(a["x"], b["x"]) for a, b in zip(got, want))
+
+
+# ------------------------------------------------------------------------- refused step
+def _unprepared(seed: int = 0):
+    """setup()'s run in a new process: its state not yet prepared by any step."""
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state = af.TrainState(model, opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2, 0.5))
+    return state, data.loader(dataset(), batch_size=4, seed=1)
+
+
+def _right():
+    return af.with_clipping(max_norm=0.5)(noisy)
+
+
+def _wrong():
+    return af.with_ema(decay=0.9)(af.with_amp(dtype=torch.bfloat16, fp32=(torch.nn.Linear,))(
+        af.with_clipping(max_norm=0.5)(noisy)))
+
+
+def _wrapped(model):
+    """The modules whose forward a transform wrapped (with the wrappers' tags)."""
+    return {name: m.__dict__.get("_accelfn_tags") for name, m in model.named_modules()
+            if "_accelfn_tags" in m.__dict__}
+
+
+def test_a_load_refused_for_another_step_prepares_nothing(tmp_path):
+    state, loader = _unprepared()
+    step = _right()
+    it = iter(loader)
+    run(state, it, step, 3)
+    ckpt.save(tmp_path, state, loader=loader, step=step)
+
+    def resume(mistake: bool):
+        fresh, fresh_loader = _unprepared(seed=1)
+        if mistake:
+            before = snapshot(fresh)
+            with pytest.raises(ckpt.CheckpointError, match="added: with_amp"):
+                ckpt.load(tmp_path, fresh, loader=fresh_loader, step=_wrong())
+            assert_unchanged(before, fresh)
+            assert fresh.preparations == () and dict(fresh.slots) == {}
+            assert _wrapped(fresh.model) == {}
+        right = _right()
+        ckpt.load(tmp_path, fresh, loader=fresh_loader, step=right)
+        losses = run(fresh, iter(fresh_loader), right, 3)
+        path = ckpt.save(tmp_path / "again", fresh, loader=fresh_loader, step=right)
+        saved_slots = sorted(torch.load(path / "state.pt", weights_only=True)["state"]["slots"])
+        return losses, fresh, saved_slots
+
+    losses, clean, clean_slots = resume(False)
+    losses_after_mistake, state_after_mistake, slots_after_mistake = resume(True)
+    assert all(torch.equal(a, b) for a, b in zip(losses, losses_after_mistake))
+    assert all(torch.equal(a, b) for a, b in zip(clean.model.parameters(),
+                                                 state_after_mistake.model.parameters()))
+    assert _wrapped(state_after_mistake.model) == _wrapped(clean.model)
+    assert len(state_after_mistake.preparations) == len(clean.preparations) == 1
+    assert slots_after_mistake == clean_slots
+    assert sorted(state_after_mistake.slots) == sorted(clean.slots)
