@@ -9,6 +9,7 @@ Dtypes are kept (uint8 images stay uint8: 4x smaller than float32, converted on 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -32,7 +33,9 @@ __all__ = [
 ]
 
 MARKER = "accelfn_preload.json"
-_FORMAT = 1
+#: 2: the marker records what the preload was built with ("options") and each key's
+#: per-sample "shapes" and "dtypes", checked before a preload is reused.
+_FORMAT = 2
 
 
 def _marker(path: Path) -> dict[str, Any] | None:
@@ -74,6 +77,68 @@ def open_preloaded(path: str | os.PathLike[str]) -> TensorDict:
     return td
 
 
+def _describe_callable(fn: Callable[..., Any] | None) -> str | None:
+    """A plain description of ``fn`` for the marker: its repr when it describes it (e.g. a
+    torchvision transform and its parameters), else its qualified name."""
+    if fn is None:
+        return None
+    text = repr(fn)
+    if " at 0x" not in text and len(text) <= 2000:
+        return text
+    named = fn if hasattr(fn, "__qualname__") else type(fn)
+    return f"{getattr(named, '__module__', '?')}.{getattr(named, '__qualname__', '?')}"
+
+
+def _layout(td: TensorDictBase) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Per-sample shape and dtype of each leaf of ``td`` (keys as in the marker)."""
+    shapes, dtypes = {}, {}
+    for key in td.keys(include_nested=True, leaves_only=True):
+        name = key if isinstance(key, str) else ".".join(key)
+        value = td.get(key)
+        shapes[name] = list(value.shape[td.batch_dims:])
+        dtypes[name] = str(value.dtype)
+    return shapes, dtypes
+
+
+def _check_reuse(path: Path, info: dict[str, Any], n: int, options: dict[str, Any],
+                 source: Any, keys: Sequence[str] | None) -> None:
+    """Raise unless the complete preload at ``path`` (its marker ``info``) is what this call
+    would write: same number of samples, same options, and, for a TensorDict source, the same
+    keys, shapes and dtypes."""
+    fix = (f"pass overwrite=True to rebuild it, or delete the directory {path}, or choose "
+           "another path")
+    if info["num_samples"] != n:
+        raise ValueError(
+            f"{path} already holds a preload of {info['num_samples']} samples but the source "
+            f"has {n}; {fix}"
+        )
+    if not isinstance(info.get("options"), dict):
+        raise ValueError(
+            f"{path} holds a preload written by an older accelfn, whose marker does not record "
+            f"the options it was built with (size, keys, sample_transform, ...), so it cannot "
+            f"be told apart from what this call asks for; {fix}"
+        )
+    built = info["options"]
+    diff = [k for k in sorted(set(built) | set(options)) if built.get(k) != options.get(k)]
+    if diff:
+        detail = "; ".join(
+            f"{k}: built with {built.get(k)!r}, asked for {options.get(k)!r}" for k in diff
+        )
+        raise ValueError(
+            f"{path} already holds a preload built with other options ({detail}); {fix}"
+        )
+    if isinstance(source, TensorDictBase):
+        selected = source if keys is None else source.select(*keys)
+        shapes, dtypes = _layout(selected)
+        for what, here, there in (("shape", shapes, info.get("shapes")),
+                                  ("dtype", dtypes, info.get("dtypes"))):
+            if here != there:
+                raise ValueError(
+                    f"{path} already holds a preload whose samples differ from the source's: "
+                    f"per-sample {what}s {there} there, {here} in the source; {fix}"
+                )
+
+
 def preload(
     source: Any,
     path: str | os.PathLike[str],
@@ -94,6 +159,12 @@ def preload(
     preload of the same number of samples it is opened instead of rewritten ("write once");
     ``overwrite=True`` rewrites it.
 
+    A preload is reused only if it was built with the same ``keys`` and ``sample_transform``
+    (compared by its repr, or by its qualified name when the repr is an address: a function
+    changed in place is not detected) and, for a TensorDict source, the same per-sample
+    shapes and dtypes; otherwise a ``ValueError`` names what differs (nothing is rewritten
+    unless ``overwrite=True``). The marker records them (see [`preload_info`][]).
+
     Args:
         source: the dataset.
         path: directory to write (created; must be empty, or a previous preload).
@@ -108,9 +179,33 @@ def preload(
 
     Raises:
         ValueError: ``path`` exists and is not a preload, an existing preload has a different
-            size, or a sample is inconsistent with the first (named by its index).
+            size or was built with other options (or by an accelfn that did not record them),
+            or a sample is inconsistent with the first (named by its index).
         TypeError: ``source`` is an iterable without a length.
     """
+    options = {"keys": None if keys is None else list(keys),
+               "sample_transform": _describe_callable(sample_transform)}
+    return _preload(source, path, options=options, keys=keys,
+                    sample_transform=sample_transform, batch_size=batch_size,
+                    num_workers=num_workers, worker_type=worker_type, overwrite=overwrite,
+                    metadata=metadata)
+
+
+def _preload(
+    source: Any,
+    path: str | os.PathLike[str],
+    *,
+    options: dict[str, Any],
+    keys: Sequence[str] | None,
+    sample_transform: Callable[[Any], Any] | None,
+    batch_size: int,
+    num_workers: int | None,
+    worker_type: Literal["thread", "process"],
+    overwrite: bool,
+    metadata: dict[str, Any] | None,
+) -> TensorDict:
+    """[`preload`][], with the ``options`` that define the result (recorded in the marker,
+    and compared with an existing preload's before it is reused)."""
     path = Path(path)
     if isinstance(source, Mapping) and any(isinstance(k, str) for k in source):
         source = _as_source(source)[1]  # a dict of columns, as a TensorDict (checked)
@@ -138,11 +233,7 @@ def preload(
                 f"{path} exists and is not a preloaded dataset; choose a new or empty directory"
             )
         if info and not overwrite:
-            if info["num_samples"] != n:
-                raise ValueError(
-                    f"{path} already holds a preload of {info['num_samples']} samples but the "
-                    f"source has {n}; pass overwrite=True to rewrite it"
-                )
+            _check_reuse(path, info, n, options, source, keys)
             return open_preloaded(path)
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -174,10 +265,14 @@ def preload(
     finally:
         batches.close()
     assert out is not None and start == n
+    shapes, dtypes = _layout(out)
     info = {
         "format": _FORMAT,
         "num_samples": n,
         "keys": sorted(map(str, out.keys(include_nested=True, leaves_only=True))),
+        "shapes": shapes,
+        "dtypes": dtypes,
+        "options": options,
         "metadata": metadata or {},
     }
     tmp = path / (MARKER + ".tmp")
@@ -187,7 +282,9 @@ def preload(
 
 
 def preload_info(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """The marker of a preload: ``num_samples``, ``keys`` and the ``metadata`` passed in."""
+    """The marker of a preload: ``num_samples``, ``keys``, each key's per-sample ``shapes`` and
+    ``dtypes``, the ``options`` it was built with (checked before it is reused) and the
+    ``metadata`` passed in."""
     info = _marker(Path(path))
     if info is None:
         raise FileNotFoundError(f"no preloaded dataset at {path}")
@@ -289,14 +386,36 @@ def preload_image_folder(
     ``size``, and written as ``"image"`` uint8 ``(N, 3, H, W)`` with ``"label"`` int64. Class
     names are kept in the marker: ``preload_info(path)["metadata"]["classes"]``. Train with
     ``loader(open_preloaded(path), ..., transform=<GPU augmentation>)``.
+
+    An existing preload at ``path`` is reused only if it was built from the same files (names
+    and labels) with the same ``size``; otherwise a ``ValueError`` names what differs
+    (``overwrite=True`` rebuilds it).
     """
     files, labels, classes = find_images(root)
     if not files:
         raise ValueError(f"no images found under {root} (expected root/<class>/<image>)")
-    return preload(
-        ImageFiles(files, labels, size=size),
+    images = ImageFiles(files, labels, size=size)
+    assert images.size is not None
+    # What the result depends on (the root's place does not): compared before a reuse.
+    listing = "\n".join(
+        f"{os.path.relpath(f, root)}\t{label}" for f, label in zip(files, labels)
+    )
+    options = {
+        "keys": None,
+        "sample_transform": None,
+        "size": list(images.size),
+        "classes": classes,
+        "files": hashlib.sha256(listing.encode()).hexdigest(),
+    }
+    return _preload(
+        images,
         path,
+        options=options,
+        keys=None,
+        sample_transform=None,
+        batch_size=256,
         num_workers=num_workers,
+        worker_type="thread",
         overwrite=overwrite,
         metadata={"classes": classes, "root": os.fspath(root)},
     )

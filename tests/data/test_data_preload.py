@@ -184,3 +184,71 @@ def test_preload_a_dict_of_columns(tmp_path):
     with pytest.raises(TypeError, match="key 'name' holds a list"):
         ad.preload({"x": torch.zeros(4), "name": list("abcd")}, tmp_path / "e")
     assert not (tmp_path / "e").exists()  # refused before anything is written
+
+
+# --------------------------------------------------------------------------------------------
+# A preload is reused only when it was built with the same options
+
+
+def test_preload_image_folder_with_another_size_is_refused_not_reused(tmp_path, image_folder):
+    pre = tmp_path / "pre"
+    ad.preload_image_folder(image_folder, pre, size=12, num_workers=1)
+    with pytest.raises(ValueError) as info:
+        ad.preload_image_folder(image_folder, pre, size=8, num_workers=1)
+    message = str(info.value)
+    assert "size" in message and "[12, 12]" in message and "[8, 8]" in message
+    assert "overwrite=True" in message and str(pre) in message
+    assert ad.open_preloaded(pre)["image"].shape == (7, 3, 12, 12)  # left as it was
+    again = ad.preload_image_folder(image_folder, pre, size=12, num_workers=2)  # same: reused
+    assert again["image"].shape == (7, 3, 12, 12)
+    rebuilt = ad.preload_image_folder(image_folder, pre, size=8, overwrite=True)
+    assert rebuilt["image"].shape == (7, 3, 8, 8)
+    info_ = ad.preload_info(pre)
+    assert info_["options"]["size"] == [8, 8]
+    assert info_["shapes"] == {"image": [3, 8, 8], "label": []}
+    assert info_["dtypes"] == {"image": "torch.uint8", "label": "torch.int64"}
+
+
+def test_preload_image_folder_with_other_files_is_refused(tmp_path, image_folder):
+    ad.preload_image_folder(image_folder, tmp_path / "pre", size=8)
+    os.rename(image_folder / "cat" / "0.jpg", image_folder / "cat" / "9.jpg")  # same count
+    with pytest.raises(ValueError, match=r"files.*overwrite=True"):
+        ad.preload_image_folder(image_folder, tmp_path / "pre", size=8)
+
+
+def test_preload_with_other_keys_or_sample_transform_is_refused(tmp_path):
+    ad.preload(Images(), tmp_path / "p")
+    with pytest.raises(ValueError, match=r"keys: built with None, asked for \['a', 'b'\]"):
+        ad.preload(Exploding(), tmp_path / "p", keys=["a", "b"])
+    with pytest.raises(ValueError, match=r"sample_transform: built with None, asked for"):
+        ad.preload(Exploding(), tmp_path / "p", sample_transform=_halve)
+    assert ad.preload(Exploding(), tmp_path / "p").batch_size == torch.Size([50])
+
+
+def _halve(sample):
+    return sample[0] // 2, sample[1]
+
+
+def test_preload_of_a_tensordict_with_another_dtype_is_refused(tmp_path):
+    src = TensorDict({"x": torch.arange(30.0).view(10, 3), "y": torch.arange(10)}, [10])
+    ad.preload(src, tmp_path / "t")
+    ad.preload(src.clone(), tmp_path / "t")  # the same: reused
+    with pytest.raises(ValueError, match=r"'x'.*torch.float32.*torch.float64"):
+        ad.preload(src.apply(lambda t: t.double() if t.is_floating_point() else t),
+                   tmp_path / "t")
+    with pytest.raises(ValueError, match=r"'x'.*\[3\].*\[1, 3\]"):
+        ad.preload(src.apply(lambda t: t.unsqueeze(1) if t.dim() == 2 else t), tmp_path / "t")
+
+
+def test_a_preload_from_before_the_options_were_recorded_is_not_reused(tmp_path):
+    import json
+
+    ad.preload(Images(), tmp_path / "p")
+    marker = tmp_path / "p" / "accelfn_preload.json"
+    old = {k: v for k, v in json.loads(marker.read_text()).items()
+           if k in ("num_samples", "keys", "metadata")}
+    marker.write_text(json.dumps({**old, "format": 1}))
+    with pytest.raises(ValueError, match=r"older accelfn.*not record.*overwrite=True"):
+        ad.preload(Exploding(), tmp_path / "p")
+    assert ad.open_preloaded(tmp_path / "p").batch_size == torch.Size([50])  # still opens
+    assert ad.preload(Images(), tmp_path / "p", overwrite=True).batch_size == torch.Size([50])
