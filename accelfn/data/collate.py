@@ -259,10 +259,19 @@ class SampleCollator:
     def load(self, index: int, epoch: int = 0) -> dict[str, torch.Tensor]:
         """Load, transform and convert sample ``index`` of ``epoch`` (no shape check)."""
         one_at_a_time = _SELF_SEEDING if self.self_seeding else contextlib.nullcontext()
+        where = f"while loading sample {index} of epoch {epoch}"
         with one_at_a_time, seeded_draws(mix_seed(self.seed, epoch, index)) as draws:
-            sample = self.dataset[index]
+            try:
+                sample = self.dataset[index]
+            except Exception as e:  # name the sample; the type and message stay the user's
+                e.add_note(f"{where}: in dataset[{index}]")
+                raise
             if self.sample_transform is not None:
-                sample = self.sample_transform(sample)
+                try:
+                    sample = self.sample_transform(sample)
+                except Exception as e:
+                    e.add_note(f"{where}: in sample_transform(dataset[{index}])")
+                    raise
         if draws.seeded_global:
             self.self_seeding = True
         return sample_to_dict(sample, self.keys, index)
@@ -332,7 +341,14 @@ class IterableBatcher(EpochCounting[TensorDict]):
     def _prepare(self, pos: int, raw: Any) -> tuple[int, dict[str, torch.Tensor]]:
         if self.sample_transform is not None:
             with seeded_draws(mix_seed(self.seed, self._epoch, pos)):
-                raw = self.sample_transform(raw)
+                try:
+                    raw = self.sample_transform(raw)
+                except Exception as e:  # name the sample; the type and message stay the user's
+                    e.add_note(
+                        f"while loading sample {pos} of epoch {self._epoch} of the iterable "
+                        "source: in sample_transform"
+                    )
+                    raise
         sample = sample_to_dict(raw, self.keys, pos)
         if self.spec is None:
             self.spec = SampleSpec.of(sample, self.ragged_keys)
@@ -351,6 +367,12 @@ class IterableBatcher(EpochCounting[TensorDict]):
                 raw = next(self.source)
             except StopIteration:
                 break
+            except Exception as e:
+                e.add_note(
+                    f"while reading sample {self._pos} of epoch {self._epoch} of the iterable "
+                    "source"
+                )
+                raise
             pos = self._pos
             self._pos += 1
             if read % w == self.rank:

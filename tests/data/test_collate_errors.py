@@ -1,0 +1,82 @@
+"""Errors raised while samples are loaded and collated name the sample that caused them."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+import accelfn.data as ad
+
+N = 40
+BAD = 23
+
+
+def decode(raw: int) -> torch.Tensor:  # the failing code does not know the index
+    if raw < 0:
+        raise ValueError("truncated record")
+    return torch.tensor(float(raw))
+
+
+class Truncated:
+    """A map-style dataset whose record ``BAD`` is corrupt. Module level: process workers
+    unpickle it."""
+
+    def __init__(self) -> None:
+        self.raw = [i if i != BAD else -1 for i in range(N)]
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        return {"x": decode(self.raw[i])}
+
+
+class TruncatedStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(N):
+            yield -1 if i == BAD else i
+
+
+def _shown(e: BaseException) -> str:
+    """What the user sees of an uncaught exception: message, notes and traceback."""
+    return "".join(traceback.format_exception(e))
+
+
+@pytest.mark.parametrize(
+    "worker_type, num_workers", [("thread", 0), ("thread", 2), ("process", 2)]
+)
+def test_an_error_in_getitem_names_the_sample_and_keeps_its_type(worker_type, num_workers):
+    loader = ad.loader(Truncated(), batch_size=4, shuffle=True, num_workers=num_workers,
+                       worker_type=worker_type)
+    try:
+        with pytest.raises(ValueError, match="truncated record") as info:
+            for _ in range(2):
+                for _ in loader:
+                    pass
+    finally:
+        loader.close()
+    assert f"while loading sample {BAD} of epoch 0" in _shown(info.value)
+
+
+def test_an_error_in_an_iterables_sample_transform_names_its_position():
+    loader = ad.loader(TruncatedStream(), batch_size=4, shuffle=False,
+                       sample_transform=lambda raw: {"x": decode(raw)})
+    with pytest.raises(ValueError, match="truncated record") as info:
+        list(loader)
+    assert f"sample {BAD} of epoch 0 of the iterable source" in _shown(info.value)
+
+
+class FailingStream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in range(N):
+            if i == BAD:
+                raise OSError("connection reset")
+            yield {"x": torch.tensor(i)}
+
+
+def test_an_error_while_reading_an_iterable_names_the_position():
+    with pytest.raises(OSError, match="connection reset") as info:
+        list(ad.loader(FailingStream(), batch_size=4, shuffle=False))
+    assert f"sample {BAD} of epoch 0 of the iterable source" in _shown(info.value)
