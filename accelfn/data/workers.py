@@ -214,7 +214,7 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        if any(_broke(fut) for fut, _, _ in self._pending):
+        if self.worker_type == "process" and any(_broke(fut) for fut, _, _ in self._pending):
             self._drop_pool()  # a worker process died in an epoch left unfinished
         self._ensure_pool()
         for fut, _, _ in self._pending:
@@ -248,6 +248,8 @@ class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
         try:
             result = fut.result()
         except BrokenProcessPool as e:
+            if self.worker_type != "process":
+                raise  # raised by map_fn itself: a thread pool has no process to lose
             raise self._broken([item]) from e
         self._state = state
         self._fill()

@@ -286,3 +286,18 @@ def test_e_the_samples_in_flight_are_named_in_runs():
     items = [torch.tensor([4, 5, 6]), EpochBatch(torch.tensor([7, 9]), 1), torch.tensor([2])]
     assert _describe_samples(items) == "one of the samples in flight (2, 4-7, 9)"
     assert _describe_samples(["a", "b"]) == "one of the items in flight (2)"
+
+
+def _raise_broken(idx: torch.Tensor) -> None:
+    raise BrokenProcessPool("the dataset's own pool broke")
+
+
+def test_e_a_broken_pool_raised_in_a_worker_thread_is_passed_as_it_is():
+    sampler = ad.IndexBatchSampler(8, 4, shuffle=False)
+    pool = ad.PoolMapper(sampler, _raise_broken, 2)
+    try:
+        pool.reset(None)
+        with pytest.raises(BrokenProcessPool, match=r"^the dataset's own pool broke$"):
+            next(pool)
+    finally:
+        pool.close()
