@@ -54,15 +54,21 @@ def from_rank0(value: T, group: Any = None) -> T:
 
 
 def agree(error: BaseException | None, what: str,
-          kind: type[Exception] = CheckpointError, group: Any = None) -> None:
-    """Raise on every process if any process failed ``what``: its own error where it failed,
-    a ``kind`` saying so on the others."""
+          kind: type[Exception] = CheckpointError, group: Any = None,
+          like: tuple[type[Exception], ...] = ()) -> None:
+    """Raise on every process if any process failed ``what``: its own error where it failed;
+    on the others, the first of ``like`` that the failing process' error is an instance of
+    (so that every process raises the same type), else a ``kind``, saying which process
+    failed and how (its error's type and message)."""
     if anyone(error is not None, group):
-        told = gather(None if error is None else f"{type(error).__name__}: {error}", group)
+        told = gather(None if error is None else
+                      (type(error).__name__, [c.__name__ for c in type(error).__mro__],
+                       str(error)), group)
         if error is not None:
             raise error
-        rank, message = next((r, m) for r, m in enumerate(told) if m is not None)
-        raise kind(f"{what} failed on another process (rank {rank}: {message})")
+        rank, (name, mro, message) = next((r, m) for r, m in enumerate(told) if m is not None)
+        same = next((c for n in mro for c in like if c.__name__ == n), kind)
+        raise same(f"{what} failed on another process (rank {rank}: {name}: {message})")
 
 
 def gather(value: Any, group: Any = None) -> list[Any]:

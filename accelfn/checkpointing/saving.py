@@ -134,6 +134,11 @@ def save(
             the next ``save()`` or ``load()``).
         CheckpointLockedError: (an OSError) another live process is saving into
             ``directory``; the message names its pid and host.
+
+    Under ``torchrun`` a failure on one process raises on every process: there its own
+    error, on the others the same one of these types (an ``OSError`` for a
+    ``CheckpointLockedError``; a ``RuntimeError`` for an error of any other type) naming
+    the failing rank, its error's type and message.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"save() takes an accelfn.TrainState, got {type(state).__name__}")
@@ -165,7 +170,10 @@ def save(
     except BaseException as exc:  # every process must hear of it
         error = exc
     try:
-        agree(error, "preparing the checkpoint")
+        # every process raises the type save() documents for the failure, as the failing
+        # one does (another failure: a RuntimeError naming it)
+        agree(error, "preparing the checkpoint", RuntimeError,
+              like=(TypeError, ValueError, RuntimeError, OSError))
         tmp = Path(from_rank0(str(tmp)))
     except BaseException:
         _abandon(rank, tmp, lock)

@@ -174,6 +174,71 @@ def test_a_locked_folder_fails_the_save_on_every_rank_with_the_holder_named(tmp_
                     for r in range(2))
     assert rank0["raised"] == "CheckpointLockedError"
     assert "pid 4242 on node-17.cluster" in rank0["message"]
-    assert rank1["raised"] == "CheckpointError"
+    assert rank1["raised"] == "OSError"  # the type save() documents, as on rank 0
     assert "rank 0: CheckpointLockedError" in rank1["message"] and "node-17" in rank1["message"]
+    assert ckpt.checkpoints(tmp_path / "run") == []
+
+
+_ONE_RANK_FAILS = """
+import json, sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+import accelfn as af
+from accelfn import checkpointing
+
+run, out = Path(sys.argv[1]), Path(sys.argv[2])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Linear(3, 2)
+state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+class Loader:  # its position fails on rank 1 only
+    def __init__(self, failure):
+        self.failure = failure
+
+    def state_dict(self):
+        if rank == 1:
+            if self.failure == "raises":
+                raise RuntimeError("rank-1 loader broke")
+            return {"position": object()}  # not plain data: save() refuses it
+        return {"position": 0}
+
+
+outcome = {}
+for failure in ("raises", "not plain"):
+    try:
+        checkpointing.save(run, state, loader=Loader(failure))
+        outcome[failure] = {"raised": None}
+    except Exception as error:
+        outcome[failure] = {"raised": type(error).__name__, "message": str(error)}
+(out / f"rank{rank}.json").write_text(json.dumps(outcome))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.distributed
+def test_a_failure_on_one_rank_raises_the_same_type_on_every_rank(tmp_path):
+    script = tmp_path / "one_rank_fails.py"
+    script.write_text(_ONE_RANK_FAILS)
+    (tmp_path / "out").mkdir()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+         "--master_addr=127.0.0.1", f"--master_port={port}", str(script),
+         str(tmp_path / "run"), str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=240, env=ENV, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / "out" / f"rank{r}.json").read_text())
+                    for r in range(2))
+    assert rank1["raises"] == {"raised": "RuntimeError", "message": "rank-1 loader broke"}
+    assert rank0["raises"]["raised"] == "RuntimeError"
+    assert "rank 1: RuntimeError: rank-1 loader broke" in rank0["raises"]["message"]
+    assert rank1["not plain"]["raised"] == rank0["not plain"]["raised"] == "TypeError"
+    assert "rank 1: TypeError: the loader state" in rank0["not plain"]["message"]
     assert ckpt.checkpoints(tmp_path / "run") == []
