@@ -93,6 +93,15 @@ class Carries:
         for index, value in new.items():
             values[index] = kept(values.get(index), value, skip)
 
+    def commit_update(self, new: dict[int, Any], skip: bool | None,
+                      on_device: Tensor | None) -> None:
+        """Commit a training update's carries: unless it was skipped, decided on the host
+        (``skip``) or on the device (``on_device``, never read)."""
+        if on_device is not None:
+            self.commit_unless("train", new, on_device)
+        elif not skip:
+            self.commit("train", new)
+
     def reset(self, mode: str | None = None) -> None:
         for key in ([mode] if mode else list(self.values)):
             self.values[key] = {}

@@ -13,7 +13,9 @@ from .state import TrainState
 if TYPE_CHECKING:
     from .engine import Step
 
-__all__ = ["check_optimizer_holds_trainable", "check_stack", "out_of_memory"]
+__all__ = ["after_update_failed", "check_evaluate_options", "check_optimizer_holds_trainable",
+           "check_stack", "check_state",
+           "optimizer_failed", "optimizer_out_of_memory", "out_of_memory"]
 
 _ORDER = [name for name, _, _ in PHASES]
 
@@ -53,6 +55,24 @@ def check_optimizer_holds_trainable(state: TrainState) -> None:
             "optimizer, or freeze them with requires_grad_(False) (accelfn.freeze)"))
 
 
+def check_state(state: object) -> None:
+    """Refuse a call whose state is not a TrainState."""
+    if not isinstance(state, TrainState):
+        raise TypeError(
+            f"a step is called as step(state, batch) with an accelfn.TrainState, got "
+            f"{type(state).__name__}")
+
+
+def check_evaluate_options(transforms: list[Transform], options: dict[str, object]) -> None:
+    """Refuse ``evaluate()`` options that no transform of the step declares."""
+    known = {o: t for t in transforms for o in t.evaluate_options}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        offered = ", ".join(f"{o!r} ({known[o].name})" for o in sorted(known)) or "none"
+        raise TypeError(f"evaluate() got unknown option(s) {unknown}; this step offers "
+                        f"{offered}")
+
+
 def out_of_memory(step: Step, error: BaseException) -> torch.OutOfMemoryError:
     split = step._hooks["split"]
     n = int(dict(split[0][0].options).get("n", 1)) if split else 1
@@ -63,5 +83,44 @@ def out_of_memory(step: Step, error: BaseException) -> torch.OutOfMemoryError:
         advice.append("with_amp (bf16 activations take half the memory)")
     advice.append("a smaller batch")
     return torch.OutOfMemoryError(
-        f"out of memory in {step}; the model, optimizer and scheduler are unchanged "
-        f"and gradients were cleared. Try: {'; '.join(advice)}. ({error})")
+        f"out of memory in {step}; the parameters, optimizer and scheduler are unchanged "
+        f"and gradients were cleared (buffers the forward updated, such as BatchNorm running "
+        f"statistics, are as it left them). Try: {'; '.join(advice)}. ({error})")
+
+
+def optimizer_failed(fresh: bool) -> str:
+    """The note on an error the optimizer step raised (``fresh``: its first update)."""
+    state = ("the optimizer had no state before this update and has none now; the "
+             "parameters are unchanged unless it updated some before failing" if fresh else
+             "the parameters and the optimizer's state are as the optimizer left them when it "
+             "failed: unchanged if it failed before changing any, else partly updated (resume "
+             "from the last checkpoint to be exact)")
+    return (f"accelfn: the optimizer step raised; gradients were cleared and any loss scaler "
+            f"reset, so the next call works; {state}")
+
+
+def optimizer_out_of_memory(step: Step, error: BaseException,
+                            fresh: bool) -> torch.OutOfMemoryError:
+    """The advice for running out of memory in the optimizer step, after backward."""
+    return torch.OutOfMemoryError(
+        f"out of memory in the optimizer step of {step} (after backward: the activations "
+        f"are already freed, so a smaller batch or more micro-batches does not help); "
+        f"{optimizer_failed(fresh).removeprefix('accelfn: the optimizer step raised; ')}. "
+        "Try: foreach=False in the optimizer (its foreach kernels allocate temporaries the "
+        "size of all parameters) or fused=True; an optimizer with less state (SGD, Adafactor); "
+        f"distributed(...) with FSDP to shard its state over processes. ({error})")
+
+
+def after_update_failed(update: int, skip: bool | None) -> str:
+    """The note on an error raised after the optimizer step (scheduler, after-update hooks)."""
+    if skip is True:
+        applied = "the update was skipped (parameters and optimizer unchanged)"
+    elif skip is False:
+        applied = "the optimizer step was applied: parameters were updated, which cannot be undone"
+    else:
+        applied = ("the optimizer step ran: parameters were updated, which cannot be undone, "
+                   "unless it skipped on the device on non-finite gradients")
+    return (f"accelfn: this failed after the optimizer step; {applied}, and it counts as "
+            f"update {update}. Gradients were cleared and any loss scaler reset, so the next "
+            "call works; the scheduler step and after-update hooks (EMA, loss-scale update) "
+            "that had not run yet did not run for this update")

@@ -27,11 +27,10 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from . import compat
+from . import checks, compat
 from .batch import Batch, batch_size, check_batch
 from .carry import SLOT as CARRY
 from .carry import Carries, detached, takes_carry
-from .checks import check_optimizer_holds_trainable, check_stack, out_of_memory
 from .guard import SLOT as GUARD_SLOT
 from .guard import Guard, NonFiniteError, nonfinite
 from .outputs import unpack
@@ -88,7 +87,7 @@ class Step:
                 raise TypeError(f"{t!r} is not a transform: build one with accelfn.Transform")
         self.fn = fn
         self.transforms = transforms
-        check_stack(transforms, lambda: describe(self))
+        checks.check_stack(transforms, lambda: describe(self))
         active = transforms
         if not any("decide" in t.hooks for t in transforms):
             active = (*transforms, _DEFAULT_GUARD)
@@ -140,10 +139,7 @@ class Step:
         transforms are equal. A step that prepares differently gets its own preparation of
         the same model, unless the two disagree on sharding (DDP/FSDP wrap the model once).
         """
-        if not isinstance(state, TrainState):
-            raise TypeError(
-                f"a step is called as step(state, batch) with an accelfn.TrainState, got "
-                f"{type(state).__name__}")
+        checks.check_state(state)
         key = self._key
         for done_key, prepared, text in state.preparations:
             if done_key is key or done_key == key:
@@ -165,7 +161,7 @@ class Step:
         skips = compat.step_supports_amp_scaling(state.optimizer) and all(
             group.get("fused") for group in state.optimizer.param_groups)
         prepared = dataclasses.replace(prepared, skips_on_device=skips)
-        check_optimizer_holds_trainable(state)
+        checks.check_optimizer_holds_trainable(state)
         state.add_preparation(key, prepared, describe(self))
         return prepared
 
@@ -217,7 +213,7 @@ class Step:
         except BaseException as error:
             self._abort(ctx)
             if isinstance(error, torch.OutOfMemoryError):
-                raise out_of_memory(self, error) from error
+                raise checks.out_of_memory(self, error) from error
             raise
         if not plan.update:
             return TensorDict(sums.result(divide=True), batch_size=[])
@@ -356,8 +352,8 @@ class Step:
             self._abort(uctx)
             if optimizing:
                 if isinstance(error, torch.OutOfMemoryError):
-                    raise _optimizer_out_of_memory(self, error, fresh) from error
-                error.add_note(_optimizer_failed(fresh))
+                    raise checks.optimizer_out_of_memory(self, error, fresh) from error
+                error.add_note(checks.optimizer_failed(fresh))
             raise
         # from here on the update is applied (or skipped): it cannot be undone
         counted = False
@@ -365,11 +361,7 @@ class Step:
             if decision.skip is False:
                 state.step_scheduler()
             if carried is not None:
-                carries = state.slot(CARRY, Carries)
-                if on_device is not None:
-                    carries.commit_unless("train", carried, on_device)
-                elif not decision.skip:
-                    carries.commit("train", carried)
+                state.slot(CARRY, Carries).commit_update(carried, decision.skip, on_device)
             device = prepared.device
             after = self._hooks["after_update"]
             # fills, not copies: nothing waits for the device
@@ -395,7 +387,7 @@ class Step:
             if not counted:
                 state.step += 1
             self._abort(uctx)
-            error.add_note(_after_update_failed(state.step, decision.skip))
+            error.add_note(checks.after_update_failed(state.step, decision.skip))
             raise
         if uctx.metrics:
             metrics.update(uctx.metrics)
@@ -448,12 +440,7 @@ class Step:
         that declare them in ``evaluate_options`` (e.g. ``weights="ema"`` with ``with_ema``).
         """
         hooks = self._hooks["evaluate_context"]
-        known = {o: t for t, _ in hooks for o in t.evaluate_options}
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            offered = ", ".join(f"{o!r} ({known[o].name})" for o in sorted(known)) or "none"
-            raise TypeError(f"evaluate() got unknown option(s) {unknown}; this step offers "
-                            f"{offered}")
+        checks.check_evaluate_options([t for t, _ in hooks], options)
         check_batch(batch)
         ctx = CallContext(state, self.prepare(state), training=False)
         plan = self._plan(ctx, batch)
@@ -479,41 +466,6 @@ class Step:
         if self._carry:
             state.slot(CARRY, Carries).commit("evaluate", carried)
         return TensorDict(sums.result(divide=n > 1), batch_size=[])
-
-
-def _optimizer_failed(fresh: bool) -> str:
-    state = ("the optimizer had no state before this update and has none now; the "
-             "parameters are unchanged unless it updated some before failing" if fresh else
-             "the parameters and the optimizer's state are as the optimizer left them when it "
-             "failed: unchanged if it failed before changing any, else partly updated (resume "
-             "from the last checkpoint to be exact)")
-    return (f"accelfn: the optimizer step raised; gradients were cleared and any loss scaler "
-            f"reset, so the next call works; {state}")
-
-
-def _optimizer_out_of_memory(step: Step, error: BaseException,
-                             fresh: bool) -> torch.OutOfMemoryError:
-    return torch.OutOfMemoryError(
-        f"out of memory in the optimizer step of {step} (after backward: the activations "
-        f"are already freed, so a smaller batch or more micro-batches does not help); "
-        f"{_optimizer_failed(fresh).removeprefix('accelfn: the optimizer step raised; ')}. "
-        "Try: foreach=False in the optimizer (its foreach kernels allocate temporaries the "
-        "size of all parameters) or fused=True; an optimizer with less state (SGD, Adafactor); "
-        f"distributed(...) with FSDP to shard its state over processes. ({error})")
-
-
-def _after_update_failed(update: int, skip: bool | None) -> str:
-    if skip is True:
-        applied = "the update was skipped (parameters and optimizer unchanged)"
-    elif skip is False:
-        applied = "the optimizer step was applied: parameters were updated, which cannot be undone"
-    else:
-        applied = ("the optimizer step ran: parameters were updated, which cannot be undone, "
-                   "unless it skipped on the device on non-finite gradients")
-    return (f"accelfn: this failed after the optimizer step; {applied}, and it counts as "
-            f"update {update}. Gradients were cleared and any loss scaler reset, so the next "
-            "call works; the scheduler step and after-update hooks (EMA, loss-scale update) "
-            "that had not run yet did not run for this update")
 
 
 def lift(fn: LossFn | Step) -> Step:
