@@ -79,7 +79,17 @@ def _to_tensor(value: Any, key: str, index: int) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return plain_tensor(value)
     if isinstance(value, np.ndarray):
-        return torch.from_numpy(value)
+        if any(stride < 0 for stride in value.strides):  # np.flip, [::-1]: torch refuses them
+            value = value.copy()
+        try:
+            return torch.from_numpy(value)
+        except TypeError as e:
+            raise TypeError(
+                f"sample {index}: key {key!r} holds a numpy array of dtype {value.dtype}, which "
+                "torch cannot hold; convert it to a numeric or bool dtype in the dataset or "
+                "sample_transform (strings and objects: encode them as numbers, or leave them "
+                "out with keys=...)"
+            ) from e
     if isinstance(value, (bool, int, float, np.generic)):
         return torch.as_tensor(value)
     if type(value).__module__.startswith("PIL."):

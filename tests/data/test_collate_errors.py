@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import traceback
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,3 +81,41 @@ def test_an_error_while_reading_an_iterable_names_the_position():
     with pytest.raises(OSError, match="connection reset") as info:
         list(ad.loader(FailingStream(), batch_size=4, shuffle=False))
     assert f"sample {BAD} of epoch 0 of the iterable source" in _shown(info.value)
+
+
+class Samples:
+    def __init__(self, samples) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int):
+        return self.samples[i]
+
+
+def _one_batch(samples, **kwargs):
+    with ad.loader(Samples(samples), batch_size=len(samples), shuffle=False, drop_last=False,
+                   num_workers=1, **kwargs) as loader:
+        return next(iter(loader))
+
+
+def test_numpy_arrays_with_negative_strides_are_collated():
+    # np.flip and [::-1] give views with negative strides, which torch.from_numpy refuses
+    batch = _one_batch([
+        {"x": np.arange(4.0), "m": np.zeros((2, 3))},
+        {"x": np.flip(np.arange(4.0)), "m": np.arange(6.0).reshape(2, 3)[::-1, ::-1]},
+        {"x": np.arange(8.0)[::2], "m": np.ones((3, 2)).T},  # positive strides, not contiguous
+    ])
+    assert batch["x"].tolist() == [[0, 1, 2, 3], [3, 2, 1, 0], [0, 2, 4, 6]]
+    assert batch["m"][1].tolist() == [[5, 4, 3], [2, 1, 0]]
+    assert batch["m"][2].tolist() == [[1, 1, 1], [1, 1, 1]]
+    # 0-d arrays stay 0-d
+    assert _one_batch([{"y": np.array(1.5)}, {"y": np.array(2.5)}])["y"].tolist() == [1.5, 2.5]
+
+
+@pytest.mark.parametrize("value", [np.array(["a", "b"]), np.array([object()])],
+                         ids=["str", "object"])
+def test_a_numpy_array_torch_cannot_hold_names_the_sample_and_key(value):
+    with pytest.raises(TypeError, match=r"sample 1: key 'tag' holds a numpy array of dtype"):
+        _one_batch([{"tag": np.zeros(2)}, {"tag": value}])
