@@ -184,7 +184,8 @@ class ApplyTransform(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchda
     ``generator`` parameter are called as ``transform(batch)``, with the draws they make from
     torch's default generators (``torch.rand`` without ``generator=``) taken from generators
     seeded with the same seed instead (``accelfn.data.rng.seeded_draws``): never from torch's
-    global generators, which the training loop draws from.
+    global generators, which the training loop draws from. The plain callables inside a
+    [`Compose`][] are seeded likewise, from the generator it is given.
 
     With ``num_workers > 0`` the transform runs on that many batches at once in worker threads
     (a [`PoolMapper`][], in order): for host (CPU) batches, whose
