@@ -241,7 +241,7 @@ def load(
     agree(error, "checking the checkpoint")
     meta = checked.meta
 
-    snapshot = clone(state.state_dict())
+    snapshot = clone(state.snapshot())  # an open accumulation window included
     rng_before = rng_state()
     restored: list[str] = []
     try:

@@ -21,6 +21,8 @@ from ..core import compat
 __all__ = ["STATE_FORMAT", "BatchLoader", "is_reading_state", "reading_state"]
 
 STATE_FORMAT = "accelfn.data.loader/1"
+# no longer part of the checked configuration: the batches do not depend on them
+_UNCHECKED = frozenset({"num_workers", "worker_type"})
 
 _reading = threading.local()
 
@@ -276,7 +278,8 @@ class BatchLoader(Iterable[TensorDictBase]):
                 f"not an accelfn.data loader state (expected format {STATE_FORMAT!r}); pass "
                 "what BatchLoader.state_dict() returned"
             )
-        saved = dict(state.get("config", {}))
+        # positions written before the workers left the checked configuration name them
+        saved = {k: v for k, v in dict(state.get("config", {})).items() if k not in _UNCHECKED}
         if saved != self.config:
             diff = sorted(
                 k for k in set(saved) | set(self.config) if saved.get(k) != self.config.get(k)

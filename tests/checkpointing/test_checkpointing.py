@@ -29,7 +29,7 @@ from checkpoint_helpers import (
     setup,
     snapshot,
 )
-from conftest import Net, classify
+from conftest import Net, classify, make_batch
 
 import accelfn as af
 from accelfn import checkpointing as ckpt
@@ -467,3 +467,28 @@ def test_a_resume_at_an_epochs_last_batch_equals_the_uninterrupted_run(tmp_path,
     assert head + tail == reference_lrs  # the per-epoch schedule on time
     assert (resumed.step, resumed.epoch) == reference[:2]
     assert all(torch.equal(a, b) for a, b in zip(reference[2], resumed.model.parameters()))
+
+
+def test_load_while_a_calls_window_is_open_rolls_back_to_the_checkpoint(tmp_path):
+    # loading a checkpoint mid-window discards the open window and its gradients
+    torch.manual_seed(0)
+    model = Net()
+    step = af.with_accumulation(2, mode="calls")(classify)
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batches = [make_batch(seed=i) for i in range(5)]
+    for b in batches[:2]:
+        step(state, b)
+    ckpt.save(tmp_path / "ckpt", state, step=step)  # at a window boundary
+    step(state, batches[2])  # a window is open now
+    assert any(p.grad is not None for p in state.model.parameters())
+    ckpt.load(tmp_path / "ckpt", state, step=step)
+    assert all(p.grad is None for p in state.model.parameters())
+    other = Net()  # a run that resumed from the checkpoint
+    twin = af.TrainState(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    ckpt.load(tmp_path / "ckpt", twin, step=step)
+    for b in batches[3:]:
+        step(state, b)
+        step(twin, b)
+    assert state.step == twin.step == 2
+    for p, q in zip(state.model.parameters(), twin.model.parameters(), strict=True):
+        assert torch.equal(p, q)

@@ -518,7 +518,9 @@ def test_resume_gives_exactly_the_remaining_batches(kind, stop):
 
     resumed = make()
     resumed.load_state_dict(state)
-    rest = [b.clone() for _ in range(3 - stop // per_epoch) for b in resumed]
+    # the rest of the saved epoch (none after its last batch: the first iter() then only
+    # ends it), then the epochs after it
+    rest = [b.clone() for _ in range(3 - (stop - 1) // per_epoch) for b in resumed]
     resumed.close()
     assert same_batches(seen, full[:stop])
     assert same_batches(rest, full[stop:])

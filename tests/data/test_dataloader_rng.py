@@ -180,9 +180,9 @@ def test_resume_continues_the_batches_and_the_random_stream(generator, stop):
     resumed, g2 = make(9)  # another process: another generator state
     resumed.load_state_dict(position)
     torch.set_rng_state(rng)
-    # After an epoch's last batch the next iter() is the next epoch's (the uninterrupted
-    # loop's `for b in it` was empty there).
-    again = [b["y"] for b in resumed] if stop < 7 else []
+    # The rest of the saved epoch: after its last batch the first iter() yields nothing, as
+    # the uninterrupted loop's `for b in it` did.
+    again = [b["y"] for b in resumed]
     assert len(again) == 7 - stop
     again += [torch.rand(3), *epochs_of(resumed, 2)]
     assert same(again, tail)

@@ -181,3 +181,30 @@ def test_an_iterator_continued_after_close_is_stale():
     # the loader itself can still be iterated: the next iter() starts the next epoch
     assert [b["label"].tolist() for b in loader] == epochs[1]
     loader.close()
+
+
+def test_a_position_saved_with_the_workers_in_its_config_still_resumes():
+    # positions written before the workers left the checked configuration name them there
+    from torch.utils.data import Dataset
+
+    class Ranged(Dataset):
+        def __len__(self):
+            return 20
+
+        def __getitem__(self, i):
+            return {"x": torch.tensor([float(i)])}
+
+    def make(n):
+        return ad.loader(Ranged(), batch_size=4, seed=3, num_workers=n)
+
+    with make(1) as ref:
+        full = [b["x"].clone() for b in ref]
+    with make(1) as first:
+        it = iter(first)
+        head = [next(it)["x"].clone() for _ in range(2)]
+        state = first.state_dict()
+    state["config"] = {**state["config"], "num_workers": 1, "worker_type": "thread"}
+    with make(2) as second:
+        second.load_state_dict(state)
+        rest = [b["x"].clone() for b in second]
+    assert all(torch.equal(a, b) for a, b in zip(head + rest, full, strict=True))
