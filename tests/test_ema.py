@@ -569,3 +569,18 @@ def test_loading_inside_ema_weights_is_refused_and_changes_nothing():
     assert state.step == 2
     state.load_state_dict(saved)  # outside the block it loads
     assert state.step == 1
+
+
+def test_a_sharded_save_inside_ema_weights_is_refused_before_writing(tmp_path):
+    # torch.distributed.checkpoint reads the model's tensors, which hold the EMA in the block
+    from accelfn import checkpointing as ckpt
+
+    state, step = _ema_run()
+    step(state, make_batch(seed=0))
+    before = copy.deepcopy(state.model.state_dict())
+    with ema_weights(state), pytest.raises(RuntimeError, match="after the block"):
+        ckpt.save(tmp_path / "run", state, step=step, sharded=True)
+    assert not (tmp_path / "run").exists()
+    for k, v in state.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    ckpt.save(tmp_path / "run", state, step=step, sharded=True)  # after the block: works

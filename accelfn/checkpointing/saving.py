@@ -153,6 +153,11 @@ def save(
     rank, world = rank_world()
     root = Path(directory)
     sharded = is_sharded(state.model) if sharded is None else bool(sharded)
+    if sharded and state.lends_model:  # torch.distributed.checkpoint reads the model itself
+        raise RuntimeError(
+            "save(sharded=True) inside `with af.ema_weights(state):` would write the EMA "
+            "weights the model holds there as the model; save after the block (an unsharded "
+            "save inside it writes the model's own weights)")
     group = background.save_group() if asynchronous else None  # collective, once
 
     # 1. Gather and check everything on every process before anything is written; rank 0

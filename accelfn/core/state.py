@@ -213,6 +213,11 @@ class TrainState:
             for key in added:
                 self._lent.pop(key, None)
 
+    @property
+    def lends_model(self) -> bool:
+        """Whether the model holds other values than its own (inside [`lend_model`][])."""
+        return bool(self._lent)
+
     def _model_state_dict(self) -> dict[str, Any]:
         """``model.state_dict()``, with the model's own values of tensors it lent."""
         saved = self.model.state_dict()
