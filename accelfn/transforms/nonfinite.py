@@ -23,10 +23,12 @@ def with_nonfinite(fn: LossFn | Step | None = None, /, *, policy: str = "skip",
     Every step already guards by default with ``policy="skip", max_consecutive=10``: an update
     whose loss or gradients hold NaN/Inf is skipped (parameters, optimizer state and scheduler
     untouched; metric ``skipped`` is 1) and after ``max_consecutive`` such updates in a row the
-    step raises [`accelfn.NonFiniteError`][]. ``policy="raise"`` raises at the first one
-    (state untouched; the next step works). ``policy="off"`` removes the check and its host
-    read; fp16 loss-scale overflows are still skipped, as ``GradScaler.step`` does, and never
-    count towards the limit.
+    step raises [`accelfn.NonFiniteError`][]. ``policy="raise"`` raises at the first one.
+    A refused update leaves parameters, optimizer state, scheduler, carry, EMA weights and loss
+    scale untouched, and the next step works; buffers the forward updated, such as BatchNorm
+    running statistics, are as the forward left them. ``policy="off"`` removes the check and
+    its host read; fp16 loss-scale overflows are still skipped, as ``GradScaler.step`` does, and
+    never count towards the limit.
     """
     if policy not in POLICIES:
         raise ValueError(f"with_nonfinite(policy={policy!r}) is unknown; use one of {POLICIES}")
