@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 __all__ = ["TrainState"]
+# torch warns when a scheduler steps before the optimizer did in this process
+_STEPPED_FIRST = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
 
 
 def _check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -145,7 +147,10 @@ class TrainState:
         ``scheduler_every="epoch"``, steps the scheduler (a per-epoch ``StepLR``, say)."""
         self.epoch += 1
         if self.scheduler is not None and self.scheduler_every == "epoch":
-            self._advance(self.scheduler)
+            with warnings.catch_warnings():
+                if self.step:  # updates ran, maybe in the process that saved this state
+                    warnings.filterwarnings("ignore", _STEPPED_FIRST, UserWarning)
+                self._advance(self.scheduler)
 
     def _advance(self, scheduler: Any) -> None:
         mark = getattr(scheduler, "last_epoch", None)

@@ -193,3 +193,31 @@ def test_a_pending_slot_that_fails_to_load_stays_pending():
         fresh.slot("custom", lambda: {"other": torch.zeros(())})
     assert fresh.state_dict()["slots"]["custom"]["count"] == 3  # still saved as pending
     assert fresh.slot("custom", lambda: {"count": torch.zeros(())})["count"] == 3
+
+
+def test_an_epoch_ended_right_after_a_resume_steps_the_scheduler_without_torchs_warning():
+    # resumed at an epoch's last batch, the loop's first act is end_epoch(): the updates
+    # before the scheduler's step ran in the process that saved, so torch's "scheduler
+    # stepped before optimizer.step()" warning does not apply
+    import warnings
+
+    def build():
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return af.TrainState(model, optimizer, scheduler, scheduler_every="epoch")
+
+    step = af.lift(classify)
+    state = build()
+    step(state, make_batch(seed=0))
+    saved = _roundtrip(state.state_dict())
+    state.end_epoch()
+    resumed = build()
+    resumed.load_state_dict(saved)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.end_epoch()
+    assert resumed.optimizer.param_groups[0]["lr"] == state.optimizer.param_groups[0]["lr"]
+    fresh = build()  # no update anywhere yet: torch's warning is right and stays
+    with pytest.warns(UserWarning, match="before `optimizer.step\\(\\)`"):
+        fresh.end_epoch()
