@@ -44,7 +44,14 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
     total_wait = sum(r["data_wait_s"] for r in sel)
 
     def q(x: float) -> float | None:
-        return step_times[min(int(x * n), n - 1)] if n else None
+        """The ``x`` quantile, interpolated linearly between order statistics (numpy's
+        default): the median of an even count is the mean of the middle two."""
+        if not n:
+            return None
+        pos = x * (n - 1)
+        lo = int(pos)
+        hi = min(lo + 1, n - 1)
+        return step_times[lo] + (step_times[hi] - step_times[lo]) * (pos - lo)
 
     share = total_wait / total_iter if total_iter > 0 else None
     samples = [r["samples"] for r in sel if r["samples"]]

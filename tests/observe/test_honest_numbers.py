@@ -1,0 +1,39 @@
+"""The report's statistics against hand-computed values on rows with known times."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from accelfn.observe.report import Thresholds
+from accelfn.observe.verdict import summarise
+
+
+def _rows(times: list[float]) -> list[dict[str, Any]]:
+    out, t = [], 0.0
+    for i, s in enumerate(times):
+        t += s
+        out.append({"step": i, "time_s": t, "iter_s": s, "step_s": s, "data_wait_s": 0.0,
+                    "data_share": 0.0, "samples": 4, "tokens": None, "samples_per_s": 4 / s,
+                    "tokens_per_s": None, "mem_gib": None})
+    return out
+
+
+def _summary(times: list[float], warmup: int = 0) -> Any:
+    return summarise(_rows(times), warmup=warmup, device=torch.device("cpu"),
+                     device_name=None, flops_per_step=None, peak=None, peak_memory_gib=None,
+                     gpu_samples=[], gpu_note="no GPU in use", syncs=[],
+                     probe_mode="emulate", th=Thresholds())
+
+
+def test_median_and_p90_interpolate_between_order_statistics() -> None:
+    r = _summary([4.0, 1.0, 3.0, 2.0])
+    assert r.step_time_median_s == 2.5  # not the upper middle value, 3
+    r = _summary([float(i) for i in range(10, 0, -1)])
+    assert r.step_time_median_s == 5.5
+    assert abs(r.step_time_p90_s - 9.1) < 1e-9  # not the maximum, 10
+    r = _summary([7.0])
+    assert r.step_time_median_s == r.step_time_p90_s == 7.0
+    r = _summary([1.0, 2.0, 3.0])
+    assert r.step_time_median_s == 2.0 and abs(r.step_time_p90_s - 2.8) < 1e-9
