@@ -131,7 +131,8 @@ class EarlyStopping:
         self.counter += 1
         if self.counter >= self.patience:
             self.should_stop = True
-            if self.restore_best and model is not None:
+            # no finite metric yet (NaN from the start): nothing better to go back to
+            if self.restore_best and model is not None and self.best_weights is not None:
                 self.restore(model)
         return self.should_stop
 
@@ -156,10 +157,13 @@ class EarlyStopping:
         model.load_state_dict(self.best_weights)
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters, best metric and best weights (tensors and plain data)."""
+        """Counters, best metric and best weights (tensors and plain data; copies, so later
+        improvements do not write into a checkpoint taken before them)."""
+        weights = None if self.best_weights is None else {
+            k: v.detach().clone() for k, v in self.best_weights.items()}
         return {"best": self.best, "best_index": self.best_index, "counter": self.counter,
                 "calls": self.calls, "should_stop": self.should_stop,
-                "best_weights": self.best_weights}
+                "best_weights": weights}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.best = state_dict["best"]
@@ -168,8 +172,9 @@ class EarlyStopping:
         self.calls = int(state_dict["calls"])
         self.should_stop = bool(state_dict["should_stop"])
         weights = state_dict["best_weights"]
-        if weights is not None and self.store == "cpu":
-            weights = {k: v.to("cpu") for k, v in weights.items()}
+        if weights is not None:  # copies: the checkpoint stays as it was loaded
+            weights = {k: (v.detach().to("cpu", copy=True) if self.store == "cpu"
+                           else v.detach().clone()) for k, v in weights.items()}
         self.best_weights = weights
 
     def __repr__(self) -> str:

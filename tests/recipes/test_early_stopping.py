@@ -170,3 +170,34 @@ def test_update_needs_the_model_to_restore_it():
         es.update(1.0, {"w": torch.zeros(1)})
     with pytest.raises(RuntimeError, match="no weights saved"):
         es.restore(Net())
+
+
+@pytest.mark.parametrize("patience", [1, 2])
+def test_stopping_before_any_finite_metric_leaves_the_model_as_it_is(patience):
+    model = nn.Linear(2, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    es = EarlyStopping(patience=patience)
+    stops = [es.update(float("nan"), model) for _ in range(patience)]
+    assert stops == [False] * (patience - 1) + [True]
+    assert es.best is None and es.best_weights is None
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_state_dict_and_load_state_dict_do_not_alias_the_best_weights():
+    model = nn.Linear(2, 2)
+    es = EarlyStopping(patience=3)
+    es.update(1.0, model)
+    saved = es.state_dict()
+    kept = saved["best_weights"]["weight"].clone()
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    es.update(0.5, model)  # a new best: must not write into the checkpoint taken before
+    assert torch.equal(saved["best_weights"]["weight"], kept)
+
+    other = EarlyStopping(patience=3)
+    other.load_state_dict(saved)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    other.update(0.1, model)
+    assert torch.equal(saved["best_weights"]["weight"], kept)
