@@ -42,7 +42,8 @@ class MonitorReport:
     """Summary of a monitored run; ``rows`` keeps every step's record for plots.
 
     Timing statistics skip the first ``warmup`` steps (compilation, cuDNN autotuning,
-    worker start-up) and the probed step, unless nothing else is left.
+    worker start-up) and the probed step, unless nothing else is left; then
+    ``warmup_included`` is true when warm-up steps were counted, and the text says so.
     """
 
     steps: int
@@ -72,6 +73,8 @@ class MonitorReport:
     verdict: str
     rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
     gpu_samples: list[GPUSample] = field(default_factory=list, repr=False)
+    #: the run had no step past the warm-up: the timing numbers include warm-up steps
+    warmup_included: bool = False
 
     def to_dict(self, *, rows: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (per-step rows and GPU samples only with ``rows=True``)."""
@@ -102,7 +105,8 @@ class MonitorReport:
             "accelfn monitor report",
             "======================",
             f"device          {dev}",
-            f"steps           {self.steps} ({self.measured_steps} measured), "
+            f"steps           {self.steps} ({self.measured_steps} measured"
+            + (", warm-up included" if self.warmup_included else "") + "), "
             f"wall {self.wall_s:.1f} s",
             f"step time       mean {ms(self.step_time_s)}, median "
             f"{ms(self.step_time_median_s)}, p90 {ms(self.step_time_p90_s)}",

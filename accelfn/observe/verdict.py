@@ -30,15 +30,18 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
     """The report of a run from its rows (one per step) and what the monitor knows besides.
 
     Timing statistics skip the first ``warmup`` rows of the run (whatever step a resumed run
-    starts at) and the probed step, unless nothing else is left; GPU samples count from the
+    starts at) and the probed step, unless nothing else is left (then a warm-up step counted
+    sets ``warmup_included`` and adds a ``warmup`` warning); GPU samples count from the
     first measured step on. ``more_findings`` go after the checklist's. ``sync_check=False``
     (the check turned off) leaves the host-sync finding out when no step was probed.
     """
     sel = [r for r in rows[warmup:] if not r.get("probed")]
+    warmup_included = False
     if not sel:
         sel = [r for r in rows if not r.get("probed")] or list(rows)
+        warmup_included = any(r is w for r in sel for w in rows[:warmup])
     n = len(sel)
-    step_times = sorted(r["step_s"] for r in sel)
+    step_times: list[float] = sorted(float(r["step_s"]) for r in sel)
     total_step = sum(step_times)
     total_iter = sum(r["iter_s"] for r in sel)
     total_wait = sum(r["data_wait_s"] for r in sel)
@@ -81,6 +84,12 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
     findings, line = verdict(share=share, gpu_util=gpu_util, gpu_note=gpu_note, mfu=mfu,
                              syncs=syncs, probe_mode=probe_mode, device_type=device.type,
                              th=th, sync_check=sync_check)
+    if warmup_included:
+        findings.append(Finding(
+            "warmup", "warning",
+            f"all {len(rows)} step(s) fall within warmup={warmup}: the timing numbers "
+            "include the warm-up (compilation, autotuning, start-up)",
+            "run more steps than warmup, or lower Monitor(warmup=...)"))
     findings += more_findings
     return MonitorReport(
         steps=len(rows), measured_steps=n, warmup=warmup,
@@ -92,7 +101,7 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
         peak_flops=peak, mfu=mfu, peak_memory_gib=peak_memory_gib, gpu_util=gpu_util,
         gpu_memory_gib=gpu_mem, gpu_power_w=gpu_power, gpu_note=gpu_note,
         syncs=syncs, metrics=metrics, findings=findings, verdict=line,
-        rows=list(rows), gpu_samples=list(samples_gpu))
+        rows=list(rows), gpu_samples=list(samples_gpu), warmup_included=warmup_included)
 
 
 def verdict(*, share: float | None, gpu_util: float | None, gpu_note: str | None,

@@ -37,3 +37,17 @@ def test_median_and_p90_interpolate_between_order_statistics() -> None:
     assert r.step_time_median_s == r.step_time_p90_s == 7.0
     r = _summary([1.0, 2.0, 3.0])
     assert r.step_time_median_s == 2.0 and abs(r.step_time_p90_s - 2.8) < 1e-9
+
+
+def test_a_run_shorter_than_its_warmup_says_its_numbers_include_warmup() -> None:
+    r = _summary([5.0, 1.0, 1.0], warmup=5)
+    assert r.measured_steps == 3 and r.warmup_included
+    assert "warm-up included" in str(r).splitlines()[3]
+    (f,) = [f for f in r.findings if f.check == "warmup"]
+    assert f.severity == "warning" and "warmup=5" in f.message
+    assert r.to_dict()["warmup_included"] is True
+    r = _summary([5.0, 1.0, 1.0], warmup=1)
+    assert not r.warmup_included and "warm-up" not in str(r).splitlines()[3]
+    assert not [f for f in r.findings if f.check == "warmup"]
+    r = _summary([5.0, 1.0, 1.0], warmup=0)
+    assert not r.warmup_included
