@@ -195,8 +195,10 @@ def profiled(step: Callable[..., Any] | None = None, /, **options: Any) -> Any:
     >>> pstep.profiler.trace_files
 
     Works bare or configured (``profiled(dir=...)(step)``). Attributes of the wrapped step
-    (e.g. ``evaluate``) stay reachable; ``evaluate`` calls are not profiled. This is a plain
-    wrapper around any callable, placed outermost, not a transform of the step algebra.
+    (e.g. ``evaluate``) stay reachable; ``evaluate`` calls are not profiled. A call that
+    raises stops the profiler (the cycle cut short is written) and later calls run
+    unprofiled. This is a plain wrapper around any callable, placed outermost, not a
+    transform of the step algebra.
     """
     if step is None:
         return functools.partial(profiled, **options)
@@ -207,13 +209,23 @@ class _Profiled:
     def __init__(self, step: Callable[..., Any], profiler: Profiler) -> None:
         self.__wrapped__ = step
         self.profiler = profiler
+        self._failed = False
         functools.update_wrapper(self, step, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         prof = self.profiler
+        if self._failed:
+            return self.__wrapped__(*args, **kwargs)
         if prof._prof is None and not prof.done:
             prof.start()
-        out = self.__wrapped__(*args, **kwargs)
+        try:
+            out = self.__wrapped__(*args, **kwargs)
+        except BaseException:
+            # the window cannot go on: write what was recorded and stop profiling, so the
+            # profiler's overhead does not outlive the step that raised
+            self._failed = True
+            prof.stop()
+            raise
         if not prof.done:
             prof.step()
         return out
