@@ -239,15 +239,30 @@ class Monitor:
         return self.start()
 
     def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        self.close()
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the loop's own error goes on; a failing output must not replace it
+            self.close()
+        except Exception as err:
+            warnings.warn(f"Monitor.close() after an error in the loop failed too: "
+                          f"{type(err).__name__}: {err}", stacklevel=2)
 
     def close(self) -> MonitorReport:
-        """Flush everything (one device sync), stop threads, close outputs; return the report."""
+        """Flush everything (one device sync), stop threads, close outputs; return the report.
+
+        Everything is stopped and closed even when flushing or a sink fails; the first such
+        error is raised at the end.
+        """
         if self._closed:
             assert self._report is not None
             return self._report
-        self._end_probe()
-        self.flush(wait=True)
+        failed: BaseException | None = None
+        try:
+            self._end_probe()
+            self.flush(wait=True)
+        except Exception as exc:
+            failed = exc
         if self._gpu is not None:
             self._gpu.stop()
         if self.profiler is not None:
@@ -256,7 +271,6 @@ class Monitor:
         report = self._build_report()
         self._report = report
         text = str(report)
-        failed: BaseException | None = None
         for sink in self._sinks:  # every sink is closed, even after one fails
             try:
                 sink.close(text)
