@@ -70,8 +70,9 @@ def training_flops(model: nn.Module, *inputs: Any,
     """FLOPs of one forward and backward of ``model(*inputs)`` (one training step's work).
 
     ``loss_fn(output)`` makes the loss (default ``output.sum()``; the loss itself adds no
-    counted FLOPs for the usual losses). Gradients and buffers (BatchNorm statistics) are
-    restored afterwards, so counting does not change training. For a ``Linear(i, o)`` on a
+    counted FLOPs for the usual losses). Gradients, buffers (BatchNorm statistics) and the
+    random number generators (dropout) are restored afterwards, so counting does not change
+    training. For a ``Linear(i, o)`` on a
     batch of ``B`` this is ``2*B*i*o`` forward plus ``2*B*i*o`` for the weight gradient,
     and another ``2*B*i*o`` when the input needs a gradient (every layer but the first).
     """
@@ -93,8 +94,15 @@ def training_flops(model: nn.Module, *inputs: Any,
             loss = out.float().sum()
         torch.autograd.backward(loss)
 
+    # dropout and other random layers draw from the generators: count on a forked stream so
+    # that the training run's random numbers are the same with and without the count
+    devices = sorted({t.device.index or 0 for t in [*model.parameters(), *model.buffers(),
+                                                      *[i for i in inputs
+                                                        if isinstance(i, Tensor)]]
+                      if t.device.type == "cuda"})
     try:
-        return count_flops(run)
+        with torch.random.fork_rng(devices=devices):
+            return count_flops(run)
     finally:
         for p, g in zip(params, saved_grads):
             p.grad = g

@@ -51,3 +51,18 @@ def test_a_run_shorter_than_its_warmup_says_its_numbers_include_warmup() -> None
     assert not [f for f in r.findings if f.check == "warmup"]
     r = _summary([5.0, 1.0, 1.0], warmup=0)
     assert not r.warmup_included
+
+
+def test_counting_flops_leaves_the_random_stream_of_training_alone() -> None:
+    from torch import nn
+
+    from accelfn.observe.flops import training_flops
+
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 2))
+    x = torch.randn(4, 8)
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    flops = training_flops(model, x)
+    assert torch.equal(torch.rand(3), expected)  # dropout in the count drew no numbers
+    assert flops == 2 * 4 * 8 * 16 * 2 + 2 * 4 * 16 * 2 * 3
