@@ -10,15 +10,17 @@
 [`plain_update`][] is one update of the plain PyTorch loop (forward, backward, an optional
 edit of the gradients, ``optimizer.step()``, ``zero_grad(set_to_none=True)``); it uses torch
 only. [`check_transform`][] runs the contract on a transform: equivalence to the reference
-you give, every stacking order with the built-ins, ``state_dict`` round trip and exact
-resume, purity (reuse in two stacks and two states), no host sync in a step, and a refused
-bad input leaving every piece of state intact. Each check raises ``AssertionError`` saying
-what differed.
+you give (parameters, buffers and optimizer state, bitwise), every stacking order with the
+built-ins, ``state_dict`` round trip and exact resume, purity (reuse in two stacks and two
+states), no host sync in any step, and a refused bad input or a call failing half-way
+leaving every piece of state intact. Each check raises ``AssertionError`` saying what
+differed.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,25 +106,81 @@ class ContractReport:
     orders: int = 0
 
 
-def _params(model: nn.Module) -> list[Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
+def _params(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, Tensor]]:
+    """What an update changes: the model's parameters and buffers (``state_dict()``) and the
+    optimizer's state (momentum buffers, step counts), as named copies."""
+    named = [(f"model {k!r}", v) for k, v in model.state_dict().items()]
+    for index, per_param in sorted(optimizer.state_dict()["state"].items(), key=str):
+        named += [(f"optimizer state {index} {k!r}", v) for k, v in sorted(per_param.items())
+                  if isinstance(v, Tensor)]
+    return [(name, v.detach().clone()) for name, v in named]
 
 
-def _assert_same(a: Sequence[Tensor], b: Sequence[Tensor], what: str) -> None:
-    for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        if not torch.equal(x, y):
-            raise AssertionError(f"{what}: tensor {i} differs (max {(x - y).abs().max():.3g})")
+def _assert_same(a: Sequence[tuple[str, Tensor]], b: Sequence[tuple[str, Tensor]],
+                 what: str) -> None:
+    names, others = [n for n, _ in a], [n for n, _ in b]
+    if names != others:
+        odd = sorted(set(names) ^ set(others))
+        raise AssertionError(f"{what}: different tensors ({odd})")
+    by_name = dict(b)
+    for name, x in a:
+        y = by_name[name]
+        if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
+            diff = ((x.double() - y.double()).abs().max().item()
+                    if x.shape == y.shape and x.numel() else float("nan"))
+            raise AssertionError(f"{what}: {name} differs (max {diff:.3g})")
+
+
+def _assert_same_state(a: Any, b: Any, what: str, where: str = "state") -> None:
+    """``a == b`` for two ``state_dict()``s: every tensor and every plain value."""
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        if not (isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape
+                and a.dtype == b.dtype and torch.equal(a, b)):
+            raise AssertionError(f"{what}: {where} differs")
+    elif isinstance(a, Mapping) and isinstance(b, Mapping):
+        if set(a) != set(b):
+            raise AssertionError(f"{what}: {where} has keys {sorted(map(str, a))} before, "
+                                 f"{sorted(map(str, b))} after")
+        for key in a:
+            _assert_same_state(a[key], b[key], what, f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            raise AssertionError(f"{what}: {where} has {len(a)} items before, {len(b)} after")
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same_state(x, y, what, f"{where}[{i}]")
+    elif a != b and not (isinstance(a, float) and isinstance(b, float) and a != a and b != b):
+        raise AssertionError(f"{what}: {where} is {b!r}, was {a!r}")
+
+
+def _at_boundary(step: Step, state: TrainState) -> None:
+    """Apply an open call-counting window, so the state can be saved."""
+    if not state.at_update_boundary:
+        step.flush(state)
+
+
+class _InjectedFailure(Exception):
+    """The error of the loss function in the failed-call check."""
+
+
+def _failing(loss_fn: LossFn, armed: list[bool]) -> LossFn:
+    @functools.wraps(loss_fn)
+    def fn(*args: Any, **kwargs: Any) -> Any:
+        if armed[0]:
+            raise _InjectedFailure("the loss function failed (a batch it cannot take)")
+        return loss_fn(*args, **kwargs)
+
+    return fn
 
 
 def _train(step: Step, make_model: Callable[[], nn.Module],
            make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-           batches: Sequence[Any]) -> tuple[TrainState, list[Tensor]]:
+           batches: Sequence[Any]) -> tuple[TrainState, list[tuple[str, Tensor]]]:
     model = make_model()
     state = TrainState(model, make_optimizer(model))
     for batch in batches:
         step(state, batch)
     state.sync()
-    return state, _params(model)
+    return state, _params(model, state.optimizer)
 
 
 def check_transform(
@@ -139,17 +197,20 @@ def check_transform(
     """Run accelfn's contract on ``transform``; raises ``AssertionError`` on the first breach.
 
     ``reference(model, optimizer, batch)`` is one update written by hand (plain PyTorch,
-    e.g. with [`plain_update`][]); the transform's step must give the same parameters
-    bitwise. ``builtins`` are the transforms it is stacked with in every order (default:
-    bf16 ``with_amp``, ``with_accumulation(2)``, ``with_clipping``): every order must give
-    the same parameters, or be refused when built. ``make_model`` must return the same
+    e.g. with [`plain_update`][]); the transform's step must give the same model state
+    (parameters and buffers) and optimizer state bitwise. A call whose loss function raises
+    must leave the whole ``TrainState`` as it was (undo partial work in an ``abort``
+    hook). ``builtins`` are the transforms it is stacked with in every order (default: bf16
+    ``with_amp``, ``with_accumulation(2)``, ``with_clipping``): every order must give the
+    same result, or be refused when built. ``make_model`` must return the same
     initial weights on every call (seed inside it).
     """
     if not isinstance(transform, Transform):
         raise TypeError(f"check_transform takes an accelfn.Transform, got {transform!r}")
     report = ContractReport(repr(transform))
     batches = [make_batch(i) for i in range(steps)]
-    step = apply_transform(loss_fn, transform)
+    armed = [False]  # makes the step's loss function fail, for check 6
+    step = apply_transform(_failing(loss_fn, armed), transform)
 
     # 1. equivalence to the hand-written reference
     _, params = _train(step, make_model, make_optimizer, batches)
@@ -158,7 +219,7 @@ def check_transform(
         optimizer = make_optimizer(model)
         for batch in batches:
             reference(model, optimizer, batch)
-        _assert_same(params, _params(model), f"{transform!r} against the reference")
+        _assert_same(params, _params(model, optimizer), f"{transform!r} against the reference")
         report.passed.append("reference")
 
     # 2. purity: the same transform and step in two stacks and two states, as if built alone
@@ -175,7 +236,7 @@ def check_transform(
     # 3. every order with the built-ins, or a refusal
     others = list(builtins) if builtins is not None else [
         with_amp(dtype=torch.bfloat16), with_accumulation(2), with_clipping(max_norm=0.5)]
-    outcome: list[Tensor] | None = None
+    outcome: list[tuple[str, Tensor]] | None = None
     refusal: str | None = None
     for order in itertools.permutations([transform, *others]):
         try:
@@ -201,6 +262,7 @@ def check_transform(
     # 4. state_dict round trip and exact resume
     half = steps // 2 or 1
     first, _ = _train(step, make_model, make_optimizer, batches[:half])
+    _at_boundary(step, first)
     saved = copy.deepcopy(first.state_dict())
     model = make_model()
     resumed = TrainState(model, make_optimizer(model))
@@ -210,17 +272,22 @@ def check_transform(
         step(first, batch)
     resumed.sync()
     first.sync()
-    _assert_same(_params(first.model), _params(resumed.model), "resume from state_dict()")
+    _assert_same(_params(first.model, first.optimizer),
+                 _params(resumed.model, resumed.optimizer), "resume from state_dict()")
     report.passed.append("resume")
 
-    # 5. no host sync in a step (emulated: every would-be device sync is reported)
+    # 5. no host sync in a step (emulated: every would-be device sync is reported), over
+    # several updates: a sync made every other update (logging, say) is a sync too
     with SyncProbe(mode="emulate", allow=("guard.py",)) as probe:
-        step(first, batches[0])
+        for batch in batches if len(batches) > 1 else batches * 2:
+            step(first, batch)
     if probe.syncs:
         raise AssertionError(f"{transform!r} adds host syncs: {probe.syncs}")
     report.passed.append("no host sync")
 
-    # 6. a refused bad input leaves everything intact, and the next step works
+    # 6. a refused bad input, and a call failing half-way (its loss function raising),
+    # leave every piece of state as it was, and the next step works as if they never came
+    _at_boundary(step, first)
     before = copy.deepcopy(first.state_dict())
     try:
         step(first, [1, 2, 3])
@@ -228,9 +295,27 @@ def check_transform(
         pass
     else:
         raise AssertionError("a list batch was accepted")
-    after = first.state_dict()
-    _assert_same(list(_flat(before)), list(_flat(after)), "state after a refused batch")
-    step(first, batches[-1])
+    _assert_same_state(before, first.state_dict(), "state after a refused batch")
+    armed[0] = True
+    try:
+        step(first, batches[0])
+    except _InjectedFailure:
+        pass
+    else:
+        raise AssertionError(f"{transform!r} hid the error of a failing loss function")
+    finally:
+        armed[0] = False
+    _assert_same_state(before, first.state_dict(), "state after a failed call")
+    model = make_model()
+    twin = TrainState(model, make_optimizer(model))
+    twin.load_state_dict(copy.deepcopy(before))
+    for batch in batches:
+        step(first, batch)
+        step(twin, batch)
+    first.sync()
+    twin.sync()
+    _assert_same(_params(twin.model, twin.optimizer), _params(first.model, first.optimizer),
+                 "the steps after a failed call")
     report.passed.append("bad input")
     return report
 
@@ -245,13 +330,3 @@ def _neutral_outer(step: Step) -> Transform:
         return candidate
     raise AssertionError(f"{step!r} refuses every neutral outer transform; purity is untested")
 
-
-def _flat(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for key in sorted(value, key=str):
-            yield from _flat(value[key])
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _flat(item)
