@@ -200,7 +200,8 @@ def param_groups(
       and ``relative_position_bias_table``. Groups come in that order; names in ``skip`` get
       a last group with no decay.
 
-    Tied parameters appear once, where ``model.named_parameters()`` first lists them.
+    Tied parameters appear once, where ``model.named_parameters()`` first lists them
+    (``skip`` takes any of their names).
     (torchvision's function lists a tied weight once per module holding it: ``torch.optim``
     then steps it twice per update, or refuses groups that share it; its own models tie
     none.)
@@ -250,11 +251,15 @@ def param_groups(
         raise ValueError("param_groups(blocks=...) only applies with layer_decay=...")
     named_params = dict(model.named_parameters())
     skip = list(skip) if not isinstance(skip, str) else [skip]
-    unknown = [s for s in skip if s not in named_params]
+    # a tied parameter may be skipped by any of its names (head.weight for embed.weight)
+    first = {id(p): n for n, p in named_params.items()}
+    aliases = {n: first[id(p)] for n, p in model.named_parameters(remove_duplicate=False)}
+    unknown = [s for s in skip if s not in aliases]
     if unknown:
         raise ValueError(f"param_groups(skip=...): {unknown} are not parameter names of "
                          f"{type(model).__name__}; "
-                         f"close: {_close(unknown[0], list(named_params))}")
+                         f"close: {_close(unknown[0], list(aliases))}")
+    skip = [aliases[s] for s in skip]
     # each parameter's kind; each kind's weight decay, in the order the groups come
     if rule == "torchvision":
         # train.py's custom keys, in its order: "bias", then the transformer embeddings

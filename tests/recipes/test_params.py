@@ -522,3 +522,12 @@ def test_torchvision_rule_spares_norms_and_still_decays_biases():
 def test_rule_arguments_are_checked(kwargs, match):
     with pytest.raises(ValueError, match=match):
         param_groups(Net(), weight_decay=0.1, **kwargs)
+
+
+@pytest.mark.parametrize("rule", ["type", "dim", "torchvision"])
+def test_skip_takes_any_name_of_a_tied_parameter(rule):
+    model = TinyTransformer(tie=True)  # head.weight is embed.weight
+    by_alias = param_groups(model, weight_decay=0.1, rule=rule, skip=["head.weight"])
+    by_name = param_groups(model, weight_decay=0.1, rule=rule, skip=["embed.weight"])
+    assert names_by_decay(model, by_alias) == names_by_decay(model, by_name)
+    assert "embed.weight" in names_by_decay(model, by_alias)[0.0]
