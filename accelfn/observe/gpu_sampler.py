@@ -31,6 +31,7 @@ class GPUSampler:
         self.error: str | None = None
         self.name: str | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._nvml: Any = None
         self._t0 = 0.0
@@ -76,6 +77,14 @@ class GPUSampler:
         self._thread.start()
         return True
 
+    def rebase(self, t0: float) -> None:
+        """Count sample times from ``t0`` (a ``time.perf_counter`` value) on, the samples
+        taken so far included (earlier ones get negative times)."""
+        with self._lock:
+            shift = self._t0 - t0
+            self._t0 = t0
+            self.samples[:] = [(t + shift, u, m, p) for t, u, m, p in self.samples]
+
     def _sample(self, handle: Any) -> None:
         nvml = self._nvml
         util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
@@ -84,7 +93,8 @@ class GPUSampler:
             power: float | None = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
         except Exception:
             power = None
-        self.samples.append((time.perf_counter() - self._t0, util, mem, power))
+        with self._lock:
+            self.samples.append((time.perf_counter() - self._t0, util, mem, power))
 
     def _run(self, handle: Any) -> None:
         while True:

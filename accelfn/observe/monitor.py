@@ -211,13 +211,6 @@ class Monitor:
         if self._started:
             return self
         self._started = True
-        self._t0 = self._t_last = time.perf_counter()
-        if self._cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._ev_last = _boundary_event(self.device)
-        if self._gpu is not None and not self._gpu.start(self._t0):
-            self._gpu_note = self._gpu.error
-            self._gpu = None
         self._next_step = self.state.step if self.state is not None else 0
         if self._main:
             if self._paths["jsonl"]:
@@ -233,6 +226,17 @@ class Monitor:
                 self._bar = make_bar(self.total, self._desc, self._file)
         if self.profiler is not None and not self.profiler.running and not self.profiler.done:
             self.profiler.start()
+        if self._gpu is not None and not self._gpu.start():
+            self._gpu_note = self._gpu.error
+            self._gpu = None
+        # the clock starts once the outputs are open and NVML is up (wandb.init, an MLflow
+        # server, ... take seconds): that is no part of the first step
+        self._t0 = self._t_last = time.perf_counter()
+        if self._gpu is not None:
+            self._gpu.rebase(self._t0)
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._ev_last = _boundary_event(self.device)
         return self
 
     def __enter__(self) -> Monitor:

@@ -66,3 +66,28 @@ def test_counting_flops_leaves_the_random_stream_of_training_alone() -> None:
     flops = training_flops(model, x)
     assert torch.equal(torch.rand(3), expected)  # dropout in the count drew no numbers
     assert flops == 2 * 4 * 8 * 16 * 2 + 2 * 4 * 16 * 2 * 3
+
+
+def test_opening_slow_outputs_is_not_timed_as_the_first_step() -> None:
+    import time
+
+    from accelfn.observe.monitor import Monitor
+
+    class SlowToOpen:  # like wandb.init or an MLflow server: seconds before the first step
+        def open(self, start_step: int) -> None:
+            time.sleep(0.3)
+
+        def write(self, rows: Any) -> None:
+            pass
+
+        def close(self, report: str | None = None) -> None:
+            pass
+
+    mon = Monitor(progress=False, warmup=0, sync_check_step=None, sinks=[SlowToOpen()])
+    with mon:
+        for _ in range(2):
+            time.sleep(0.01)
+            mon.step(samples=4)
+    first = mon.rows[0]
+    assert first["iter_s"] < 0.2 and first["step_s"] < 0.2 and first["time_s"] < 0.2
+    assert mon.report().step_time_s < 0.2
