@@ -7,6 +7,7 @@ reads it into a row once the event has completed.
 
 from __future__ import annotations
 
+import numbers
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -88,8 +89,9 @@ def snapshot_metrics(metrics: Any) -> tuple[list[tuple[list[str], Tensor]], dict
     """Copy a step's scalar metrics off the device without a host sync.
 
     Scalar tensors are stacked per device and copied to (pinned) host memory with
-    ``non_blocking=True``; Python numbers are kept as they are. Read the copies only once the
-    step's boundary event has completed.
+    ``non_blocking=True``; Python and numpy numbers are kept as they are. Nested mappings
+    (and nested TensorDicts) give one metric per leaf, named ``"outer.inner"``. Read the
+    copies only once the step's boundary event has completed.
     """
     if metrics is None:
         return [], {}
@@ -101,14 +103,17 @@ def snapshot_metrics(metrics: Any) -> tuple[list[tuple[list[str], Tensor]], dict
         items = list(metrics.items())
     groups: dict[torch.device, tuple[list[str], list[Tensor]]] = {}
     py: dict[str, float] = {}
-    for k, v in items:
+    while items:
+        k, v = items.pop(0)
         key = ".".join(k) if isinstance(k, tuple) else str(k)
         if isinstance(v, Tensor):
             if v.numel() == 1:
                 keys, ts = groups.setdefault(v.device, ([], []))
                 keys.append(key)
                 ts.append(v.detach().reshape(()).float())
-        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+        elif isinstance(v, Mapping):  # a nested dict: its leaves as "outer.inner"
+            items[:0] = [(f"{key}.{k2}", v2) for k2, v2 in v.items()]
+        elif isinstance(v, numbers.Real) and not isinstance(v, bool):
             py[key] = float(v)
     snaps = []
     with torch.no_grad():

@@ -91,3 +91,22 @@ def test_opening_slow_outputs_is_not_timed_as_the_first_step() -> None:
     first = mon.rows[0]
     assert first["iter_s"] < 0.2 and first["step_s"] < 0.2 and first["time_s"] < 0.2
     assert mon.report().step_time_s < 0.2
+
+
+def test_nested_mappings_and_numpy_scalars_in_a_steps_metrics_are_kept() -> None:
+    import numpy as np
+    from tensordict import TensorDict
+
+    from accelfn.observe.monitor import Monitor
+
+    mon = Monitor(progress=False, warmup=0, sync_check_step=None)
+    with mon:
+        mon.step({"loss": torch.tensor(1.5), "grad": {"norm": torch.tensor(2.0),
+                                                      "clipped": {"frac": 0.25}},
+                  "acc": np.float32(0.5), "n": np.int64(3)})
+        mon.step(TensorDict({"loss": torch.tensor(1.0),
+                             "grad": TensorDict({"norm": torch.tensor(3.0)})}))
+    first, second = mon.rows
+    assert (first["loss"], first["grad.norm"], first["grad.clipped.frac"]) == (1.5, 2.0, 0.25)
+    assert (first["acc"], first["n"]) == (0.5, 3.0)
+    assert (second["loss"], second["grad.norm"]) == (1.0, 3.0)
