@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import Any, overload
 
 import torch
@@ -65,9 +66,41 @@ def _fsdp(model: nn.Module, state: TrainState, param_dtype: torch.dtype | None) 
         group["params"] = [after[before[id(p)]] for p in group["params"]]
 
 
+def _all_reduce_grads(model: nn.Module, group: Any) -> None:
+    """Average the gradients over the processes, as DDP's synced backward does, for
+    gradients accumulated under ``no_sync`` that no synced backward followed (a window that
+    ``step.flush`` closes). One all-reduce; a gradient that no process has stays None."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return
+    device = params[0].device
+    flat = torch.cat([*[(p.grad if p.grad is not None else torch.zeros_like(p))
+                        .detach().reshape(-1).to(torch.float32) for p in params],
+                      torch.tensor([p.grad is not None for p in params], dtype=torch.float32,
+                                   device=device)])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    world = dist.get_world_size(group)
+    total = sum(p.numel() for p in params)
+    present = flat[total:].tolist()  # one host read, at a flush only
+    offset = 0
+    for p, has in zip(params, present):
+        n = p.numel()
+        if has:
+            grad = flat[offset:offset + n].view_as(p).div_(world).to(p.dtype)
+            if p.grad is not None:
+                p.grad.copy_(grad)  # in place: DDP's bucket views stay views
+            else:
+                p.grad = grad
+        offset += n
+
+
 def _distributed(strategy: str, static_graph: bool, compression: str | None,
                  sync_batchnorm: bool, bucket_cap_mb: float | None, fsdp_sync: str,
                  find_unused_parameters: bool) -> Transform:
+    # models whose last backward ran without gradient synchronisation (no_sync): an update
+    # that follows it without a synced backward (step.flush) must reduce them itself
+    unsynced: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
     def shard(prepared: Prepared, state: TrainState) -> Prepared:
         init_distributed()
         if world_size() == 1:
@@ -102,11 +135,14 @@ def _distributed(strategy: str, static_graph: bool, compression: str | None,
         if sync or ctx.distributed is None:
             if strategy == "fsdp" and ctx.distributed is not None:
                 _root(model).set_requires_gradient_sync(True)
+            unsynced.pop(model, None)
             return contextlib.nullcontext()
         if strategy == "ddp":
+            unsynced[model] = True
             no_sync: contextlib.AbstractContextManager[Any] = getattr(model, "no_sync")()  # noqa: B009
             return no_sync
         if fsdp_sync == "once":
+            unsynced[model] = True
             _root(model).set_requires_gradient_sync(False)
         return contextlib.nullcontext()
 
@@ -114,7 +150,16 @@ def _distributed(strategy: str, static_graph: bool, compression: str | None,
         # Processes averaged sum(coef * grad) over the world; the engine divides by the local
         # weight. Make the divisor global weight / world, so the result is the exact
         # full-batch gradient over all processes' samples (or tokens).
-        if ctx.distributed is None or ctx.divisor is None:
+        if ctx.distributed is None:
+            return
+        if unsynced.pop(ctx.model, False):  # step.flush of a window's unsynced gradients
+            if strategy == "fsdp":
+                raise ValueError(
+                    "step.flush(state) cannot apply this window: distributed(strategy='fsdp', "
+                    "fsdp_sync='once') left its gradients unsharded and unreduced. Use "
+                    "fsdp_sync='every' with with_accumulation(n, mode='calls')")
+            _all_reduce_grads(ctx.state.model, ctx.distributed)
+        if ctx.divisor is None:
             return
         total = ctx.divisor.clone()
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.distributed)
@@ -180,8 +225,17 @@ def distributed(
                          f"{_COMPRESSION}")
     if fsdp_sync not in ("every", "once"):
         raise ValueError(f"distributed(fsdp_sync={fsdp_sync!r}) must be 'every' or 'once'")
-    if strategy == "fsdp" and (compression or static_graph):
-        raise ValueError("compression and static_graph are DDP options; FSDP2 takes neither")
+    if strategy == "fsdp":
+        given = [name for name, value in (
+            ("compression", compression), ("static_graph", static_graph),
+            ("bucket_cap_mb", bucket_cap_mb),
+            ("find_unused_parameters", find_unused_parameters)) if value]
+        if given:
+            raise ValueError(f"{', '.join(given)}: DDP options, which FSDP2 does not take; "
+                             "leave them out with strategy='fsdp'")
+    elif fsdp_sync != "every":
+        raise ValueError(f"distributed(fsdp_sync={fsdp_sync!r}) is an FSDP2 option; pass "
+                         "strategy='fsdp' with it (DDP synchronises once per update)")
     if bucket_cap_mb is not None and bucket_cap_mb <= 0:
         raise ValueError("distributed(bucket_cap_mb=...) must be > 0")
     return configure("distributed", fn, _distributed(

@@ -1,0 +1,136 @@
+"""distributed: further 2-process (gloo, CPU) cases against the single-process reference.
+
+The module is also the torchrun worker: ``python -m torch.distributed.run --nproc_per_node=2
+test_distributed_cases.py OUT`` runs every case of WORKER_CASES on both ranks and saves what
+each rank saw in ``OUT/rank<r>.pt``; the tests compare it with one process training on the
+concatenated batches.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+if TESTS not in sys.path:  # under torchrun: conftest, dist_worker and reference sit in tests/
+    sys.path.insert(0, TESTS)
+
+from conftest import Net, classify, free_port  # noqa: E402
+from dist_worker import RANK_ROWS, global_batch  # noqa: E402
+from reference import reference_update  # noqa: E402
+
+import accelfn as af  # noqa: E402
+
+CALLS = 4  # with_accumulation(3, mode="calls"): one full window, then a flushed one of 1
+
+
+def _full(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
+            for name, p in model.named_parameters()}
+
+
+def _calls_flush(strategy: str, fsdp_sync: str = "every") -> dict:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    step = af.with_accumulation(3, mode="calls")(
+        af.distributed(strategy=strategy, fsdp_sync=fsdp_sync)(classify))
+    rank = dist.get_rank()
+    error = None
+    for i in range(CALLS):
+        step(state, {k: v[RANK_ROWS[rank]] for k, v in global_batch(i).items()})
+    try:
+        step.flush(state)
+    except ValueError as exc:
+        error = str(exc)
+    return {"params": _full(model), "error": error}
+
+
+WORKER_CASES = {
+    "calls_flush_ddp": lambda: _calls_flush("ddp"),
+    "calls_flush_fsdp": lambda: _calls_flush("fsdp"),
+    "calls_flush_fsdp_once": lambda: _calls_flush("fsdp", "once"),
+}
+
+
+def worker(out_dir: str) -> None:
+    import torch.distributed as dist
+
+    af.init_distributed()
+    results = {name: case() for name, case in WORKER_CASES.items()}
+    torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist_cases")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def _reference_calls() -> dict[str, torch.Tensor]:
+    """A window of 3 calls and a flushed window of 1, each one update on all ranks' rows."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for window in ([0, 1, 2], [3]):
+        batches = [global_batch(i) for i in window]
+        reference_update(model, optimizer, {k: torch.cat([b[k] for b in batches])
+                                            for k in batches[0]}, classify)
+    return {k: v.detach() for k, v in model.named_parameters()}
+
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.mark.parametrize("case", ["calls_flush_ddp", "calls_flush_fsdp"])
+def test_flushed_short_window_equals_single_process(results, case):
+    # the flushed window's calls ran under no_sync: its gradients must still be reduced
+    expected = _reference_calls()
+    for rank in range(2):
+        got = results[rank][case]
+        assert got["error"] is None
+        for name, value in expected.items():
+            torch.testing.assert_close(got["params"][name], value, atol=1e-5, rtol=1e-5,
+                                       msg=f"{case} rank {rank} {name}")
+    if case.endswith("ddp"):
+        for name in expected:  # DDP replicas stay bitwise identical
+            assert torch.equal(results[0][case]["params"][name],
+                               results[1][case]["params"][name])
+
+
+def test_flush_with_fsdp_sync_once_is_refused_on_every_rank(results):
+    # FSDP2 keeps the unsynced window's gradients unsharded: flushing them cannot be exact
+    for rank in range(2):
+        error = results[rank]["calls_flush_fsdp_once"]["error"]
+        assert error is not None and "fsdp_sync='every'" in error
+
+
+@pytest.mark.parametrize("options", [{"bucket_cap_mb": 25}, {"find_unused_parameters": True},
+                                     {"compression": "bf16"}, {"static_graph": True}])
+def test_ddp_options_given_to_fsdp_are_refused(options):
+    with pytest.raises(ValueError, match="DDP option"):
+        af.distributed(strategy="fsdp", **options)
+
+
+def test_fsdp_sync_given_to_ddp_is_refused():
+    with pytest.raises(ValueError, match="fsdp_sync"):
+        af.distributed(fsdp_sync="once")
+    af.distributed(strategy="fsdp", fsdp_sync="once")  # an FSDP2 option
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
