@@ -202,7 +202,9 @@ def one_cycle(
     ``pct_start = warmup_steps / total_steps``. ``cycle_momentum`` defaults to True only for
     optimizers that have momentum (``betas``, or SGD with ``momentum > 0``), where torch's
     default would switch momentum on for plain SGD. ``total_steps`` counts optimizer
-    updates: ``epochs * steps_per_epoch`` in ``OneCycleLR``'s notation.
+    updates: ``epochs * steps_per_epoch`` in ``OneCycleLR``'s notation. With
+    ``three_phase=True``, ``pct_start`` above about 0.5 is refused: the rise and the fall
+    would take every update and the final annealing would never run (torch accepts it).
     """
     _check_optimizer("one_cycle", optimizer)
     _check_steps("one_cycle", 0 if warmup_steps is None else warmup_steps, total_steps)
@@ -213,6 +215,12 @@ def one_cycle(
         pct_start = warmup_steps / total_steps
     if not 0.0 < pct_start < 1.0:
         raise ValueError(f"one_cycle(pct_start={pct_start!r}) must be in (0, 1)")
+    if three_phase and 2 * pct_start * total_steps - 2 >= total_steps - 1:
+        # OneCycleLR's second phase (back down to max_lr / div_factor) would end on or after
+        # the last update: the annealing phase never runs, the final rate never comes
+        raise ValueError(f"one_cycle(three_phase=True, pct_start={pct_start:g}): the rise and "
+                         f"the fall of {total_steps} updates leave none for the final "
+                         "annealing; give pct_start (or warmup_steps / total_steps) of 0.5 at most")
     if max_lr is None:
         max_lr = [float(g["lr"]) for g in optimizer.param_groups]
     elif not isinstance(max_lr, (int, float)):

@@ -434,3 +434,18 @@ def test_scheduler_steps_once_per_update_on_two_processes(tmp_path):
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+@pytest.mark.parametrize("kwargs", [{"pct_start": 0.6}, {"pct_start": 0.55},
+                                    {"warmup_steps": 6}])
+def test_one_cycle_three_phases_refuses_a_rise_leaving_no_annealing(kwargs):
+    # the second phase would end at or after the last update: the final rate never comes
+    opt = torch.optim.SGD(Net().parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="three_phase"):
+        one_cycle(opt, total_steps=10, three_phase=True, **kwargs)
+
+
+def test_one_cycle_three_phases_at_half_reaches_its_final_rate():
+    opt = torch.optim.SGD(Net().parameters(), lr=1.0)
+    sched = one_cycle(opt, total_steps=10, three_phase=True, pct_start=0.5)
+    assert lrs_over(opt, sched, 10)[-1][0] == pytest.approx(1.0 / 25 / 1e4)
