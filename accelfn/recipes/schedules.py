@@ -304,6 +304,12 @@ class WarmupPlateau:
         if (state_dict["warmup"] is None) != (self.warmup is None):
             raise ValueError("checkpoint and scheduler disagree on having a warmup; build "
                              "warmup_plateau with the checkpointed run's warmup_steps")
+        saved_steps = (0 if state_dict["warmup"] is None
+                       else int(state_dict["warmup"]["total_iters"]))
+        if saved_steps != self.warmup_steps:  # its warmup would stop half-way, for good
+            raise ValueError(f"the checkpoint's warmup_plateau has warmup_steps={saved_steps}, "
+                             f"this one warmup_steps={self.warmup_steps}; build it with the "
+                             "checkpointed run's warmup_steps")
         self.updates = int(state_dict["updates"])
         if self.warmup is not None:
             self.warmup.load_state_dict(state_dict["warmup"])

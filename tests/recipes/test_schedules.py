@@ -449,3 +449,21 @@ def test_one_cycle_three_phases_at_half_reaches_its_final_rate():
     opt = torch.optim.SGD(Net().parameters(), lr=1.0)
     sched = one_cycle(opt, total_steps=10, three_phase=True, pct_start=0.5)
     assert lrs_over(opt, sched, 10)[-1][0] == pytest.approx(1.0 / 25 / 1e4)
+
+
+def test_warmup_plateau_refuses_a_checkpoint_of_another_warmup_length():
+    # loaded as is, the 100-update warmup stopped at update 10: the rate stayed at half
+    # the base one for good
+    opt = torch.optim.SGD(Net().parameters(), lr=1.0)
+    sched = warmup_plateau(opt, warmup_steps=100)
+    for _ in range(50):
+        opt.step()
+        sched.step()
+    saved = sched.state_dict()
+    other = warmup_plateau(torch.optim.SGD(Net().parameters(), lr=1.0), warmup_steps=10)
+    with pytest.raises(ValueError, match="warmup_steps=100"):
+        other.load_state_dict(saved)
+    assert other.updates == 0
+    same = warmup_plateau(torch.optim.SGD(Net().parameters(), lr=1.0), warmup_steps=100)
+    same.load_state_dict(saved)
+    assert same.updates == 50
