@@ -28,14 +28,19 @@ def init_distributed(backend: str | None = None) -> torch.device:
 
     Equivalent to ``dist.init_process_group(backend)`` with ``nccl`` on GPUs and ``gloo`` on
     CPUs, plus ``torch.cuda.set_device(LOCAL_RANK)``. Without torchrun's variables (a plain
-    ``python`` run) it initialises nothing and returns the default device.
+    ``python`` run) it initialises nothing and returns the current device; a process group
+    set up beforehand is used as it is, and without ``LOCAL_RANK`` the current CUDA device
+    is kept.
     """
     cuda = torch.cuda.is_available()
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
-    if cuda:
+    if not cuda:
+        device = torch.device("cpu")
+    elif "LOCAL_RANK" in os.environ:  # torchrun's: bind this process to its GPU
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
+    else:  # no launcher to say: the device the process chose (mp.spawn, a plain run)
+        device = torch.device("cuda", torch.cuda.current_device())
     if env_world <= 1 or (dist.is_available() and dist.is_initialized()):
         return device
     if "MASTER_ADDR" not in os.environ or "RANK" not in os.environ:

@@ -132,5 +132,34 @@ def test_fsdp_sync_given_to_ddp_is_refused():
     af.distributed(strategy="fsdp", fsdp_sync="once")  # an FSDP2 option
 
 
+@pytest.mark.parametrize("group_up", [False, True])
+def test_init_distributed_keeps_the_device_chosen_without_torchrun(monkeypatch, group_up):
+    # a plain run on cuda:1, or a process group made by mp.spawn: no LOCAL_RANK to bind to
+    import torch.distributed as dist
+
+    bound = []
+    for name in ("WORLD_SIZE", "LOCAL_RANK", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: group_up)
+    assert af.init_distributed() == torch.device("cuda", 1)
+    assert bound == []
+
+
+def test_init_distributed_binds_torchruns_local_rank(monkeypatch):
+    import torch.distributed as dist
+
+    bound = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # already set up by the user
+    assert af.init_distributed() == torch.device("cuda", 1)
+    assert bound == [torch.device("cuda", 1)]
+
+
 if __name__ == "__main__":
     worker(sys.argv[1])
