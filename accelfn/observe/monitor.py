@@ -247,7 +247,7 @@ class Monitor:
             self.close()
             return
         try:  # the loop's own error goes on; a failing output must not replace it
-            self.close()
+            self._close(failed_loop=True)
         except Exception as err:
             warnings.warn(f"Monitor.close() after an error in the loop failed too: "
                           f"{type(err).__name__}: {err}", stacklevel=2)
@@ -258,6 +258,11 @@ class Monitor:
         Everything is stopped and closed even when flushing or a sink fails; the first such
         error is raised at the end.
         """
+        return self._close(failed_loop=False)
+
+    def _close(self, *, failed_loop: bool) -> MonitorReport:
+        """[`close`][]; ``failed_loop``: the monitored loop raised, so sinks that can mark a
+        run as failed (an ``abort(report)`` method: W&B, MLflow) are closed with it."""
         if self._closed:
             assert self._report is not None
             return self._report
@@ -276,8 +281,12 @@ class Monitor:
         self._report = report
         text = str(report)
         for sink in self._sinks:  # every sink is closed, even after one fails
+            abort = getattr(sink, "abort", None) if failed_loop else None
             try:
-                sink.close(text)
+                if callable(abort):
+                    abort(text)
+                else:
+                    sink.close(text)
             except Exception as exc:
                 failed = failed or exc
         if self._bar is not None:

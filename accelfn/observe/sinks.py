@@ -39,7 +39,9 @@ class Sink(Protocol):
       at this step or later belong to steps that run again, and should not be kept twice.
     * ``write(rows)`` every ``log_every`` steps with the rows of newly completed steps, in
       step order.
-    * ``close(report)`` once at the end, with the monitor's report as text.
+    * ``close(report)`` once at the end, with the monitor's report as text. A sink may also
+      have an ``abort(report)`` method: the monitor calls it instead of ``close`` when the
+      loop inside ``with monitor:`` raised (W&B and MLflow mark the run as failed there).
 
     A sink that prints the loss every time rows arrive:
 

@@ -30,7 +30,8 @@ class WandbSink:
     """Rows to a Weights & Biases run: each numeric field at its step.
 
     Equivalent to ``run = wandb.init(**init)``, then ``run.log(scalars(row), step=row["step"])``
-    for each row, the report in ``run.summary["report"]`` and ``run.finish()``.
+    for each row, the report in ``run.summary["report"]`` and ``run.finish()``
+    (``run.finish(exit_code=1)`` when the monitored loop raised).
 
     Args:
         run: an existing run (from your own ``wandb.init``) to log into; it is not finished
@@ -82,12 +83,19 @@ class WandbSink:
                 self.run.log(scalars(r, self.prefix), step=int(r["step"]))
 
     def close(self, report: str | None = None) -> None:
+        self._close(report, exit_code=0)
+
+    def abort(self, report: str | None = None) -> None:
+        """Close after the monitored loop raised: the run is finished as failed."""
+        self._close(report, exit_code=1)
+
+    def _close(self, report: str | None, *, exit_code: int) -> None:
         if self.run is None:
             return
         if report:
             self.run.summary[f"{self.prefix}report"] = report
         if self._owned:
-            self.run.finish()
+            self.run.finish(exit_code=exit_code)
             self.run = None  # opened again (another monitor): wandb.init again
 
 
@@ -96,7 +104,7 @@ class MlflowSink:
 
     Equivalent to ``MlflowClient(tracking_uri).log_batch(run_id, [Metric(name, value, t,
     row["step"]), ...])`` for the rows, the report as the artifact ``accelfn_report.txt``
-    and ``set_terminated(run_id)``.
+    and ``set_terminated(run_id)`` (``status="FAILED"`` when the monitored loop raised).
 
     Which run: ``run_id`` when given; else, on a resumed run, the newest run named
     ``run_name`` in the experiment; else the active run of ``mlflow.start_run()`` (left
@@ -174,9 +182,16 @@ class MlflowSink:
             self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
 
     def close(self, report: str | None = None) -> None:
+        self._close(report, status="FINISHED")
+
+    def abort(self, report: str | None = None) -> None:
+        """Close after the monitored loop raised: the run ends with status ``FAILED``."""
+        self._close(report, status="FAILED")
+
+    def _close(self, report: str | None, *, status: str) -> None:
         if self._client is None or self.run_id is None:
             return
         if report:
             self._client.log_text(self.run_id, report, "accelfn_report.txt")
         if self._owned:
-            self._client.set_terminated(self.run_id)
+            self._client.set_terminated(self.run_id, status=status)

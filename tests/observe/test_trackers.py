@@ -244,3 +244,44 @@ def test_accelfn_works_without_wandb_and_mlflow(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "pip install 'accelfn[wandb]'" in out.stdout
     assert json.loads((tmp_path / "m.jsonl").read_text())["loss"] == 1.0
+
+
+def test_a_run_that_dies_in_the_loop_is_marked_failed(mlflow_store: str,
+                                                      wandb_offline: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    ml = MlflowSink(tracking_uri=mlflow_store, experiment="digits", run_name="dies")
+    wb = WandbSink(project="accelfn-tests", id="dies-1")
+    train(wandb_offline / "ckpt", until=6, seed=1, crash_at=3, sinks=[ml, wb])
+    assert ml.run_id is not None
+    run = MlflowClient(tracking_uri=mlflow_store).get_run(ml.run_id)
+    assert run.info.status == "FAILED"  # not FINISHED: the training raised
+    assert [m.step for m in MlflowClient(tracking_uri=mlflow_store).get_metric_history(
+        ml.run_id, "loss")] == [0, 1, 2]
+    import wandb
+
+    wandb.teardown()  # the run's files are complete once W&B's service stops
+    (path,) = wandb_offline.glob("wandb/offline-run-*/run-*.wandb")
+    exits = [r.exit.exit_code for r in wandb_records(path) if r.WhichOneof("record_type")
+             == "exit"]
+    assert exits and exits[-1] != 0
+    (only,) = wandb_runs(wandb_offline)
+    assert [h["_step"] for h in only["history"]] == [0, 1, 2]
+    assert "verdict:" in only["summary"]["report"]
+
+
+def test_a_run_that_ends_normally_is_finished(mlflow_store: str, wandb_offline: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    ml = MlflowSink(tracking_uri=mlflow_store, experiment="digits", run_name="ends")
+    wb = WandbSink(project="accelfn-tests", id="ends-1")
+    train(wandb_offline / "ckpt", until=3, seed=1, sinks=[ml, wb])
+    assert ml.run_id is not None
+    assert MlflowClient(tracking_uri=mlflow_store).get_run(ml.run_id).info.status == "FINISHED"
+    import wandb
+
+    wandb.teardown()  # the run's files are complete once W&B's service stops
+    (path,) = wandb_offline.glob("wandb/offline-run-*/run-*.wandb")
+    exits = [r.exit.exit_code for r in wandb_records(path) if r.WhichOneof("record_type")
+             == "exit"]
+    assert exits == [0]
