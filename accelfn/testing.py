@@ -208,6 +208,12 @@ def check_transform(
     if not isinstance(transform, Transform):
         raise TypeError(f"check_transform takes an accelfn.Transform, got {transform!r}")
     report = ContractReport(repr(transform))
+    try:
+        _assert_same(_params(make_model(), torch.optim.SGD([torch.zeros(1)])),
+                     _params(make_model(), torch.optim.SGD([torch.zeros(1)])), "make_model()")
+    except AssertionError as error:  # every check below would blame the transform
+        raise AssertionError(f"make_model() returns different initial weights on two calls "
+                             f"({error}); seed inside it, e.g. torch.manual_seed(0)") from None
     batches = [make_batch(i) for i in range(steps)]
     armed = [False]  # makes the step's loss function fail, for check 6
     step = apply_transform(_failing(loss_fn, armed), transform)

@@ -119,3 +119,10 @@ def test_the_calls_mode_accumulation_passes(steps):
     report = check_transform(af.with_accumulation(2, mode="calls"), loss_fn=loss_fn,
                              steps=steps)
     assert report.passed == ALL[1:]
+
+
+def test_an_unseeded_make_model_is_named_as_the_cause():
+    halving = af.Transform("halve_grads", af.Hooks(gradients=_halve), preserves_finite=True)
+    with pytest.raises(AssertionError, match="make_model"):
+        check_transform(halving, reference=_halved, loss_fn=loss_fn,
+                        make_model=lambda: nn.Linear(6, 4))
