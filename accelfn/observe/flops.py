@@ -39,14 +39,29 @@ PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
 _DTYPE_KEYS = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+_DTYPE_NAMES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16",
+                "half": "fp16", "tf32": "tf32", "fp32": "fp32", "float32": "fp32",
+                "float": "fp32"}
+
+
+def _dtype_key(name: str) -> str:
+    """The table's key for a dtype name (``"bfloat16"`` -> ``"bf16"``); unknown ones raise."""
+    key = _DTYPE_NAMES.get(str(name).lower().removeprefix("torch."))
+    if key is None:
+        raise ValueError(f"peak_dtype={name!r}: use a torch dtype or one of 'bf16', 'fp16', "
+                         "'tf32', 'fp32'")
+    return key
+
+
 def peak_flops(device_name: str, dtype: torch.dtype | str = torch.bfloat16) -> float | None:
     """Datasheet dense peak FLOP/s of the GPU called ``device_name`` for ``dtype``.
 
-    ``dtype`` is a torch dtype or one of ``"bf16"``, ``"fp16"``, ``"tf32"``, ``"fp32"``.
+    ``dtype`` is a torch dtype or one of ``"bf16"``, ``"fp16"``, ``"tf32"``, ``"fp32"`` (or
+    ``"bfloat16"``, ``"float16"``, ``"float32"``); another name raises ``ValueError``.
     Returns ``None`` for an unknown GPU or a dtype it has no rate for (e.g. bf16 on a V100);
     pass ``peak_flops=`` to :class:`Monitor` then.
     """
-    key = _DTYPE_KEYS.get(dtype, None) if isinstance(dtype, torch.dtype) else str(dtype)
+    key = _DTYPE_KEYS.get(dtype, None) if isinstance(dtype, torch.dtype) else _dtype_key(dtype)
     for pattern, rates in PEAK_FLOPS:
         if re.search(pattern, device_name):
             return rates.get(key or "")

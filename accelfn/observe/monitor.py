@@ -53,7 +53,7 @@ from ..core.processes import is_main_process
 from ..core.state import TrainState
 from .diagnostics import Diagnostics
 from .findings import Finding
-from .flops import peak_flops, training_flops
+from .flops import _dtype_key, peak_flops, training_flops
 from .gpu_sampler import GPUSampler
 from .initialisation import check_model
 from .profiling import Profiler
@@ -158,6 +158,8 @@ class Monitor:
             raise ValueError(f"Monitor(warmup={warmup}): must be >= 0")
         self.log_every, self.warmup, self.total = log_every, warmup, total
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
+        if not isinstance(peak_dtype, torch.dtype):
+            _dtype_key(peak_dtype)  # an unknown name raises here, not as a missing MFU
         self.flops_per_step, self.peak_dtype = flops_per_step, peak_dtype
         self._peak_given = peak_flops
         self.device = torch.device(device if device is not None else

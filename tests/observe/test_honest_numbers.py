@@ -110,3 +110,19 @@ def test_nested_mappings_and_numpy_scalars_in_a_steps_metrics_are_kept() -> None
     assert (first["loss"], first["grad.norm"], first["grad.clipped.frac"]) == (1.5, 2.0, 0.25)
     assert (first["acc"], first["n"]) == (0.5, 3.0)
     assert (second["loss"], second["grad.norm"]) == (1.0, 3.0)
+
+
+def test_an_unknown_peak_dtype_is_refused_not_turned_into_no_mfu() -> None:
+    import pytest
+
+    from accelfn.observe.flops import peak_flops
+    from accelfn.observe.monitor import Monitor
+
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert peak_flops(h100, "bfloat16") == peak_flops(h100, torch.bfloat16) == 989.4e12
+    assert peak_flops(h100, "float32") == peak_flops(h100, "fp32") == 66.9e12
+    assert peak_flops(h100, torch.float64) is None  # a dtype with no tensor-core rate
+    with pytest.raises(ValueError, match="'bf61'"):
+        peak_flops(h100, "bf61")
+    with pytest.raises(ValueError, match="peak_dtype='bf61'"):
+        Monitor(peak_dtype="bf61")
