@@ -207,6 +207,9 @@ def check_transform(
     """
     if not isinstance(transform, Transform):
         raise TypeError(f"check_transform takes an accelfn.Transform, got {transform!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"check_transform(steps={steps!r}) must be an int >= 2: the resume "
+                         "check needs a step before the checkpoint and one after it")
     report = ContractReport(repr(transform))
     try:
         _assert_same(_params(make_model(), torch.optim.SGD([torch.zeros(1)])),

@@ -76,7 +76,7 @@ def test_catches_a_transform_that_changes_the_optimizer_state():
     broken = af.Transform("reset_momentum", af.Hooks(after_update=reset_momentum),
                           commutes=True)
     with pytest.raises(AssertionError, match="against the reference"):
-        check_transform(broken, reference=plain, loss_fn=loss_fn, steps=1)
+        check_transform(broken, reference=plain, loss_fn=loss_fn, steps=2)
 
 
 def _counting(undo):
@@ -126,3 +126,10 @@ def test_an_unseeded_make_model_is_named_as_the_cause():
     with pytest.raises(AssertionError, match="make_model"):
         check_transform(halving, reference=_halved, loss_fn=loss_fn,
                         make_model=lambda: nn.Linear(6, 4))
+
+
+@pytest.mark.parametrize("steps", [0, 1, 2.0, True])
+def test_too_few_steps_to_check_a_resume_are_refused(steps):
+    # with one step the resume check had no step after the resume: it passed vacuously
+    with pytest.raises(ValueError, match="steps"):
+        check_transform(af.with_clipping(max_norm=0.5), loss_fn=loss_fn, steps=steps)
