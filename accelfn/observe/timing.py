@@ -216,11 +216,13 @@ def state_mib(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) 
 def interleaved(fns: Sequence[Callable[[], Any]], steps: int,
                 device: torch.device | None = None) -> list[list[float]]:
     """Per-call seconds of each of ``fns``, called in turn ``steps`` times, rotating which goes
-    first at every step (so slow drifts of the machine hit all sides alike). On CUDA each call
-    is followed by a synchronisation, so that its time is its own."""
+    first at every step (so slow drifts of the machine hit all sides alike). On CUDA the device
+    is synchronised before the first call and after each one, so that its time is its own."""
     times: list[list[float]] = [[] for _ in fns]
     clock = time.perf_counter
     k = len(fns)
+    if device is not None:
+        sync(device)  # work queued before (set-up, an earlier measurement) is no call's time
     for i in range(steps):
         for j in range(k):
             idx = (i + j) % k
