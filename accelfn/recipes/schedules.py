@@ -202,19 +202,29 @@ def one_cycle(
     ``pct_start = warmup_steps / total_steps``. ``cycle_momentum`` defaults to True only for
     optimizers that have momentum (``betas``, or SGD with ``momentum > 0``), where torch's
     default would switch momentum on for plain SGD. ``total_steps`` counts optimizer
-    updates: ``epochs * steps_per_epoch`` in ``OneCycleLR``'s notation. With
-    ``three_phase=True``, ``pct_start`` above about 0.5 is refused: the rise and the fall
-    would take every update and the final annealing would never run (torch accepts it).
+    updates: ``epochs * steps_per_epoch`` in ``OneCycleLR``'s notation. Refused where
+    torch's would divide by zero or lose a phase: a rise of one update or less
+    (``warmup_steps < 2``, ``pct_start * total_steps <= 1``), and with ``three_phase=True``
+    a ``pct_start`` above about 0.5 (the rise and the fall would take every update and the
+    final annealing would never run).
     """
     _check_optimizer("one_cycle", optimizer)
     _check_steps("one_cycle", 0 if warmup_steps is None else warmup_steps, total_steps)
     if warmup_steps is not None:
-        if warmup_steps == 0:
-            raise ValueError("one_cycle(warmup_steps=0): the cycle needs a rising phase; give "
-                             "warmup_steps >= 1 or use warmup_cosine(warmup_steps=0, ...)")
+        if warmup_steps < 2:
+            raise ValueError(f"one_cycle(warmup_steps={warmup_steps}): the cycle needs a rising "
+                             "phase of 2 updates at least (max_lr / div_factor at update 0, "
+                             "max_lr at update warmup_steps - 1); give warmup_steps >= 2 or "
+                             "use warmup_cosine(warmup_steps=0, ...)")
         pct_start = warmup_steps / total_steps
     if not 0.0 < pct_start < 1.0:
         raise ValueError(f"one_cycle(pct_start={pct_start!r}) must be in (0, 1)")
+    if pct_start * total_steps - 1 <= 1e-9:
+        # OneCycleLR's rise ends at update pct_start * total_steps - 1: at 0 it divides by
+        # zero, before 0 update 0 is already past the peak (no rise at all)
+        raise ValueError(f"one_cycle(pct_start={pct_start:g}, total_steps={total_steps}): the "
+                         "cycle needs a rising phase of more than one update; give "
+                         "pct_start > 1 / total_steps (or warmup_steps >= 2)")
     if three_phase and 2 * pct_start * total_steps - 2 >= total_steps - 1:
         # OneCycleLR's second phase (back down to max_lr / div_factor) would end on or after
         # the last update: the annealing phase never runs, the final rate never comes

@@ -467,3 +467,19 @@ def test_warmup_plateau_refuses_a_checkpoint_of_another_warmup_length():
     same = warmup_plateau(torch.optim.SGD(Net().parameters(), lr=1.0), warmup_steps=100)
     same.load_state_dict(saved)
     assert same.updates == 50
+
+
+@pytest.mark.parametrize("kwargs", [{"warmup_steps": 1}, {"pct_start": 0.1},
+                                    {"pct_start": 0.05}, {"pct_start": 0.1, "three_phase": True}])
+def test_one_cycle_refuses_a_rise_shorter_than_two_updates(kwargs):
+    # one update of rise divided by zero in OneCycleLR; less skipped the rise altogether
+    # (update 0 at 0.99 * max_lr instead of max_lr / div_factor)
+    opt = torch.optim.SGD(Net().parameters(), lr=1.0)
+    with pytest.raises(ValueError, match="rising phase"):
+        one_cycle(opt, total_steps=10, **kwargs)
+
+
+def test_one_cycle_with_a_two_update_rise_starts_low_and_peaks():
+    opt = torch.optim.SGD(Net().parameters(), lr=1.0)
+    got = [row[0] for row in lrs_over(opt, one_cycle(opt, total_steps=10, warmup_steps=2), 3)]
+    assert got[:2] == pytest.approx([1.0 / 25, 1.0])
