@@ -138,6 +138,10 @@ def _distributed(strategy: str, static_graph: bool, compression: str | None,
             unsynced.pop(model, None)
             return contextlib.nullcontext()
         if strategy == "ddp":
+            if static_graph:  # torch's static graph breaks under no_sync (an internal
+                # assert, then gradients never reduced): all-reduce every micro-batch, exact
+                # too (what is reduced already is equal on every process)
+                return contextlib.nullcontext()
             unsynced[model] = True
             no_sync: contextlib.AbstractContextManager[Any] = getattr(model, "no_sync")()  # noqa: B009
             return no_sync
@@ -212,7 +216,8 @@ def distributed(
     The update equals single-process training on all processes' batches together: micro-batch
     weights (samples, or the returned ``"weight"``) are summed across processes on the device.
     ``compression`` registers DDP's ``fp16``/``bf16`` compression or ``powersgd`` hook;
-    ``sync_batchnorm`` converts BatchNorm layers to SyncBatchNorm. With FSDP2,
+    ``sync_batchnorm`` converts BatchNorm layers to SyncBatchNorm. ``static_graph`` all-reduces
+    every micro-batch (DDP's static graph does not support ``no_sync``). With FSDP2,
     ``fsdp_sync="every"`` reduce-scatters each micro-batch (least memory) and ``"once"``
     only the last (least communication); ``with_amp``'s dtype becomes the parameter dtype,
     with reductions in fp32.

@@ -21,7 +21,7 @@ if TESTS not in sys.path:  # under torchrun: conftest, dist_worker and reference
     sys.path.insert(0, TESTS)
 
 from conftest import Net, classify, free_port  # noqa: E402
-from dist_worker import RANK_ROWS, global_batch  # noqa: E402
+from dist_worker import RANK_ROWS, STEPS, global_batch  # noqa: E402
 from reference import reference_update  # noqa: E402
 
 import accelfn as af  # noqa: E402
@@ -53,7 +53,24 @@ def _calls_flush(strategy: str, fsdp_sync: str = "every") -> dict:
     return {"params": _full(model), "error": error}
 
 
+def _static_graph_accumulation() -> dict:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    step = af.distributed(static_graph=True)(af.with_accumulation(3)(classify))
+    rank = dist.get_rank()
+    try:
+        for i in range(STEPS):
+            step(state, {k: v[RANK_ROWS[rank]] for k, v in global_batch(i).items()})
+    except RuntimeError as exc:  # torch's DDP: static_graph asserts under no_sync
+        return {"params": _full(model), "error": str(exc)[:500]}
+    return {"params": _full(model), "error": None}
+
+
 WORKER_CASES = {
+    "static_graph_acc3": _static_graph_accumulation,
     "calls_flush_ddp": lambda: _calls_flush("ddp"),
     "calls_flush_fsdp": lambda: _calls_flush("fsdp"),
     "calls_flush_fsdp_once": lambda: _calls_flush("fsdp", "once"),
@@ -110,6 +127,20 @@ def test_flushed_short_window_equals_single_process(results, case):
         for name in expected:  # DDP replicas stay bitwise identical
             assert torch.equal(results[0][case]["params"][name],
                                results[1][case]["params"][name])
+
+
+def test_static_graph_with_accumulation_equals_single_process(results):
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i in range(STEPS):
+        reference_update(model, optimizer, global_batch(i), classify)
+    for rank in range(2):
+        got = results[rank]["static_graph_acc3"]
+        assert got["error"] is None
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(got["params"][name], value.detach(), atol=1e-5,
+                                       rtol=1e-5, msg=f"rank {rank} {name}")
 
 
 def test_flush_with_fsdp_sync_once_is_refused_on_every_rank(results):
