@@ -200,6 +200,9 @@ class CsvSink:
             return
         if self.writer is None:
             fields = list(dict.fromkeys(k for r in rows for k in r))
+            if "probed" not in fields and "mem_gib" in fields:
+                # a monitor row field that only the probed step has (often a later write)
+                fields.insert(fields.index("mem_gib") + 1, "probed")
             self.writer = csv.DictWriter(self.file, fieldnames=fields, extrasaction="ignore")
             self.writer.writeheader()
         extra = {k for r in rows for k in r} - set(self.writer.fieldnames)
