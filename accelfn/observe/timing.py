@@ -246,7 +246,13 @@ class StepTiming:
 
 def time_steps(one: Callable[[], Any], *, warmup: int, steps: int,
                device: torch.device) -> StepTiming:
-    """Call ``one`` ``warmup`` times (the first timed alone), then time ``steps`` calls."""
+    """Call ``one`` ``warmup`` times (the first timed alone), then time ``steps`` calls.
+
+    Both must be at least 1: the first call is always the warm-up one.
+    """
+    if warmup < 1 or steps < 1:
+        raise ValueError(f"time_steps(warmup={warmup}, steps={steps}): both must be >= 1 "
+                         "(the first call is timed on its own as the warm-up)")
     with PeakMemory(device) as mem:
         t0 = time.perf_counter()
         one()

@@ -20,3 +20,15 @@ def test_interleaved_drains_work_queued_before_the_first_timed_call(
     events.clear()
     timing.interleaved(fns, steps=1, device=None)  # the CPU: nothing to drain
     assert events == ["a", "b"]
+
+
+def test_time_steps_refuses_counts_it_cannot_honour() -> None:
+    calls: list[int] = []
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="warmup=0"):  # the first call is always warm-up
+        timing.time_steps(lambda: calls.append(1), warmup=0, steps=3, device=cpu)
+    with pytest.raises(ValueError, match="steps=0"):
+        timing.time_steps(lambda: calls.append(1), warmup=1, steps=0, device=cpu)
+    assert calls == []
+    t = timing.time_steps(lambda: calls.append(1), warmup=2, steps=3, device=cpu)
+    assert len(calls) == 5 and len(t.per_step_s) == 3 and t.elapsed_s >= sum(t.per_step_s)
