@@ -115,7 +115,8 @@ class MlflowSink:
         run_id: continue this run.
         run_name: the run's name, and how a resumed run finds it again.
         tracking_uri: where runs are stored (default: ``mlflow.get_tracking_uri()``, e.g.
-            ``MLFLOW_TRACKING_URI``); ``"file:/path/mlruns"`` is a local file store.
+            ``MLFLOW_TRACKING_URI``); ``"file:/path/mlruns"`` is a local file store (MLflow
+            3 refuses it unless ``MLFLOW_ALLOW_FILE_STORE=true``).
         tags: tags of a new run.
         prefix: put before every metric name.
     """
