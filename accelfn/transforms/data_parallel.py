@@ -37,6 +37,7 @@ def _ddp(model: nn.Module, device: torch.device, static_graph: bool,
     if bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = bucket_cap_mb
     ddp = DistributedDataParallel(model, **kwargs)
+    _no_buffer_sync_without_grad(ddp)
     if compression == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif compression == "bf16":
@@ -46,6 +47,26 @@ def _ddp(model: nn.Module, device: torch.device, static_graph: bool,
                                                 start_powerSGD_iter=2)
         ddp.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
     return ddp
+
+
+def _no_buffer_sync_without_grad(ddp: nn.Module) -> None:
+    """DDP broadcasts rank 0's buffers (BatchNorm statistics) before a forward that follows a
+    training forward, evaluation included: a collective that evaluating on the main process
+    only waits for forever. A forward without gradients skips it, and leaves DDP's flag as
+    it found it, so the next training forward synchronises on every process alike."""
+    saved: list[bool] = []
+
+    def before(module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            saved.append(bool(getattr(module, "require_forward_param_sync")))  # noqa: B009
+            setattr(module, "require_forward_param_sync", False)  # noqa: B010
+
+    def after(module: nn.Module, args: Any, output: Any) -> None:
+        if saved:
+            setattr(module, "require_forward_param_sync", saved.pop())  # noqa: B010
+
+    ddp.register_forward_pre_hook(before)
+    ddp.register_forward_hook(after, always_call=True)
 
 
 def _fsdp(model: nn.Module, state: TrainState, param_dtype: torch.dtype | None) -> None:

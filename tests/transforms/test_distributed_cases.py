@@ -77,25 +77,66 @@ WORKER_CASES = {
 }
 
 
-def worker(out_dir: str) -> None:
+def _evaluate_on_rank0_only() -> dict:
+    """The usual 'evaluate on the main process' with a BatchNorm model under DDP."""
+    import time
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.BatchNorm1d(8),
+                                torch.nn.Linear(8, 4))
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def fn(model, batch):
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    step = af.distributed(fn)
+    rank = dist.get_rank()
+    batch = {k: v[RANK_ROWS[rank]] for k, v in global_batch(0).items()}
+    step(state, batch)
+    error, start = None, time.monotonic()
+    if af.is_main_process():
+        try:
+            step.evaluate(state, batch)
+            step.evaluate(state, batch)
+        except RuntimeError as exc:  # a collective that the other process never joins
+            error = str(exc)[:300]
+    seconds = time.monotonic() - start
+    dist.barrier()
+    step(state, batch)  # training goes on together
+    return {"error": error, "seconds": seconds}
+
+
+def worker(out_dir: str, which: str) -> None:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
-    af.init_distributed()
-    results = {name: case() for name, case in WORKER_CASES.items()}
+    # a short timeout: a collective joined by one process only fails the case, not the run
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+    af.init_distributed()  # the group is up: used as it is
+    cases = WORKER_CASES if which == "cases" else {"evaluate_alone": _evaluate_on_rank0_only}
+    results = {name: case() for name, case in cases.items()}
     torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
     dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("dist_cases")
+def _launch(out, which: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, str(out)]
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, str(out),
+           which]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return _launch(tmp_path_factory.mktemp("dist_cases"), "cases")
 
 
 def _reference_calls() -> dict[str, torch.Tensor]:
@@ -141,6 +182,13 @@ def test_static_graph_with_accumulation_equals_single_process(results):
         for name, value in model.named_parameters():
             torch.testing.assert_close(got["params"][name], value.detach(), atol=1e-5,
                                        rtol=1e-5, msg=f"rank {rank} {name}")
+
+
+def test_evaluate_on_the_main_process_only_needs_no_other_process(tmp_path):
+    # DDP broadcast BatchNorm buffers in the evaluation forward: rank 0 waited for rank 1
+    results = _launch(tmp_path, "evaluate_alone")
+    got = results[0]["evaluate_alone"]
+    assert got["error"] is None and got["seconds"] < 20
 
 
 def test_flush_with_fsdp_sync_once_is_refused_on_every_rank(results):
@@ -193,4 +241,4 @@ def test_init_distributed_binds_torchruns_local_rank(monkeypatch):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    worker(sys.argv[1], sys.argv[2])
