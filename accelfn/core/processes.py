@@ -72,8 +72,10 @@ def reduce_metrics(metrics: Mapping[str, Tensor] | TensorDictBase, *,
     """Equivalent to ``dist.all_reduce`` of every metric (divided by the world size for
     ``"mean"``), done as one collective on one stacked tensor.
 
-    Call it when you read metrics (every N steps), not every step. In a single process it
-    returns the metrics unchanged (as float32 values).
+    Call it when you read metrics (every N steps), not every step, on every process: it is a
+    collective, so reduce first and print on the main process (``if is_main_process():``
+    around the call would wait forever for the others). In a single process it returns the
+    metrics unchanged (as float32 values).
     """
     if op not in ("mean", "sum", "max", "min"):
         raise ValueError(f"reduce_metrics(op={op!r}) must be 'mean', 'sum', 'max' or 'min'")
