@@ -60,7 +60,7 @@ from .profiling import Profiler
 from .progress_bars import Bar, make_bar
 from .records import PendingStep, StepRecord, batch_samples, make_row, rss_gib, snapshot_metrics
 from .report import MonitorReport, Thresholds
-from .sinks import CsvSink, JsonlSink, Sink, TensorBoardSink
+from .sinks import CsvSink, JsonlSink, Sink, TensorBoardSink, close_sinks
 from .sync_probe import SyncPoint, SyncProbe
 from .verdict import summarise
 
@@ -281,16 +281,8 @@ class Monitor:
         self._closed = True
         report = self._build_report()
         self._report = report
-        text = str(report)
-        for sink in self._sinks:  # every sink is closed, even after one fails
-            abort = getattr(sink, "abort", None) if failed_loop else None
-            try:
-                if callable(abort):
-                    abort(text)
-                else:
-                    sink.close(text)
-            except Exception as exc:
-                failed = failed or exc
+        closing = close_sinks(self._sinks, str(report), failed_loop)
+        failed = failed or closing
         if self._bar is not None:
             self._bar.close()
             self._bar = None

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-__all__ = ["CsvSink", "JsonlSink", "Row", "Sink", "TensorBoardSink", "scalars"]
+__all__ = ["CsvSink", "JsonlSink", "Row", "Sink", "TensorBoardSink", "close_sinks", "scalars"]
 
 #: One step's record: field name to an ``int``, ``float``, ``bool`` or ``None``.
 Row = Mapping[str, Any]
@@ -252,3 +252,20 @@ class TensorBoardSink:
         if report:
             self.writer.add_text(f"{self.prefix}report", f"```\n{report}\n```")
         self.writer.close()
+
+
+def close_sinks(sinks: list[Sink], report: str, failed_loop: bool) -> Exception | None:
+    """Close every sink, even after one fails, and return the first error. When the monitored
+    loop raised (``failed_loop``), a sink with an ``abort(report)`` method (W&B, MLflow: the
+    run marked failed) is aborted instead."""
+    failed: Exception | None = None
+    for sink in sinks:
+        abort = getattr(sink, "abort", None) if failed_loop else None
+        try:
+            if callable(abort):
+                abort(report)
+            else:
+                sink.close(report)
+        except Exception as exc:
+            failed = failed or exc
+    return failed
