@@ -97,3 +97,18 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def torchrun(*args, timeout: float = 300, **run):
+    """``args`` (a script and its arguments) under torchrun: 2 processes meeting on
+    127.0.0.1, one intra-op thread each; asserts that they succeeded."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **run.pop("env", {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **run)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest
 import torch
-from conftest import Net, as_dict, classify, make_batch
+from conftest import Net, as_dict, classify, make_batch, torchrun
 from reference import reference_update
 
 import accelfn as af
@@ -253,19 +253,9 @@ def distributed_main(out_dir: str) -> None:
 @pytest.mark.compile
 @pytest.mark.distributed
 def test_regional_under_ddp_and_fsdp_in_either_order_equals_one_process(tmp_path):
-    import socket
-
     from dist_worker import STEPS, global_batch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={port}", str(HERE), "distributed",
-           str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(HERE, "distributed", tmp_path, timeout=900)
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import Net, classify, free_port, make_batch, token_loss
+from conftest import Net, classify, free_port, make_batch, token_loss, torchrun
 from dist_worker import CASES, STEPS, global_batch
 from reference import reference_update
 
@@ -21,12 +21,7 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: di
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-           os.path.join(HERE, "dist_worker.py"), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(os.path.join(HERE, "dist_worker.py"), out, timeout=600)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

@@ -9,7 +9,6 @@ concatenated batches.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -20,7 +19,7 @@ TESTS = os.path.dirname(HERE)
 if TESTS not in sys.path:  # under torchrun: conftest, dist_worker and reference sit in tests/
     sys.path.insert(0, TESTS)
 
-from conftest import Net, classify, free_port  # noqa: E402
+from conftest import Net, classify, torchrun  # noqa: E402
 from dist_worker import RANK_ROWS, STEPS, global_batch  # noqa: E402
 from reference import reference_update  # noqa: E402
 
@@ -125,12 +124,7 @@ def worker(out_dir: str, which: str) -> None:
 
 
 def _launch(out, which: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", __file__, str(out),
-           which]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(__file__, out, which)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 

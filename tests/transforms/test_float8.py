@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchao.float8 as float8  # the test extra installs accelfn[float8]
-from conftest import as_dict
+from conftest import as_dict, torchrun
 from reference import reference_update
 from tensordict import TensorDict
 from torch import nn
@@ -470,21 +470,9 @@ dist.destroy_process_group()
 
 @pytest.mark.distributed
 def test_fsdp2_float8_all_gather_on_two_processes(tmp_path):
-    import os
-    import socket
-    import subprocess
-
     worker = tmp_path / "worker.py"
     worker.write_text(_FSDP_WORKER)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-         "--master_addr=127.0.0.1", f"--master_port={port}", str(worker),
-         str(tmp_path / "out.pt")],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun(worker, tmp_path / "out.pt", timeout=600)
     out = torch.load(tmp_path / "out.pt", weights_only=True)
     plain, gather = out["plain"], out["gather"]
     # all-gathering the weights in float8 casts them as the matmul would: the same update
