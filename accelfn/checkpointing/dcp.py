@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from ..core import compat
 from ..core.state import TrainState
@@ -165,13 +166,20 @@ def _failures(error: Any) -> str:
     return "; ".join(parts) or str(error)
 
 
-def _state(state: TrainState, with_optimizer: bool) -> dict[str, Any]:
+def _state(state: TrainState, with_optimizer: bool,
+           slots: dict[str, Tensor]) -> dict[str, Any]:
+    """DCP's state dicts of the model (and optimizer), and the transform slots' sharded
+    tensors by their path (``slots``: those [`split_refs`][] took out of state.pt)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if with_optimizer:
         model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd}
-    return {"model": get_model_state_dict(state.model)}
+        out: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+    else:
+        out = {"model": get_model_state_dict(state.model)}
+    if slots:
+        out["slots"] = slots
+    return out
 
 
 _SINGLE_SAVE = ".*assuming the intent is to save in a single process.*"
@@ -197,24 +205,28 @@ def _write_error(error: BaseException, path: Path) -> OSError:
                          f"({_failures(error)})")
 
 
-def save_sharded(path: Path, state: TrainState, with_optimizer: bool) -> None:
-    """``dcp.save`` of the model (and optimizer) into the directory ``path`` (collective)."""
+def save_sharded(path: Path, state: TrainState, with_optimizer: bool,
+                 slots: dict[str, Tensor]) -> None:
+    """``dcp.save`` of the model (and optimizer, and the slots' sharded tensors) into the
+    directory ``path`` (collective)."""
     from torch.distributed.checkpoint import state_dict_saver
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     try:
         with _quiet_single_process():
-            state_dict_saver.save(_state(state, with_optimizer),
+            state_dict_saver.save(_state(state, with_optimizer, slots),
                                   storage_writer=FileSystemWriter(path, sync_files=True),
                                   no_dist=not _group_up())
     except CheckpointException as error:  # a BaseException: never let it escape as one
         raise _write_error(error, path) from error
 
 
-def sharded_state(state: TrainState, with_optimizer: bool) -> dict[str, Any]:
-    """What [`save_sharded`][] writes: DCP's state dicts of the model (and optimizer)."""
-    return _state(state, with_optimizer)
+def sharded_state(state: TrainState, with_optimizer: bool,
+                  slots: dict[str, Tensor]) -> dict[str, Any]:
+    """What [`save_sharded`][] writes: DCP's state dicts of the model (and optimizer), and
+    the slots' sharded tensors."""
+    return _state(state, with_optimizer, slots)
 
 
 class _Staged:
@@ -263,14 +275,16 @@ def wait_sharded(future: Future[Any], path: Path) -> None:
         raise _write_error(error, path) from error
 
 
-def load_sharded(path: Path, state: TrainState, with_optimizer: bool, metadata: Any) -> None:
-    """``dcp.load`` into the model (and optimizer) from the directory ``path`` (collective),
-    with the ``metadata`` read and checked before."""
+def load_sharded(path: Path, state: TrainState, with_optimizer: bool, metadata: Any,
+                 slots: dict[str, Tensor]) -> None:
+    """``dcp.load`` into the model (and optimizer, and the tensors ``slots``: the slots'
+    sharded tensors by path) from the directory ``path`` (collective), with the ``metadata``
+    read and checked before."""
     from torch.distributed.checkpoint import state_dict_loader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    target = _state(state, with_optimizer)
+    target = _state(state, with_optimizer, slots)
     try:
         with _quiet_single_process():
             state_dict_loader.load(target, storage_reader=_reader(path, metadata),

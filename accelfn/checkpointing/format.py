@@ -19,6 +19,7 @@ import copy
 import json
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,15 @@ __all__ = [
     "check_meta",
     "check_plain",
     "clone",
+    "fill_refs",
     "is_checkpoint_file",
+    "is_ref",
     "loads_json",
     "parse_name",
     "rank_file",
+    "refs_in",
+    "split_refs",
+    "tensors_at",
 ]
 
 FORMAT = "accelfn.checkpoint/1"
@@ -141,6 +147,75 @@ def clone(obj: Any) -> Any:
     if isinstance(obj, tuple) and type(obj) is tuple:
         return tuple(clone(v) for v in obj)
     return copy.deepcopy(obj)
+
+
+# ------------------------------------------------- sharded tensors of the transform slots
+# A DTensor in a transform slot's state (with_ema's average of FSDP2's parameters) is written
+# by torch.distributed.checkpoint with the model; state.pt holds a reference in its place.
+_REF = "__accelfn_sharded__"
+
+
+def is_ref(obj: Any) -> bool:
+    """Whether ``obj`` is the reference [`split_refs`][] left in place of a sharded tensor."""
+    return type(obj) is dict and set(obj) == {_REF}
+
+
+def _walk(obj: Any, key: str, leaf: Callable[[Any, str], Any]) -> Any:
+    """``obj`` rebuilt with every non-container value replaced by ``leaf(value, key)``, where
+    ``key`` is the value's path (``name/sub/...``)."""
+    if type(obj) in (dict, OrderedDict) and not is_ref(obj):
+        return type(obj)((k, _walk(v, f"{key}/{k}", leaf)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_walk(v, f"{key}/{i}", leaf) for i, v in enumerate(obj))
+    return leaf(obj, key)
+
+
+def split_refs(slots: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``slots`` with each sharded tensor (DTensor) replaced by a reference, and the sharded
+    tensors by their path."""
+    found: dict[str, torch.Tensor] = {}
+
+    def leaf(value: Any, key: str) -> Any:
+        if isinstance(value, torch.Tensor) and hasattr(value, "to_local"):
+            found[key] = value
+            return {_REF: key}
+        return value
+
+    return {k: _walk(v, k, leaf) for k, v in slots.items()}, found
+
+
+def tensors_at(slots: dict[str, Any], keys: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors of ``slots`` at the paths ``keys`` (sharded or not)."""
+    found: dict[str, torch.Tensor] = {}
+
+    def leaf(value: Any, key: str) -> Any:
+        if key in keys and isinstance(value, torch.Tensor):
+            found[key] = value
+        return value
+
+    for k, v in slots.items():
+        _walk(v, k, leaf)
+    return found
+
+
+def refs_in(slots: dict[str, Any]) -> set[str]:
+    """The paths of the references in ``slots`` (a checkpoint's transform slots)."""
+    found: set[str] = set()
+
+    def leaf(value: Any, key: str) -> Any:
+        if is_ref(value):
+            found.add(key)
+        return value
+
+    for k, v in slots.items():
+        _walk(v, k, leaf)
+    return found
+
+
+def fill_refs(slots: dict[str, Any], loaded: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """``slots`` with each reference replaced by the tensor ``loaded`` holds for its path."""
+    return {k: _walk(v, k, lambda value, key: loaded[key] if is_ref(value) else value)
+            for k, v in slots.items()}
 
 
 # ------------------------------------------------------------------------------ validation

@@ -41,9 +41,12 @@ from .format import (
     CheckpointInfo,
     check_meta,
     clone,
+    fill_refs,
     loads_json,
     parse_name,
     rank_file,
+    refs_in,
+    tensors_at,
 )
 from .rng import rng_setters, rng_state, set_rng_state
 
@@ -281,22 +284,40 @@ def load(
 def _restore_state(path: Path, state: TrainState, checked: _Checked,
                    dropped: frozenset[str]) -> list[str]:
     meta, saved = checked.meta, dict(checked.payload["state"])
+    saved["slots"] = {k: v for k, v in saved["slots"].items() if f"slot:{k}" not in dropped}
     if meta["sharded"]:
         with_optimizer = meta["optimizer_sharded"] and "optimizer" not in dropped
-        load_sharded(path / SHARDED_DIR, state, with_optimizer, checked.dcp_metadata)
+        slots = _slot_targets(path, state, saved["slots"])
+        load_sharded(path / SHARDED_DIR, state, with_optimizer, checked.dcp_metadata, slots)
         saved["model"] = state.model.state_dict()  # already restored: load it onto itself
         if with_optimizer:
             saved["optimizer"] = state.optimizer.state_dict()
+        saved["slots"] = fill_refs(saved["slots"], slots)
     if "optimizer" in dropped:
         saved["optimizer"] = state.optimizer.state_dict()
     if "scheduler" in dropped and state.scheduler is not None:
         saved["scheduler"] = state.scheduler.state_dict()
     if "step" in dropped:
         saved["step"] = state.step
-    saved["slots"] = {k: v for k, v in saved["slots"].items() if f"slot:{k}" not in dropped}
     state.load_state_dict(saved)
     parts = ["model", "optimizer", "scheduler", "step", *(f"slot:{k}" for k in saved["slots"])]
     return [p for p in parts if p not in dropped]
+
+
+def _slot_targets(path: Path, state: TrainState, saved: dict[str, Any]) -> dict[str, Any]:
+    """Copies of this state's slot tensors that DCP loads the checkpoint's sharded slot
+    tensors into (resharded to this run's layout, as the model's are)."""
+    wanted = refs_in(saved)
+    if not wanted:
+        return {}
+    live = tensors_at(state.state_dict()["slots"], wanted)
+    missing = sorted(wanted - set(live))
+    if missing:
+        raise CheckpointError(
+            f"{path} holds sharded transform state ({', '.join(missing[:3])}) that this state "
+            "has no tensor for; pass the step the checkpoint was saved with (load(..., "
+            "step=step)) so that its transforms make their state first")
+    return {k: v.detach().clone() for k, v in live.items()}
 
 
 def _rollback(state: TrainState, snapshot: dict[str, Any], rng: dict[str, Any]) -> None:

@@ -24,11 +24,12 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
+from torch import Tensor
 
 from ..core.engine import Step
 from ..core.state import TrainState
@@ -54,6 +55,7 @@ from .format import (
     TMP_PREFIX,
     check_plain,
     rank_file,
+    split_refs,
 )
 from .lock import WriterLock
 from .rng import rng_state
@@ -185,13 +187,15 @@ def save(
         raise
     shards = tmp / SHARDED_DIR
     if not asynchronous:
-        work.write_shards = lambda: save_sharded(shards, state, work.optimizer_in_dcp)
+        work.write_shards = lambda: save_sharded(shards, state, work.optimizer_in_dcp,
+                                                 work.slot_shards)
         return _finish(root, tmp, work, lock, rank, world, None)
     try:
         try:  # the only copy made in the loop: what is written from here on
             staged = background.stage({  # (only rank 0 writes the payload)
                 "payload": work.payload if rank == 0 else {}, "per_rank": work.per_rank,
-                "dcp": sharded_state(state, work.optimizer_in_dcp) if sharded else None})
+                "dcp": sharded_state(state, work.optimizer_in_dcp, work.slot_shards)
+                if sharded else None})
             work.payload, work.per_rank = staged["payload"], staged["per_rank"]
         except BaseException as exc:
             error = exc
@@ -248,6 +252,7 @@ class _Work:
     optimizer_in_dcp: bool
     step: int
     keep: int | None = None
+    slot_shards: dict[str, Tensor] = field(default_factory=dict)  # the slots' DTensors
     write_shards: Callable[[], None] | None = None  # DCP's write (or the wait for it)
     shards_running: bool = False  # DCP's write was started already (asynchronous)
 
@@ -258,7 +263,9 @@ def _gather(state: TrainState, loader: Any, step: Step | None, extra: Any, shard
     full = state.state_dict()
     optimizer_in_dcp = sharded and bool(state.optimizer.state)
     saved_state = dict(full)
-    if sharded:
+    slot_shards: dict[str, Tensor] = {}
+    if sharded:  # the slots' DTensors (with_ema's under FSDP2) are written by DCP too
+        saved_state["slots"], slot_shards = split_refs(full["slots"])
         saved_state["model"] = None
         if optimizer_in_dcp:
             saved_state["optimizer"] = None
@@ -283,7 +290,8 @@ def _gather(state: TrainState, loader: Any, step: Step | None, extra: Any, shard
         "stack": stack,
         "loader": loader is not None,
     }
-    return _Work(payload, per_rank, meta, sharded, optimizer_in_dcp, state.step, keep)
+    return _Work(payload, per_rank, meta, sharded, optimizer_in_dcp, state.step, keep,
+                 slot_shards)
 
 
 def _write(tmp: Path, work: _Work, rank: int, world: int, group: Any) -> Digests:

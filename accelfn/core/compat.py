@@ -108,8 +108,16 @@ def foreach_lerp_(tensors: list[Tensor], ends: list[Tensor], weights: Sequence[T
 
 
 def foreach_copy_(targets: list[Tensor], sources: list[Tensor]) -> None:
-    """``torch._foreach_copy_``: copy ``sources`` into ``targets`` in one fused call."""
-    torch._foreach_copy_(targets, sources)
+    """``torch._foreach_copy_``: copy ``sources`` into ``targets`` in one fused call.
+
+    DTensors (FSDP2's sharded parameters), for which torch registers no sharding strategy of
+    the fused copy, are copied one by one (``Tensor.copy_``, which DTensor implements).
+    """
+    try:
+        torch._foreach_copy_(targets, sources)
+    except NotImplementedError:  # raised by DTensor's dispatch before anything is copied
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)
 
 
 def foreach_norm(tensors: list[Tensor], ord: float = 2.0) -> list[Tensor]:

@@ -68,7 +68,60 @@ def _static_graph_accumulation() -> dict:
     return {"params": _full(model), "error": None}
 
 
+def _ema_fsdp_state() -> tuple[af.TrainState, af.Step]:
+    torch.manual_seed(0)
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    return state, af.with_ema(decay=0.5)(af.distributed(strategy="fsdp")(classify))
+
+
+def _full_ema(state: af.TrainState) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
+            for k, v in af.ema_state_dict(state).items()}
+
+
+def _ema_fsdp(out_dir: str) -> dict:
+    """with_ema over FSDP2: the average of the sharded parameters, seen inside ema_weights
+    and through ema_state_dict, and the model's own weights back after the block; saved
+    (sharded, synchronously and in the background) and loaded into a fresh state."""
+    import torch.distributed as dist
+
+    from accelfn import checkpointing
+
+    state, step = _ema_fsdp_state()
+    rank = dist.get_rank()
+    for i in range(STEPS):
+        step(state, {k: v[RANK_ROWS[rank]] for k, v in global_batch(i).items()})
+    own = _full(state.model)
+    error = None
+    inside: dict[str, torch.Tensor] = {}
+    try:
+        with af.ema_weights(state) as averaged:
+            inside = _full(averaged)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"[:500]
+    exported = _full_ema(state)
+    loaded, save_error = [], None
+    for asynchronous in (False, True):
+        where = os.path.join(out_dir, f"ema-{asynchronous}")
+        try:
+            pending = checkpointing.save(where, state, step=step, asynchronous=asynchronous)
+            if asynchronous:
+                pending.wait()
+            fresh, fresh_step = _ema_fsdp_state()
+            checkpointing.load(where, fresh, step=fresh_step)
+            loaded.append({"ema": _full_ema(fresh), "params": _full(fresh.model),
+                           "n": fresh.slots["with_ema"].n_averaged.clone()})
+        except Exception as exc:
+            save_error = f"{type(exc).__name__}: {exc}"[:800]
+            break
+    return {"own": own, "inside": inside, "after": _full(state.model), "exported": exported,
+            "n": state.slots["with_ema"].n_averaged.clone(), "loaded": loaded,
+            "error": error, "save_error": save_error}
+
+
 WORKER_CASES = {
+    "ema_fsdp": _ema_fsdp,  # takes the output directory
     "static_graph_acc3": _static_graph_accumulation,
     "calls_flush_ddp": lambda: _calls_flush("ddp"),
     "calls_flush_fsdp": lambda: _calls_flush("fsdp"),
@@ -117,7 +170,8 @@ def worker(out_dir: str, which: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     af.init_distributed()  # the group is up: used as it is
     cases = WORKER_CASES if which == "cases" else {"evaluate_alone": _evaluate_on_rank0_only}
-    results = {name: case() for name, case in cases.items()}
+    results = {name: case(out_dir) if name == "ema_fsdp" else case()
+               for name, case in cases.items()}
     torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -129,8 +183,13 @@ def _launch(out, which: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("dist_cases"), "cases")
+def cases_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("dist_cases")
+
+
+@pytest.fixture(scope="module")
+def results(cases_dir):
+    return _launch(cases_dir, "cases")
 
 
 def _reference_calls() -> dict[str, torch.Tensor]:
@@ -162,6 +221,66 @@ def test_flushed_short_window_equals_single_process(results, case):
         for name in expected:  # DDP replicas stay bitwise identical
             assert torch.equal(results[0][case]["params"][name],
                                results[1][case]["params"][name])
+
+
+def test_ema_over_fsdp_equals_averaged_model_of_single_process(results):
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5), use_buffers=True)
+    for i in range(STEPS):
+        reference_update(model, optimizer, global_batch(i), classify)
+        ema.update_parameters(model)
+    for rank in range(2):
+        got = results[rank]["ema_fsdp"]
+        assert got["error"] is None, got["error"]
+        for name, value in ema.module.named_parameters():
+            for where in ("inside", "exported"):
+                torch.testing.assert_close(got[where][name], value.detach(), atol=1e-5,
+                                           rtol=1e-5, msg=f"rank {rank} {where} {name}")
+        for name, value in model.named_parameters():  # the model's own weights came back
+            torch.testing.assert_close(got["own"][name], value.detach(), atol=1e-5,
+                                       rtol=1e-5, msg=f"rank {rank} own {name}")
+            assert torch.equal(got["after"][name], got["own"][name]), name
+        assert got["save_error"] is None, got["save_error"]
+        assert len(got["loaded"]) == 2  # a synchronous and an asynchronous save
+        for loaded in got["loaded"]:  # the fresh state holds the saved average and weights
+            assert torch.equal(loaded["n"], got["n"])
+            for name, value in got["exported"].items():
+                assert torch.equal(loaded["ema"][name], value), name
+            for name, value in got["own"].items():
+                assert torch.equal(loaded["params"][name], value), name
+
+
+def test_ema_saved_under_fsdp_loads_into_one_process(results, cases_dir):
+    from accelfn import checkpointing
+
+    state, step = _ema_fsdp_state()  # in one process: no sharding
+    model = state.model
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    checkpointing.load(cases_dir / "ema-False", state, step=step, allow_resharding=True)
+    got = results[0]["ema_fsdp"]
+    for name, value in af.ema_state_dict(state).items():
+        assert torch.equal(value, got["exported"][name]), name
+    for name, value in model.named_parameters():
+        assert torch.equal(value.detach(), got["own"][name]), name
+    assert torch.equal(state.slots["with_ema"].n_averaged, got["n"])
+
+
+def test_sharded_ema_without_its_step_is_refused_and_changes_nothing(results, cases_dir):
+    from accelfn import checkpointing
+
+    state, _ = _ema_fsdp_state()
+    before = {k: v.clone() for k, v in state.model.state_dict().items()}
+    with pytest.raises(checkpointing.CheckpointError, match="step=step"):
+        checkpointing.load(cases_dir / "ema-False", state, allow_resharding=True)
+    for name, value in state.model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+    assert state.step == 0 and "with_ema" not in state.slots
 
 
 def test_static_graph_with_accumulation_equals_single_process(results):
