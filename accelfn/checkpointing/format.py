@@ -4,7 +4,8 @@ A checkpoint is a directory ``<dir>/step-000000500`` holding::
 
     state.pt        TrainState: model, optimizer, scheduler, step counter, transform slots,
                     and ``extra`` (model and optimizer are in sharded/ when sharded)
-    sharded/        torch.distributed.checkpoint (DCP) shards of model and optimizer (FSDP2)
+    sharded/        torch.distributed.checkpoint (DCP) shards of model and optimizer (FSDP2),
+                    and of the DTensors in transform slots (with_ema's average)
     rank-00000.pt   per process: RNG states (Python, NumPy, torch CPU, CUDA), loader position
     meta.json       format, step, world size, parameter names/shapes/dtypes, transform stack
     COMMITTED       written last: size and SHA-256 of every file; without it, ignored
