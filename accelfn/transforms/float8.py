@@ -46,8 +46,9 @@ def _float8_linear() -> type[nn.Linear]:
 def eligible(module: nn.Module, min_features: int) -> bool:
     """Whether ``module`` is an ``nn.Linear`` worth converting: both sizes multiples of 16
     (what float8 matmuls require) and at least ``min_features`` (below it the casts cost more
-    than the faster matmul saves)."""
-    if not isinstance(module, nn.Linear):
+    than the faster matmul saves). A subclass with a forward of its own is left alone: the
+    float8 layer runs ``nn.Linear``'s matmul and would silently drop that forward."""
+    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
         return False
     sizes = (module.in_features, module.out_features)
     return all(n % 16 == 0 and n >= min_features for n in sizes)
@@ -249,7 +250,8 @@ def with_float8(
     in their dtype (the optimizer updates the same Parameters) and ``state_dict`` keys do not
     change. A layer is chosen when both its sizes are multiples of 16 and at least
     ``min_features``, and ``predicate(name, module)`` (if given) accepts it, e.g.
-    ``predicate=lambda name, m: name != "lm_head"``. ``recipe`` is torchao's:
+    ``predicate=lambda name, m: name != "lm_head"``. A subclass of ``nn.Linear`` that
+    overrides ``forward`` is never converted (its forward would be lost). ``recipe`` is torchao's:
     ``"tensorwise"`` (fastest), ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (more accurate).
 
     On CUDA the model must be compiled (``compiled`` in the stack; the call is refused
@@ -273,7 +275,7 @@ def with_float8(
     if fsdp_float8_all_gather and recipe != "tensorwise":
         raise ValueError(f"with_float8(fsdp_float8_all_gather=True) works with "
                          f"recipe='tensorwise' only (torchao's rule), not {recipe!r}")
-    if emulate not in (None, True, False):
+    if emulate is not None and not isinstance(emulate, bool):
         raise TypeError("with_float8(emulate=...) takes None (automatic), True or False")
     _torchao()  # fail when the step is built, not at its first call, without the extra
     return configure("with_float8", fn, _float8(min_features, predicate, recipe,

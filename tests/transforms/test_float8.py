@@ -148,6 +148,28 @@ def test_size_threshold_multiples_of_16_and_the_predicate():
     assert type(model.head) is nn.Linear and type(model.inp) is nn.Linear
 
 
+class OwnForward(nn.Linear):
+    """A Linear subclass whose forward is its own (a LoRA-style or scaled layer)."""
+
+    def forward(self, x):
+        return 2.0 * super().forward(x) + 1.0
+
+
+def test_a_linear_subclass_with_its_own_forward_keeps_it():
+    torch.manual_seed(0)
+    model = nn.Sequential(OwnForward(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.Linear(32, 5))
+    plain = copy.deepcopy(model)
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = TensorDict({"x": torch.randn(16, 32), "y": torch.randint(0, 5, (16,))}, [16])
+    with_float8(min_features=16)(ce).evaluate(state, batch)
+    assert type(model[0]) is OwnForward  # converting it would drop its forward
+    assert converted(model) == ["2"]
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        assert torch.equal(model[0](x), plain[0](x))
+    assert not eligible(OwnForward(32, 32), 16)
+
+
 def test_nothing_to_convert_is_refused_with_the_sizes():
     model = mlp(dim=32)
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -166,6 +188,8 @@ def test_options_are_checked_when_built():
         with_float8(recipe="rowwise", fsdp_float8_all_gather=True)
     with pytest.raises(TypeError, match="predicate"):
         with_float8(predicate="blocks")
+    with pytest.raises(TypeError, match="emulate"):
+        with_float8(emulate=1)
     with pytest.raises(TypeError, match="keyword"):
         with_float8(16)
     with pytest.raises(ValueError, match="applied twice"):
