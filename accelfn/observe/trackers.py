@@ -11,13 +11,20 @@ same run: W&B with ``resume="allow"`` on the run's ``id``, MLflow in the run of 
 ``run_id`` or ``run_name``. A tracker's history is append-only, so the steps it already
 holds (those run again after the checkpoint) keep their first values and the new rows start
 after them; each step is logged once. ``WandbSink(rewind=True)`` instead rewinds the W&B run
-to step ``k - 1`` (W&B's ``resume_from``, a feature the W&B server must offer) and logs the
+to W&B step ``k - 1`` (W&B's ``resume_from``, a feature the W&B server must offer) and logs the
 steps from ``k`` again.
+
+W&B gets one row per monitor row, with the row's step as the metric ``update``: the x-axis
+of the sink's charts (``run.define_metric``). W&B's own step is the update too, but under
+``with_accumulation(n, mode="calls")``, where the ``n`` calls of one update share its step
+and W&B would merge rows of one step into one, it counts the calls: each is a row, at its
+``update``, as in the other sinks.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -27,19 +34,25 @@ __all__ = ["MlflowSink", "WandbSink"]
 
 
 class WandbSink:
-    """Rows to a Weights & Biases run: each numeric field at its step.
+    """Rows to a Weights & Biases run: one W&B row per monitor row, plotted against ``update``.
 
-    Equivalent to ``run = wandb.init(**init)``, then ``run.log(scalars(row), step=row["step"])``
-    for each row, the report in ``run.summary["report"]`` and ``run.finish()``
-    (``run.finish(exit_code=1)`` when the monitored loop raised).
+    Equivalent to ``run = wandb.init(**init)``, ``run.define_metric(name,
+    step_metric="update")`` for each field, then ``run.log({**scalars(row), "update":
+    row["step"]}, step=row["step"])`` for each row, the report in ``run.summary["report"]``
+    and ``run.finish()`` (``run.finish(exit_code=1)`` when the monitored loop raised). Rows
+    that share a step, the calls of one update in ``with_accumulation(n, mode="calls")``,
+    get the next W&B steps instead (W&B merges rows of one step): W&B's step then counts
+    calls, ``update`` the optimizer updates.
 
     Args:
         run: an existing run (from your own ``wandb.init``) to log into; it is not finished
             by the sink. Without it the sink calls ``wandb.init(**init)`` when opened.
-        prefix: put before every field name (``"train/"`` groups the panels).
+        prefix: put before every field name (``"train/"`` groups the panels; the x-axis is
+            then ``"train/update"``).
         rewind: on a resumed run, rewind the W&B run to just before the resumed step and
             log those steps again, instead of keeping the values it holds (needs ``id`` and
-            a W&B server that offers run rewind).
+            a W&B server that offers run rewind). W&B rewinds to its own step ``k - 1``: the
+            update's row only when each update is one row (not in ``mode="calls"``).
         **init: arguments of ``wandb.init`` (``project``, ``id``, ``name``, ``config``,
             ``dir``, ``mode``...). Give ``id`` so that a resumed run continues the same run.
     """
@@ -59,28 +72,69 @@ class WandbSink:
         self._wandb, self._init, self.prefix, self.rewind = wandb, init, prefix, rewind
         self.run: Any = run
         self._owned = run is None
-        self._first = 0
+        self.update_key = f"{prefix}update"
+        self._last = -1  # the last update the run holds: rows up to it are not logged again
+        self._next = 0  # the W&B step of the next row: at least its update
+        self._done = -1  # the last update this sink logged into self.run
+        self._axes: set[str] = set()
+        self._rewound = False
+        self._prev: int | None = None
 
     def open(self, start_step: int) -> None:
+        self._rewound = False
         if self.run is None:
             init = dict(self._init)
             if start_step > 0 and self.rewind:
                 # W&B keeps the rewind step itself and logs on from the next one
                 init["resume_from"] = f"{init.pop('id')}?_step={start_step - 1}"
                 init.pop("resume", None)
+                self._rewound = True
             elif start_step > 0 and init.get("id"):
                 init.setdefault("resume", "allow")
-            self.run = self._wandb.init(**init)
-        # a resumed online run starts after the steps the server holds: those keep their rows
-        self._first = int(getattr(self.run, "starting_step", 0) or 0)
+            self.run, self._next, self._done = self._wandb.init(**init), 0, -1
+        # a resumed online run goes on after the W&B steps the server holds
+        first = int(getattr(self.run, "starting_step", 0) or 0)
+        if not self._owned:  # your run: after what it holds, its pending step too
+            try:
+                now = int(self.run.step)
+            except Exception:  # a run in mode="shared" has no step to ask for
+                now = 0
+            first = max(first, now + 1 if now else 0)
+        self._next, self._axes, self._prev = max(self._next, first), set(), None
+        # a resumed online run holds rows up to the update in its summary: those keep their
+        # values (a run logged by an older accelfn, with step=update: up to its step counter)
+        held = None if self._rewound else self.run.summary.get(self.update_key)
+        if isinstance(held, (int, float)) and not isinstance(held, bool):
+            self._last = max(int(held), self._done)
+        else:
+            self._last = max((start_step if self._rewound else first) - 1, self._done)
 
     def write(self, rows: Sequence[Row]) -> None:
         if self.run is None:
             raise RuntimeError("WandbSink.write before open(): the Monitor opens its sinks "
                                "when it starts")
         for r in rows:
-            if int(r["step"]) >= self._first:
-                self.run.log(scalars(r, self.prefix), step=int(r["step"]))
+            update = int(r["step"])
+            if update <= self._last:
+                continue
+            if update == self._prev and self._rewound:
+                self._rewound = False
+                warnings.warn(f"WandbSink(rewind=True) rewound the run to W&B step "
+                              f"{self._last}, but W&B's steps count calls here, several an "
+                              "update (with_accumulation mode='calls'): the run lost the "
+                              "rows after that step, not only those of the updates that run "
+                              "again", stacklevel=2)
+            self._prev = update
+            values = scalars(r, self.prefix)
+            if self.update_key not in self._axes:
+                self.run.define_metric(self.update_key)
+                self._axes.add(self.update_key)
+            for name in sorted(values.keys() - self._axes):
+                self.run.define_metric(name, step_metric=self.update_key)
+                self._axes.add(name)
+            step = max(update, self._next)  # calls sharing an update: the next W&B steps
+            self._next, self._done = step + 1, max(self._done, update)
+            self.run.log({**values, self.update_key: update}, step=step)
 
     def close(self, report: str | None = None) -> None:
         self._close(report, exit_code=0)

@@ -12,8 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from conftest import Net, classify, make_batch
 from monitor_runs import crash_and_resume, expected_losses, train
 
+import accelfn as af
+from accelfn.observe.monitor import Monitor
 from accelfn.observe.trackers import MlflowSink, WandbSink
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +57,7 @@ def wandb_runs(root: Path) -> list[dict[str, Any]]:
     wandb.teardown()  # W&B's service writes the run files out when it stops
     runs = []
     for path in root.glob("wandb/offline-run-*/run-*.wandb"):
-        run: dict[str, Any] = {"history": [], "summary": {}}
+        run: dict[str, Any] = {"history": [], "summary": {}, "axes": {}}
         for rec in wandb_records(path):
             kind = rec.WhichOneof("record_type")
             if kind == "run":
@@ -66,6 +70,8 @@ def wandb_runs(root: Path) -> list[dict[str, Any]]:
             elif kind == "summary":
                 for u in rec.summary.update:
                     run["summary"][u.key or "/".join(u.nested_key)] = json.loads(u.value_json)
+            elif kind == "metric" and rec.metric.name:  # define_metric: the chart's x-axis
+                run["axes"][rec.metric.name] = rec.metric.step_metric
         runs.append(run)
     return sorted(runs, key=lambda r: r["start"])
 
@@ -136,6 +142,60 @@ def test_wandb_into_a_run_of_your_own_is_left_open(wandb_offline: Path) -> None:
     with pytest.raises(ValueError, match=r"rewind=True\) needs id"):
         WandbSink(project="x", rewind=True)
 
+
+def calls_run(sink: WandbSink, *, start: int = 0, calls: int = 6) -> list[dict[str, Any]]:
+    """``calls`` calls of ``with_accumulation(2, mode="calls")`` from update ``start`` on (as
+    resumed from a checkpoint there) under a Monitor writing to ``sink``; its rows."""
+    torch.manual_seed(0)
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    state.step = start
+    step = af.with_accumulation(2, mode="calls")(classify)
+    mon = Monitor(state=state, progress=False, sync_check_step=None, warmup=0, log_every=3,
+                  sinks=[sink])
+    with mon:
+        for i in range(calls):
+            mon.step(step(state, make_batch(seed=100 * start + i)))
+    return mon.rows
+
+
+def test_wandb_keeps_every_call_of_an_accumulation_window(wandb_offline: Path) -> None:
+    """mode="calls": the calls of one update share its step, yet each is a W&B row, drawn
+    against the optimizer update (a custom x-axis) as the other sinks keep them."""
+    rows = calls_run(WandbSink(project="accelfn-tests", id="calls-1", prefix="train/"))
+    assert [r["step"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    (only,) = wandb_runs(wandb_offline)
+    history = only["history"]
+    assert [h["train/loss"] for h in history] == [r["loss"] for r in rows]
+    assert [h["train/update"] for h in history] == [0, 0, 1, 1, 2, 2]
+    assert [h["_step"] for h in history] == list(range(6))  # W&B's step counts the calls
+    assert only["axes"]["train/loss"] == only["axes"]["train/iter_s"] == "train/update"
+
+
+def test_wandb_calls_resumed_in_the_same_run_go_on_after_what_it_holds(
+        wandb_offline: Path) -> None:
+    """A run that holds updates 0..2 (six calls), resumed at update 1: updates 1 and 2 keep
+    their first rows, update 3's calls follow at the next W&B steps."""
+    import wandb
+
+    run = wandb.init(project="accelfn-tests", id="calls-2")
+    first = calls_run(WandbSink(run=run))
+    second = calls_run(WandbSink(run=run), start=1)
+    run.finish()
+    assert [r["step"] for r in second] == [1, 1, 2, 2, 3, 3]
+    (only,) = wandb_runs(wandb_offline)
+    history = only["history"]
+    assert [h["update"] for h in history] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert [h["_step"] for h in history] == list(range(8))
+    assert [h["loss"] for h in history] == [r["loss"] for r in first + second[4:]]
+
+
+def test_wandb_rewind_under_calls_says_what_the_run_lost(wandb_offline: Path) -> None:
+    calls_run(WandbSink(project="accelfn-tests", id="calls-3"))
+    with pytest.warns(UserWarning, match=r"rewound the run to W&B step 0, but W&B's steps "
+                                         r"count calls"):
+        calls_run(WandbSink(project="accelfn-tests", id="calls-3", rewind=True), start=1)
+    wandb_runs(wandb_offline)  # the service stopped
 
 # -- MLflow: a local file store read back through MlflowClient --------------------------------
 
