@@ -52,6 +52,11 @@ from .rng import rng_setters, rng_state, set_rng_state
 
 __all__ = ["load"]
 
+# The types load() raises before it changes anything, mirrored on the processes where it did
+# not fail (agree: the failing process' own error there, else a CheckpointError): every
+# process raises the same type, FileNotFoundError (no checkpoint) included.
+_MIRRORED = (FileNotFoundError, TypeError, OSError)
+
 # Test-only hook: parts named here are left out when a checkpoint is restored, to show that
 # resuming without them is not exact. Set it with ``_dropping(...)``; never in real code.
 _DROPPED: frozenset[str] = frozenset()
@@ -209,8 +214,10 @@ def load(
 
     Raises:
         FileNotFoundError: no committed checkpoint at ``path``.
+        TypeError: ``state``, ``step`` or ``loader`` is not what load takes.
         CheckpointError: (a ValueError) an incomplete, damaged or mismatched checkpoint, with
             what differs and how to fix it; ``state`` and ``loader`` are as they were.
+            Under torchrun every process raises the same type, when only one failed too.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"load() takes an accelfn.TrainState, got {type(state).__name__}")
@@ -223,7 +230,7 @@ def load(
             resolved = _resolve(Path(path))
         except BaseException as exc:  # every process must hear of it
             error = exc
-    agree(error, "finding the checkpoint")
+    agree(error, "finding the checkpoint", like=_MIRRORED)
     resolved = Path(from_rank0(str(resolved)))
     dropped = _DROPPED
     checked: _Checked | None = None
@@ -233,7 +240,7 @@ def load(
                                   dropped)
     except BaseException as exc:
         error = exc
-    agree(error, "checking the checkpoint")
+    agree(error, "checking the checkpoint", like=_MIRRORED)
     assert checked is not None
     try:
         if step is not None:  # only a step the checkpoint was saved with prepares the state:
@@ -241,7 +248,7 @@ def load(
         _check_prepared(resolved, state, checked)
     except BaseException as exc:
         error = exc
-    agree(error, "checking the checkpoint")
+    agree(error, "checking the checkpoint", like=_MIRRORED)
     meta = checked.meta
 
     snapshot = clone(state.snapshot())  # an open accumulation window included

@@ -90,7 +90,11 @@ class Guard:
             values = host.tolist()
         skipped = self._account(*_unpack_flags(values), update, policy, limit, done=True)
         if not skipped:
-            state.step_scheduler()
+            try:
+                state.step_scheduler()
+            except BaseException as error:
+                error.add_note(_settle_failed(update))
+                raise
 
     def _account(self, loss_bad: bool, grads_bad: bool, overflow: bool, update: int,
                  policy: str, limit: int, done: bool = False) -> bool:
@@ -129,6 +133,15 @@ class Guard:
     def load_state_dict(self, saved: dict[str, int]) -> None:
         self.skipped, self.consecutive = int(saved["skipped"]), int(saved["consecutive"])
         self._pending = None
+
+
+def _settle_failed(update: int) -> str:
+    return (f"accelfn: the scheduler step of update {update} raised when its deferred skip "
+            f"decision was settled (a fused optimizer's flags are read one update later, by the "
+            f"next call or state.sync()). Update {update} was applied and counted; its "
+            "scheduler step did not run, as when a scheduler raises after an update decided "
+            "on the host. This call applied nothing (its gradients were cleared): call it "
+            "again, with the same batch")
 
 
 def _unpack_flags(values: list[bool]) -> tuple[bool, bool, bool]:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, overload
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..core import compat
@@ -85,9 +86,13 @@ def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: fl
             return
         ctx.metrics["loss_scale"] = compat.scaler_scale(scaler).detach().clone()
         scaler.unscale_(ctx.optimizer)
-        flags = [f.to(ctx.device) for f in compat.scaler_found_inf(scaler, ctx.optimizer)]
-        ctx.report_overflow(torch.stack(flags).sum() > 0 if flags
-                            else torch.zeros((), dtype=torch.bool, device=ctx.device))
+        found = compat.scaler_found_inf(scaler, ctx.optimizer)
+        flags = [f.to(ctx.device) for f in found]
+        overflow = (torch.stack(flags).sum() > 0 if flags
+                    else torch.zeros((), dtype=torch.bool, device=ctx.device))
+        if ctx.distributed is not None:
+            overflow = _agree_overflow(overflow, found, ctx.distributed)
+        ctx.report_overflow(overflow)
 
     def after_update(ctx: UpdateContext, skipped: Tensor) -> None:
         scaler = ctx.state.get_slot(_SLOT)
@@ -115,6 +120,19 @@ def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: fl
         commutes=True,  # its hooks touch only autocast and its own loss scaler
         preserves_finite=True,  # unscaling divides by a finite scale and reports overflow
     )
+
+
+def _agree_overflow(overflow: Tensor, found: list[Tensor], group: Any) -> Tensor:
+    """One overflow flag for every process, in the scaler too (its ``update()`` reads
+    ``found``): unscaling checked this process' gradients, which are not yet reduced when
+    an update follows unsynced backwards (``step.flush``), so that an Inf on one process
+    only would back the scale off there alone, and the scales, then the replicas, part.
+    One all-reduce (MAX) of a scalar on the device; no host read."""
+    flag = overflow.to(torch.float32)
+    dist.all_reduce(flag, dist.ReduceOp.MAX, group=group)
+    for f in found:
+        f.copy_(flag)
+    return flag > 0
 
 
 @functools.cache
