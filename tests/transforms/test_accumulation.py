@@ -39,34 +39,33 @@ def test_split_equals_reference_loop_bitwise(net, n):
     assert_params_equal(m1, m2)
 
 
-@pytest.mark.parametrize("n", [3, 7])
-def test_gradient_equals_full_batch(net, n):
+def assert_accumulated_equals_full_batch(net, loss_fn, n, batch):
+    """``n`` accumulated micro-batches of ``batch``: the gradients and the loss of one
+    backward over the whole batch. Returns the metrics, the full batch's output, its
+    gradients and the untouched copy of ``net`` they came from."""
     probe = GradProbe()
-    step = af.apply_transform(af.with_accumulation(n)(classify), probe.transform)
+    step = af.apply_transform(af.with_accumulation(n)(loss_fn), probe.transform)
     ref_model = copy.deepcopy(net)
-    batch = make_batch(n=10)
-    expected = full_batch_grads(ref_model, as_dict(batch), classify)
+    expected = full_batch_grads(ref_model, as_dict(batch), loss_fn)
     state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.0))
     metrics = step(state, batch)
     for got, want in zip(probe.grads, expected):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    full = classify(ref_model, as_dict(batch))
+    full = loss_fn(ref_model, as_dict(batch))
     torch.testing.assert_close(metrics["loss"], full["loss"].detach(), atol=1e-6, rtol=1e-5)
+    return metrics, full, expected, ref_model
+
+
+@pytest.mark.parametrize("n", [3, 7])
+def test_gradient_equals_full_batch(net, n):
+    metrics, full, _, _ = assert_accumulated_equals_full_batch(net, classify, n,
+                                                               make_batch(n=10))
     torch.testing.assert_close(metrics["accuracy"], full["accuracy"], atol=1e-6, rtol=1e-5)
 
 
 def test_token_weighted_equals_full_batch_token_mean(net):
-    probe = GradProbe()
-    step = af.apply_transform(af.with_accumulation(3)(token_loss), probe.transform)
-    ref_model = copy.deepcopy(net)
     batch = make_batch(n=11, seed=3)
-    expected = full_batch_grads(ref_model, as_dict(batch), token_loss)
-    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.0))
-    metrics = step(state, batch)
-    for got, want in zip(probe.grads, expected):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
-    full = token_loss(ref_model, as_dict(batch))
-    torch.testing.assert_close(metrics["loss"], full["loss"].detach(), atol=1e-6, rtol=1e-5)
+    _, _, expected, ref_model = assert_accumulated_equals_full_batch(net, token_loss, 3, batch)
     # and it differs from plain sample weighting, so the weight is really used
     sample_probe = GradProbe()
     plain = af.apply_transform(af.with_accumulation(3)(lambda m, b: token_loss(m, b)["loss"]),
