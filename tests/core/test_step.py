@@ -163,6 +163,14 @@ def _snapshot(state):
             repr(state.optimizer.state_dict()["state"]))
 
 
+def _assert_untouched(before, state):
+    """Parameters and optimizer state as in ``before`` (a ``_snapshot``), no gradient left."""
+    after = _snapshot(state)
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
+    assert before[1] == after[1]
+    assert all(p.grad is None for p in state.model.parameters())
+
+
 @pytest.mark.parametrize("batch,error,match", [
     ([1, 2, 3], TypeError, "TensorDict or a mapping"),
     ({"x": torch.randn(4, 6), "y": [0, 1, 2, 3]}, TypeError, "not a tensor"),
@@ -180,10 +188,7 @@ def test_bad_batches_fail_before_any_state_change(batch, error, match):
     before = _snapshot(state)
     with pytest.raises(error, match=match):
         step(state, batch)
-    after = _snapshot(state)
-    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
-    assert before[1] == after[1]
-    assert all(p.grad is None for p in state.model.parameters())
+    _assert_untouched(before, state)
 
 
 def test_too_small_batch_for_micro_batches():
@@ -238,10 +243,7 @@ def test_out_of_memory_leaves_state_intact_and_says_what_helps():
 
     with pytest.raises(torch.OutOfMemoryError, match=r"with_accumulation\(4\).*checkpointed"):
         af.with_amp(af.with_accumulation(2)(hungry))(state, make_batch())
-    after = _snapshot(state)
-    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))
-    assert before[1] == after[1]
-    assert all(p.grad is None for p in state.model.parameters())
+    _assert_untouched(before, state)
 
 
 def test_misuse_errors_name_the_fix():
