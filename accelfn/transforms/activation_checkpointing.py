@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
@@ -58,6 +59,26 @@ def _select(model: nn.Module, blocks: BlockSpec) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in chosen if not any(n.startswith(o + ".") for o in names if o != n)]
 
 
+def _ops(selective: Iterable[Any]) -> tuple[Any, ...]:
+    """The op overloads of ``selective``: an overload as given (``torch.ops.aten.mm.default``),
+    every overload of a packet (``torch.ops.aten.mm``: the policy is asked about overloads, so
+    a packet would never match)."""
+    if isinstance(selective, (str, bytes)) or not isinstance(selective, Iterable):
+        raise TypeError(f"checkpointed(selective={selective!r}) takes True, False or a list of "
+                        "ops to keep, e.g. selective=[torch.ops.aten.mm.default]")
+    ops: list[Any] = []
+    for op in selective:
+        if hasattr(op, "overloadpacket"):
+            ops.append(op)
+        elif callable(getattr(op, "overloads", None)) and hasattr(op, "default"):
+            ops.extend(getattr(op, name) for name in op.overloads())
+        else:
+            raise TypeError(f"checkpointed(selective=[..., {op!r}, ...]): {op!r} is not an op; "
+                            "give torch ops, e.g. [torch.ops.aten.mm.default, "
+                            "torch.ops.aten.addmm]")
+    return tuple(ops)
+
+
 def _policy(save: Iterable[Any]) -> Callable[..., CheckpointPolicy]:
     keep = frozenset(save)
 
@@ -102,6 +123,12 @@ class _KeepRunningStats:
                     buf.copy_(value)
 
 
+def _bound(forward: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """``forward`` with the block's keyword arguments bound, so that none of them (``debug``,
+    ``context_fn``, ``determinism_check``...) is taken by ``torch.utils.checkpoint`` itself."""
+    return functools.partial(forward, **kwargs) if kwargs else forward
+
+
 def _run_checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any,
                       **kwargs: Any) -> Any:
     if not torch.is_grad_enabled():
@@ -112,7 +139,7 @@ def _run_checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any
     stats: tuple[nn.Module, ...] = (
         () if torch.compiler.is_compiling() else module.__dict__["_accelfn_ckpt_stats"])
     if save is None and not stats:
-        return torch_checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return torch_checkpoint(_bound(forward, kwargs), *args, use_reentrant=False)
 
     def context_fn() -> tuple[Any, Any]:
         if save is None:
@@ -121,8 +148,8 @@ def _run_checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any
             _policy(save))
         return forward_ctx, (_KeepRunningStats(stats, recompute_ctx) if stats else recompute_ctx)
 
-    return torch_checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn,
-                            **kwargs)
+    return torch_checkpoint(_bound(forward, kwargs), *args, use_reentrant=False,
+                            context_fn=context_fn)
 
 
 def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -> Transform:
@@ -182,8 +209,11 @@ def checkpointed(
             f"checkpointed(blocks={blocks!r}) is not understood; use 'auto', module types or "
             "a predicate(name, module)"
         )
-    if isinstance(blocks, tuple) and not all(isinstance(b, type) for b in blocks):
-        raise TypeError("checkpointed(blocks=(...)) takes module classes")
+    if isinstance(blocks, nn.Module):
+        raise TypeError(f"checkpointed(blocks=...) got a module instance ({type(blocks).__name__}"
+                        "); pass module classes, blocks=(MyBlock,), or a predicate(name, module)")
+    if isinstance(blocks, tuple) and (not blocks or not all(isinstance(b, type) for b in blocks)):
+        raise TypeError("checkpointed(blocks=(...)) takes one or more module classes")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"checkpointed(every={every!r}) must be an int >= 1")
     if selective is True:
@@ -191,5 +221,5 @@ def checkpointed(
     elif selective is False:
         save = None
     else:
-        save = tuple(selective)
+        save = _ops(selective)
     return configure("checkpointed", fn, _checkpointed(blocks, every, save))

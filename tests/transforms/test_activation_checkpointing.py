@@ -124,6 +124,72 @@ def test_bad_options():
         af.checkpointed(every=0)
     with pytest.raises(ValueError, match="blocks"):
         af.checkpointed(blocks="all")
+    for selective in ("mm", 1, None, [1, 2], [torch.ops.aten.mm.default, "addmm"]):
+        with pytest.raises(TypeError, match="selective"):
+            af.checkpointed(selective=selective)
+    with pytest.raises(TypeError, match="module classes"):
+        af.checkpointed(blocks=())
+    with pytest.raises(TypeError, match="module instance"):
+        af.checkpointed(blocks=Net().blocks)  # callable, but not a predicate
+
+
+def test_selective_with_an_op_packet_keeps_its_overloads():
+    """``torch.ops.aten.addmm`` (a packet) keeps what ``torch.ops.aten.addmm.default`` keeps;
+    the policy is asked about overloads, so a packet kept as given would match nothing."""
+    save = dict(af.checkpointed(selective=[torch.ops.aten.addmm]).options)["save"]
+    assert torch.ops.aten.addmm.default in save and torch.ops.aten.addmm.out in save
+    assert torch.ops.aten.addmm not in save
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(DropNet())
+    torch.manual_seed(1)
+    af.checkpointed(selective=[torch.ops.aten.addmm])(classify)(af.TrainState(m1, o1),
+                                                                 make_batch())
+    torch.manual_seed(1)
+    reference_update(m2, o2, as_dict(make_batch()), classify)
+    assert_params_equal(m1, m2)
+
+
+class KwBlock(nn.Module):
+    """A block taking keyword arguments, one named like a torch.utils.checkpoint option, and
+    returning a tuple."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x, mask=None, debug=False):
+        h = self.drop(self.fc(x)) * mask
+        return x + (2.0 * h if debug else h), h.mean()
+
+
+class KwNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(KwBlock(8) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h, aux = self.inp(x), 0.0
+        for block in self.blocks:
+            h, a = block(h, mask=(h > 0).float(), debug=True)
+            aux = aux + a
+        return self.head(h) + aux
+
+
+def test_blocks_keyword_arguments_reach_the_block_with_dropout_as_the_plain_loop():
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(KwNet())
+    step = af.checkpointed(classify)
+    state = af.TrainState(m1, o1)
+    for i in range(2):
+        batch = make_batch(seed=i)
+        torch.manual_seed(100 + i)
+        step(state, batch)
+        torch.manual_seed(100 + i)
+        reference_update(m2, o2, as_dict(batch), classify)
+    assert_params_equal(m1, m2)
 
 
 class ResBlock(nn.Module):
