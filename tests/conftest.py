@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -112,3 +113,26 @@ def torchrun(*args, timeout: float = 300, **run):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **run)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def roundtrip(obj):
+    """``obj`` through ``torch.save`` and ``torch.load(weights_only=True)`` in memory (what a
+    checkpoint file does to a state_dict)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def poisonable(loss_fn=classify):
+    """``(fn, poison)``: ``loss_fn`` whose loss turns NaN while ``poison["on"]`` is true (a
+    skipped update on demand)."""
+    poison = {"on": False}
+
+    def fn(model, batch):
+        out = loss_fn(model, batch)
+        if poison["on"]:
+            out["loss"] = out["loss"] * float("nan")
+        return out
+
+    return fn, poison

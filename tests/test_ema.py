@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
-from conftest import Net, as_dict, classify, clone_setup, make_batch
+from conftest import Net, as_dict, classify, clone_setup, make_batch, poisonable, roundtrip
 from reference import reference_update
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -112,13 +111,7 @@ def test_buffers_copy_equals_averaged_model_without_buffers():
 
 
 def test_skipped_updates_leave_the_average_alone_and_every_counts_real_updates(net):
-    poison = {"on": False}
-
-    def fn(model, batch):
-        out = classify(model, batch)
-        if poison["on"]:
-            out["loss"] = out["loss"] * float("nan")
-        return out
+    fn, poison = poisonable()
 
     (m1, o1), (m2, o2) = clone_setup(net, torch.optim.AdamW, lr=1e-2)
     ref = AveragedModel(m2, multi_avg_fn=get_ema_multi_avg_fn(0.7))
@@ -191,10 +184,7 @@ def test_checkpoint_resume_equals_uninterrupted_run():
     for i in range(3):
         step(s1, make_batch(seed=i))
         step(s2, make_batch(seed=i))
-    buffer = io.BytesIO()
-    torch.save(s2.state_dict(), buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
+    saved = roundtrip(s2.state_dict())
     assert "with_ema" in saved["slots"]
     m3 = BNNet()
     s3 = af.TrainState(m3, torch.optim.AdamW(m3.parameters(), lr=1e-2))
@@ -416,14 +406,7 @@ def test_every_alone_is_not_torchvisions_schedule():
 def test_torchvision_schedule_skips_and_resumes_mid_epoch():
     """A skipped update is not averaged and keeps its place in the epoch; a checkpoint taken
     mid-epoch resumes the schedule where it was."""
-    poison = {"on": False}
-
-    def fn(model, batch):
-        out = classify(model, batch)
-        if poison["on"]:
-            out["loss"] = out["loss"] * float("nan")
-        return out
-
+    fn, poison = poisonable()
     torch.manual_seed(0)
     (m1, o1), (m2, o2) = clone_setup(BNNet(), torch.optim.SGD, lr=0.1, momentum=0.9)
     step = torchvision_ema(**TV, per_epoch=4)(fn)
@@ -437,12 +420,10 @@ def test_torchvision_schedule_skips_and_resumes_mid_epoch():
             step(s, make_batch(seed=k))
             if poison["on"]:
                 assert all(torch.equal(before[n], v) for n, v in ema_values(s).items())
-    buffer = io.BytesIO()
-    torch.save(s2.state_dict(), buffer)
-    buffer.seek(0)
+    saved = roundtrip(s2.state_dict())
     m3 = BNNet()
     s3 = af.TrainState(m3, torch.optim.SGD(m3.parameters(), lr=0.1, momentum=0.9))
-    s3.load_state_dict(torch.load(buffer, weights_only=True))
+    s3.load_state_dict(saved)
     poison["on"] = False
     for k in range(10, 20):
         step(s1, make_batch(seed=k))
@@ -519,7 +500,7 @@ def test_saving_inside_ema_weights_saves_the_models_own_weights(tmp_path, how):
     with ema_weights(state):
         step.evaluate(state, make_batch(n=16, seed=99))
         if how == "state_dict":
-            saved = _roundtrip_state(state.state_dict())
+            saved = roundtrip(state.state_dict())
         else:
             ckpt.save(tmp_path, state, step=step)
         assert torch.equal(state.model.inp.weight, ema["inp.weight"])  # still evaluating EMA
@@ -540,13 +521,6 @@ def test_saving_inside_ema_weights_saves_the_models_own_weights(tmp_path, how):
         assert torch.equal(a, b), k
     for k, v in ema_values(resumed).items():
         assert torch.equal(v, ema_values(state)[k]), k
-
-
-def _roundtrip_state(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 def test_loading_inside_ema_weights_is_refused_and_changes_nothing():

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
-from conftest import Net, assert_params_equal, classify, make_batch
+from conftest import Net, assert_params_equal, classify, make_batch, roundtrip
 
 import accelfn as af
 
@@ -16,13 +15,6 @@ def _state(model):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
     return af.TrainState(model, opt, scheduler=sched)
-
-
-def _roundtrip(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 def test_save_load_resumes_exactly_with_fp16_scaler():
@@ -38,7 +30,7 @@ def test_save_load_resumes_exactly_with_fp16_scaler():
     first = _state(copy.deepcopy(base))
     for b in batches[:3]:
         step(first, b)
-    saved = _roundtrip(first.state_dict())
+    saved = roundtrip(first.state_dict())
     assert set(saved["slots"]) == {"with_amp", "nonfinite"}
 
     resumed = _state(Net())
@@ -210,7 +202,7 @@ def test_an_epoch_ended_right_after_a_resume_steps_the_scheduler_without_torchs_
     step = af.lift(classify)
     state = build()
     step(state, make_batch(seed=0))
-    saved = _roundtrip(state.state_dict())
+    saved = roundtrip(state.state_dict())
     state.end_epoch()
     resumed = build()
     resumed.load_state_dict(saved)

@@ -15,7 +15,15 @@ import sys
 
 import pytest
 import torch
-from conftest import Net, as_dict, assert_params_equal, classify, clone_setup, make_batch
+from conftest import (
+    Net,
+    as_dict,
+    assert_params_equal,
+    classify,
+    clone_setup,
+    make_batch,
+    poisonable,
+)
 from reference import reference_update
 from torch.optim.lr_scheduler import (
     CosineAnnealingLR,
@@ -294,13 +302,7 @@ def test_scheduler_steps_once_per_update_under_accumulation(net):
 
 
 def test_skipped_update_does_not_advance_the_schedule(net):
-    poison = {"on": False}
-
-    def fn(model, batch):
-        out = classify(model, batch)
-        if poison["on"]:
-            out["loss"] = out["loss"] * float("nan")
-        return out
+    fn, poison = poisonable()
 
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     state = af.TrainState(net, opt, scheduler=warmup_cosine(opt, warmup_steps=3,
