@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import queue
 import signal
@@ -16,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchdata.nodes as tn
+from conftest import roundtrip
 from tensordict import TensorDict
 
 import accelfn.data as ad
@@ -96,11 +96,34 @@ def same_batches(a: list[TensorDict], b: list[TensorDict]) -> bool:
     )
 
 
-def roundtrip(state: dict) -> dict:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
+def assert_resumes_exactly(make, *, epochs: int, per_epoch: int, stop: int) -> None:
+    """``epochs`` epochs of ``make()`` (``per_epoch`` batches each) against a loader stopped
+    after ``stop`` batches, its state saved (through torch.save) and loaded into a fresh one:
+    the batches before and after the stop together are exactly the uninterrupted run's."""
+    reference = make()
+    full = [b.clone() for _ in range(epochs) for b in reference]
+    reference.close()
+    assert len(full) // epochs == per_epoch
+
+    first = make()
+    seen: list[TensorDict] = []
+    while len(seen) < stop:
+        for b in first:
+            seen.append(b.clone())
+            if len(seen) == stop:
+                break
+    state = roundtrip(first.state_dict())
+    first.close()
+
+    resumed = make()
+    resumed.load_state_dict(state)
+    # the rest of the saved epoch, then the epochs after it; a position taken right after an
+    # epoch's last batch, before its end reached the loop, resumes with that end: the first
+    # iter() then yields no batch and only ends it
+    rest = [b.clone() for _ in range(epochs - (stop - 1) // per_epoch) for b in resumed]
+    resumed.close()
+    assert same_batches(seen, full[:stop])
+    assert same_batches(rest, full[stop:])
 
 
 # --------------------------------------------------------------------------------------------
@@ -499,31 +522,7 @@ def _factories():
 @pytest.mark.parametrize("kind", list(_factories()))
 @pytest.mark.parametrize("stop", [3, 10, 14])  # mid-epoch 0, at the epoch boundary, mid-epoch 1
 def test_resume_gives_exactly_the_remaining_batches(kind, stop):
-    make = _factories()[kind]
-    reference = make()
-    full = [b.clone() for _ in range(3) for b in reference]
-    reference.close()
-    per_epoch = len(full) // 3
-    assert per_epoch == 10
-
-    first = make()
-    seen: list[TensorDict] = []
-    while len(seen) < stop:
-        for b in first:
-            seen.append(b.clone())
-            if len(seen) == stop:
-                break
-    state = roundtrip(first.state_dict())
-    first.close()
-
-    resumed = make()
-    resumed.load_state_dict(state)
-    # the rest of the saved epoch (none after its last batch: the first iter() then only
-    # ends it), then the epochs after it
-    rest = [b.clone() for _ in range(3 - (stop - 1) // per_epoch) for b in resumed]
-    resumed.close()
-    assert same_batches(seen, full[:stop])
-    assert same_batches(rest, full[stop:])
+    assert_resumes_exactly(_factories()[kind], epochs=3, per_epoch=10, stop=stop)
 
 
 def test_state_before_iteration_and_resaving_a_loaded_state():
@@ -793,26 +792,4 @@ def test_iterable_shard_resumes_exactly(drop_last, stop):
             transform=lambda b: b.set("noise", torch.rand(b.batch_size[0])),
         )
 
-    reference = make()
-    full = [b.clone() for _ in range(2) for b in reference]
-    reference.close()
-    per_epoch = len(full) // 2
-    assert per_epoch == (3 if drop_last else 4)
-    first = make()
-    seen = []
-    while len(seen) < stop:
-        for b in first:
-            seen.append(b.clone())
-            if len(seen) == stop:
-                break
-    state = roundtrip(first.state_dict())
-    first.close()
-    resumed = make()
-    resumed.load_state_dict(state)
-    # a position taken right after an epoch's last batch, before its end reached the loop,
-    # resumes with that end: the first iter() yields no batch
-    epochs = 2 - stop // per_epoch + (stop % per_epoch == 0)
-    rest = [b.clone() for _ in range(epochs) for b in resumed]
-    resumed.close()
-    assert same_batches(seen, full[:stop])
-    assert same_batches(rest, full[stop:])
+    assert_resumes_exactly(make, epochs=2, per_epoch=3 if drop_last else 4, stop=stop)
