@@ -6,15 +6,11 @@ import contextlib
 
 import pytest
 import torch
-import torch.nn.functional as F
+from halving import halve, halved, loss_fn
 from torch import nn
 
 import accelfn as af
 from accelfn.testing import check_transform, plain_update
-
-
-def loss_fn(model, batch):
-    return {"loss": F.cross_entropy(model(batch["x"]), batch["y"])}
 
 
 def plain(model, optimizer, batch):
@@ -37,22 +33,12 @@ def make_batchnorm_net():
     return BatchNormNet()
 
 
-def _halve(ctx):
-    for g in ctx.grads():
-        g.mul_(0.5)
-
-
-def _halved(model, optimizer, batch):
-    plain_update(model, optimizer, batch, loss_fn,
-                 edit_grads=lambda m: [p.grad.mul_(0.5) for p in m.parameters()])
-
-
 ALL = ["reference", "purity", "orders", "resume", "no host sync", "bad input"]
 
 
 def test_a_correct_transform_on_a_model_with_buffers_passes():
-    halving = af.Transform("halve_grads", af.Hooks(gradients=_halve), preserves_finite=True)
-    report = check_transform(halving, reference=_halved, loss_fn=loss_fn,
+    halving = af.Transform("halve_grads", af.Hooks(gradients=halve), preserves_finite=True)
+    report = check_transform(halving, reference=halved, loss_fn=loss_fn,
                              make_model=make_batchnorm_net)
     assert report.passed == ALL
 
@@ -122,9 +108,9 @@ def test_the_calls_mode_accumulation_passes(steps):
 
 
 def test_an_unseeded_make_model_is_named_as_the_cause():
-    halving = af.Transform("halve_grads", af.Hooks(gradients=_halve), preserves_finite=True)
+    halving = af.Transform("halve_grads", af.Hooks(gradients=halve), preserves_finite=True)
     with pytest.raises(AssertionError, match="make_model"):
-        check_transform(halving, reference=_halved, loss_fn=loss_fn,
+        check_transform(halving, reference=halved, loss_fn=loss_fn,
                         make_model=lambda: nn.Linear(6, 4))
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import Net, as_dict, assert_params_equal, classify, make_batch
+from halving import halve, halved, loss_fn
 from torch import nn
 
 import accelfn as af
@@ -370,29 +371,14 @@ def test_bare_and_configured_forms_are_real_overloads(name):
 
 # ----------------------------------------------------------- 10. the public contract kit
 def test_check_transform_passes_a_correct_user_transform():
-    def halve(ctx):
-        for g in ctx.grads():
-            g.mul_(0.5)
-
-    def by_hand(model, optimizer, batch):
-        plain_update(model, optimizer, batch, _loss,
-                     edit_grads=lambda m: [p.grad.mul_(0.5) for p in m.parameters()])
-
-    def _loss(model, batch):
-        return {"loss": F.cross_entropy(model(batch["x"]), batch["y"])}
-
     halving = af.Transform("halve_grads", af.Hooks(gradients=halve), preserves_finite=True)
-    report = check_transform(halving, reference=by_hand, loss_fn=_loss)
+    report = check_transform(halving, reference=halved, loss_fn=loss_fn)
     assert report.passed == ["reference", "purity", "orders", "resume", "no host sync",
                              "bad input"]
     assert report.orders == 24
 
 
 def test_check_transform_catches_a_wrong_reference_and_a_host_sync():
-    def halve(ctx):
-        for g in ctx.grads():
-            g.mul_(0.5)
-
     halving = af.Transform("halve_grads", af.Hooks(gradients=halve))
     with pytest.raises(AssertionError, match="against the reference"):
         check_transform(halving, reference=lambda m, o, b: plain_update(
