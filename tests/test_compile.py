@@ -73,3 +73,28 @@ def test_compile_options_are_checked():
         af.compiled(mode="default", options={"epilogue_fusion": True})
     assert repr(af.compiled(mode="max-autotune", fullgraph=True)(classify)).startswith(
         "compiled(max-autotune, fullgraph)")
+
+
+@pytest.mark.compile
+def test_compiled_optimizer_after_loading_a_plain_checkpoint_does_not_recompile(no_recompile):
+    """optimizer.load_state_dict puts back the float learning rates of a plain run's
+    checkpoint; the compiled optimizer step holds them as tensors again, so the schedule
+    still changes the rate without recompiling."""
+    torch.manual_seed(0)
+    base = Net()
+    m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
+    o1 = torch.optim.SGD(m1.parameters(), lr=0.1)
+    o2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    s1 = torch.optim.lr_scheduler.LambdaLR(o1, lambda i: 1.0 / (1 + i))
+    s2 = torch.optim.lr_scheduler.LambdaLR(o2, lambda i: 1.0 / (1 + i))
+    step = af.compiled(optimizer=True, backend="eager")(classify)
+    state = af.TrainState(m1, o1, scheduler=s1)
+    step(state, make_batch(seed=0))
+    reference_update(m2, o2, as_dict(make_batch(seed=0)), classify, scheduler=s2)
+    o1.load_state_dict(copy.deepcopy(o2.state_dict()))  # a plain run's: float rates
+    for i in range(1, 4):
+        batch = make_batch(seed=i)
+        step(state, batch)
+        reference_update(m2, o2, as_dict(batch), classify, scheduler=s2)
+    assert isinstance(o1.param_groups[0]["lr"], torch.Tensor)
+    assert_params_equal(m1, m2, exact=False, atol=1e-6, rtol=1e-5)

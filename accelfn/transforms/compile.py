@@ -18,18 +18,15 @@ The compile cache (``cache=path``) is ``torch.compiler.save_cache_artifacts()``'
 zip of the C++ kernels this process loaded from inductor's cache directory, behind a one-line
 JSON header naming the torch version and the device kind (with the CPU's vector instruction
 set) they were compiled for. torch's artifacts hold the generated code but not inductor's
-compiled C++ kernels, so without the zip a fresh machine would rebuild every CPU kernel with
-the C++ compiler; with it, the kernels (and the results of inductor's probes of the CPU's
-vector instructions, each a test program it compiles otherwise) are put back where inductor
-looks for them (``<cache dir>/<key[1:3]>/<key>.so``, built only when missing). So is the C++
-header inductor precompiled during this run (``precompiled_headers/<hash>.h.gch`` under the
-temporary directory, ~150 MB, ~25 MB in the zip): inductor precompiles it before it looks
-for a compiled kernel, 6 s on a 2-core CPU, even when every kernel is found; its name hashes
-the header's preprocessed text, the compiler and the flags, so on another toolchain it is
-never used (inductor builds its own). The file is
-loaded before the first compiled step when its header matches this run, and written atomically
-(temporary file, ``os.replace``) by the main process after the first update, and again after
-any later update that compiled new code (a cache miss).
+compiled C++ kernels, which a fresh machine would rebuild; the zip puts them (and the results
+of inductor's probes of the CPU's vector instructions) back where inductor looks for them
+(``<cache dir>/<key[1:3]>/<key>.so``, only when missing), with the C++ header inductor
+precompiled during this run (``precompiled_headers/<hash>.h.gch``, ~150 MB, ~25 MB zipped;
+6 s to rebuild on a 2-core CPU even when every kernel is found; its name hashes the header,
+the compiler and the flags, so another toolchain never uses it). The file is loaded before
+the first compiled step when its header matches this run, and written atomically (temporary
+file, ``os.replace``) by the main process after the first update, and again after any later
+update that compiled new code (a cache miss).
 """
 
 from __future__ import annotations
@@ -65,15 +62,12 @@ CachePath = str | os.PathLike[str]
 _SLOT = "compiled_cache"
 _MAGIC = b"accelfn compile cache\n"
 _FORMAT = 2
-# A kernel file inside inductor's cache directory: <key[1:3]>/<key>.<suffixes>.so|.o, or the
-# marker of a vector instruction set probe that passed, <key>.so.load_ok
+# A kernel in inductor's cache directory (<key[1:3]>/<key>.<suffixes>.so|.o) or ISA probe mark
 _KERNEL = re.compile(r"[a-z0-9]{2}/[a-z0-9]+(\.[a-z0-9_]+)*\.(so|o|so\.load_ok)")
 # A header inductor precompiled, in its header directory: <hash>.h and <hash>.h.gch
 _HEADERS = "precompiled_headers"
 _HEADER = re.compile(_HEADERS + r"/[a-z0-9]+\.h(\.gch)?")
-# The backends that compile a nested compile region once (through AOTAutograd). Others run
-# dynamo's graph as traced, where torch's invoke_subgraph traces its region again at every
-# call to build its schema (x29 slower on a small GPT): there blocks are compiled in place.
+# The backends that compile a nested region once (AOTAutograd's); others: blocks in place.
 _NESTING = frozenset({"inductor", "aot_eager", "aot_eager_decomp_partition"})
 # Counters that grow when inductor or AOTAutograd compiled something the caches did not hold.
 _MISSES = (("inductor", "fxgraph_cache_miss"), ("aot_autograd", "autograd_cache_miss"))
@@ -177,6 +171,8 @@ def read_cache(path: Path, expected: dict[str, str]) -> tuple[CacheFile | None, 
         data = path.read_bytes()
     except FileNotFoundError:
         return None, None
+    except OSError as error:  # a directory now, unreadable: compile from scratch
+        return None, f"could not be read ({error})"
     if not data.startswith(_MAGIC):
         return None, "is not an accelfn compile cache"
     end = data.find(b"\n", len(_MAGIC))
@@ -193,8 +189,9 @@ def read_cache(path: Path, expected: dict[str, str]) -> tuple[CacheFile | None, 
     if wrong:
         return None, "was compiled for " + ", ".join(wrong)
     body = data[end + 1:]
-    size = header.get("bytes")
-    if not isinstance(size, int) or len(body) != size + header.get("kernel_bytes", -1):
+    size, kernel_size = header.get("bytes"), header.get("kernel_bytes")
+    if not isinstance(size, int) or not isinstance(kernel_size, int) or size < 0 \
+            or len(body) != size + kernel_size:
         return None, "is truncated or damaged"
     artifacts, kernels = body[:size], body[size:]
     if _digest(artifacts) != header.get("sha256") or \
@@ -305,9 +302,6 @@ class _CacheRecord:
 
 def _load_cache(path: Path, device: torch.device, state: TrainState) -> None:
     record: _CacheRecord = state.slot(_SLOT, _CacheRecord)
-    if path.is_dir():
-        raise ValueError(f"compiled(cache={str(path)!r}) names a directory; name the file, "
-                         f"e.g. compiled(cache={str(path / 'compile-cache.bin')!r})")
     contents, problem = read_cache(path, _fingerprint(device))
     if contents is not None:
         try:
@@ -347,6 +341,13 @@ def _save_cache(path: Path, device: torch.device, state: TrainState) -> None:
 
 
 # ----------------------------------------------------------------------- the transform
+def _tensor_lrs(optimizer: torch.optim.Optimizer) -> None:
+    """Every learning rate a tensor: schedulers change it without recompiling the step."""
+    for group in optimizer.param_groups:
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor(float(group["lr"]))
+
+
 def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: str,
               optimizer: bool, options: dict[str, Any] | None, regional: bool,
               cache: Path | None) -> Transform:
@@ -374,15 +375,14 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
             model = torch.compile(model, **kwargs)  # type: ignore[assignment]
         if not optimizer:
             return dataclasses.replace(prepared, model=model)
-        for group in state.optimizer.param_groups:
-            # A tensor learning rate lets schedulers change it without recompiling.
-            if not isinstance(group["lr"], torch.Tensor):
-                group["lr"] = torch.tensor(float(group["lr"]))
+        optim = state.optimizer
+        _tensor_lrs(optim)
         inner = prepared.optimizer_step
+        compiled_step = torch.compile(lambda: inner(), fullgraph=False, backend=backend)
 
-        @torch.compile(fullgraph=False, backend=backend)
         def optimizer_step() -> None:
-            inner()
+            _tensor_lrs(optim)  # again: optimizer.load_state_dict puts back float rates
+            compiled_step()
 
         return dataclasses.replace(prepared, model=model, optimizer_step=optimizer_step)
 
@@ -411,6 +411,19 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
         # its after_update (with cache=) only writes the compile cache's file; the scaler's
         # update, the EMA average and float8's scale precompute neither compile nor read it
         commutes=frozenset({"with_amp", "with_ema", "with_float8"}))
+
+
+def _checked_options(options: Any, backend: str) -> dict[str, Any]:
+    """A copy of ``options``, refused when it is no dict of names inductor knows."""
+    if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+        raise TypeError(f"compiled(options={options!r}) takes a dict of inductor options, "
+                        "e.g. options={'epilogue_fusion': True}")
+    try:  # torch.compile checks the names when it is called, before tracing anything
+        if backend == "inductor" and options:
+            torch.compile(_call_forward, backend=backend, options=options)
+    except RuntimeError as error:
+        raise ValueError(f"compiled(options=...): {error}"[:600]) from None
+    return dict(options)
 
 
 @overload
@@ -462,11 +475,13 @@ def compiled(
         raise ValueError("compiled takes mode or options, not both (torch.compile's rule)")
     if not all(isinstance(b, bool) for b in (fullgraph, optimizer, regional)):
         raise TypeError("compiled(fullgraph=..., optimizer=..., regional=...) take booleans")
-    if dynamic not in (None, True, False):
+    if dynamic is not None and not isinstance(dynamic, bool):
         raise TypeError("compiled(dynamic=...) takes None, True or False")
     backends = compat.compile_backends()
-    if backend not in backends:
+    if not isinstance(backend, str) or backend not in backends:
         raise ValueError(f"compiled(backend={backend!r}) is unknown; use one of {backends}")
+    if options is not None:
+        options = _checked_options(options, backend)
     path = None
     if cache is not None:
         if not isinstance(cache, (str, os.PathLike)) or not os.fspath(cache):
@@ -477,5 +492,8 @@ def compiled(
                              f"backend={backend!r} makes none; use backend='inductor' or "
                              "leave cache out")
         path = Path(os.fspath(cache))
+        if path.is_dir():
+            raise ValueError(f"compiled(cache={str(path)!r}) names a directory; name the "
+                             f"file, e.g. compiled(cache={str(path / 'compile-cache.bin')!r})")
     return configure("compiled", fn, _compiled(mode, fullgraph, dynamic, backend, optimizer,
                                                options, regional, path))

@@ -205,6 +205,19 @@ def test_options_are_checked_and_described(tmp_path):
         af.compiled(cache=3)
     with pytest.raises(ValueError, match="backend='inductor'"):
         af.compiled(cache=tmp_path / "c.bin", backend="eager")
+    for options in ("max-autotune", [("epilogue_fusion", True)], {1: True}):
+        with pytest.raises(TypeError, match="dict of inductor options"):
+            af.compiled(options=options)
+    with pytest.raises(ValueError, match="Unexpected optimization option no_such_option"):
+        af.compiled(options={"no_such_option": 1})  # when built, not at the first step
+    with pytest.raises(TypeError, match="dynamic"):
+        af.compiled(dynamic=1)
+    with pytest.raises(ValueError, match="names a directory"):
+        af.compiled(cache=tmp_path)
+    options = {"epilogue_fusion": True}
+    built = af.compiled(options=options)
+    options["epilogue_fusion"] = False  # the caller's dict changes; the transform does not
+    assert built == af.compiled(options={"epilogue_fusion": True})
     step = af.compiled(regional=True, cache=tmp_path / "c.bin")(classify)
     assert repr(step).startswith("compiled(regional, cache) ∘ ")
     assert af.compiled(regional=True) == af.compiled(regional=True) != af.compiled()
@@ -383,6 +396,13 @@ def test_cache_file_format_refuses_damage_and_other_devices(tmp_path):
     assert read_cache(path, here) == (None, "is truncated or damaged")
     path.write_bytes(b"something else")
     assert read_cache(path, here)[1] == "is not an accelfn compile cache"
+    write_cache(path, here, CacheFile(b"artifacts", b""))
+    for key, value in ((b'"kernel_bytes": 0', b'"kernel_bytes": "0"'),
+                       (b'"bytes": 9', b'"bytes": null')):  # valid JSON of the wrong type
+        damaged = path.read_bytes().replace(key, value)
+        (tmp_path / "d.bin").write_bytes(damaged)
+        assert read_cache(tmp_path / "d.bin", here) == (None, "is truncated or damaged")
+    assert read_cache(tmp_path, here)[1].startswith("could not be read")
     model = Net()
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="names a directory"):
