@@ -29,6 +29,7 @@ __all__ = [
     "foreach_div_",
     "foreach_lerp_",
     "foreach_norm",
+    "fsdp_drop_unreduced_grads",
     "inductor_cache_dir",
     "inductor_cpp_kernel_files",
     "inductor_header_dir",
@@ -185,6 +186,27 @@ def scaler_forget_step(scaler: torch.amp.GradScaler) -> None:
     from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
     scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def fsdp_drop_unreduced_grads(module: nn.Module) -> None:
+    """Drop the gradients FSDP2 holds unsharded and unreduced in ``module`` and its FSDP2
+    submodules: what backward passes accumulated while reduce-scatter was off
+    (``set_requires_gradient_sync(False)``), which the optimizer's ``zero_grad`` does not
+    reach. Each ``FSDPParam`` of each ``FSDPParamGroup`` (``FSDPState._fsdp_param_groups``)
+    keeps them in ``unsharded_accumulated_grad`` (reduce dtype differing from the parameter
+    dtype) or on its unsharded parameter (``FSDPParam._unsharded_param.grad``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for sub in module.modules():
+        if not isinstance(sub, FSDPModule):
+            continue
+        state = sub._get_fsdp_state()
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.unsharded_accumulated_grad = None
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)  # after lazy init
+                if unsharded is not None:
+                    unsharded.grad = None
 
 
 def aten_observer(

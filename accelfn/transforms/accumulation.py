@@ -129,5 +129,6 @@ def with_accumulation(n: int, *, mode: str = "split", dim: int = 0) -> Transform
     return Transform("with_accumulation", hooks, options=(("n", n), ("mode", mode), ("dim", dim)),
                      label=label,
                      # its abort hook only closes its own window (the engine clears the
-                     # gradients); with_amp's only makes the scaler forget the failed step
-                     commutes=frozenset({"with_amp"}))
+                     # gradients); with_amp's only makes the scaler forget the failed step,
+                     # distributed's only drops FSDP2's unreduced gradients
+                     commutes=frozenset({"with_amp", "distributed"}))

@@ -191,6 +191,22 @@ def _distributed(strategy: str, static_graph: bool, compression: str | None,
         ctx.weight_total = total
         ctx.divisor = total / world_size()
 
+    def abort(ctx: CallContext) -> None:
+        # A failed call: the engine cleared the gradients the optimizer holds. FSDP2 also
+        # keeps the unreduced gradients of micro-batches that skipped reduce-scatter
+        # (fsdp_sync='once') on its unsharded parameters: drop them too, or they would join
+        # the next update. Failure path only: nothing on the hot path, no host read.
+        if ctx.distributed is None:
+            return
+        unsynced.pop(ctx.model, None)
+        root = _root(ctx.model)
+        compat.fsdp_drop_unreduced_grads(root)
+        root.set_requires_gradient_sync(True)
+
+    hooks = Hooks(shard=shard, micro_context=micro_context, reduce=reduce)
+    if strategy == "fsdp":  # DDP keeps nothing the engine's zero_grad does not clear
+        hooks["abort"] = abort
+
     parts = [strategy]
     if compression:
         parts.append(f"compression={compression}")
@@ -199,12 +215,15 @@ def _distributed(strategy: str, static_graph: bool, compression: str | None,
     if sync_batchnorm:
         parts.append("sync_batchnorm")
     return Transform(
-        "distributed", Hooks(shard=shard, micro_context=micro_context, reduce=reduce),
+        "distributed", hooks,
         options=(("strategy", strategy), ("static_graph", static_graph),
                  ("compression", compression), ("sync_batchnorm", sync_batchnorm),
                  ("bucket_cap_mb", bucket_cap_mb), ("fsdp_sync", fsdp_sync),
                  ("find_unused_parameters", find_unused_parameters)),
-        label=f"distributed({', '.join(parts)})", preserves_finite=True)
+        label=f"distributed({', '.join(parts)})", preserves_finite=True,
+        # its only phase shared with them is abort (FSDP2), where each undoes its own part
+        # (the accumulation window, the loss scaler's step, FSDP2's unreduced gradients)
+        commutes=frozenset({"with_accumulation", "with_amp"}))
 
 
 def _root(model: nn.Module) -> Any:
