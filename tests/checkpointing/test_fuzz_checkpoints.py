@@ -15,32 +15,13 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import Net, classify
+from conftest import classify
+from fuzz_helpers import assert_untouched, fresh_state, snapshot
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import accelfn as af
 from accelfn import checkpointing as ckpt
-
-
-def fresh_state(seed):
-    torch.manual_seed(seed)
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    return af.TrainState(model, optimizer, scheduler=scheduler)
-
-
-def snapshot(state):
-    return ([p.detach().clone() for p in state.model.parameters()],
-            repr(state.optimizer.state_dict()["state"]), state.scheduler.state_dict())
-
-
-def assert_untouched(before, state):
-    params, opt, sched = snapshot(state)
-    assert all(torch.equal(a, b) for a, b in zip(before[0], params))
-    assert before[1] == opt and before[2] == sched
-    assert all(p.grad is None for p in state.model.parameters())
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ import copy
 from collections import Counter
 
 import torch
-from conftest import Net, classify
+from conftest import classify
+from fuzz_helpers import assert_untouched, fresh_state, snapshot
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from reference import reference_update
@@ -124,27 +125,6 @@ def build(config):
         step = af.with_amp(dtype={"bf16": torch.bfloat16, "float64": torch.float64}[
             config["amp"]])(step)
     return step
-
-
-def fresh_state(seed):
-    torch.manual_seed(seed)
-    model = Net()
-    # SGD: an update proportional to the gradient, so a wrongly scaled gradient shows
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
-    return af.TrainState(model, optimizer, scheduler=scheduler)
-
-
-def snapshot(state):
-    return ([p.detach().clone() for p in state.model.parameters()],
-            repr(state.optimizer.state_dict()["state"]), state.scheduler.state_dict())
-
-
-def assert_untouched(before, state):
-    params, opt, sched = snapshot(state)
-    assert all(torch.equal(a, b) for a, b in zip(before[0], params))
-    assert before[1] == opt and before[2] == sched
-    assert all(p.grad is None for p in state.model.parameters())
 
 
 def test_fuzz_steps_with_malformed_batches_and_configurations(capsys):
