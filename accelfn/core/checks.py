@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .protocol import EXCLUSIVE, PHASES, Transform
+from .protocol import EXCLUSIVE, INDEPENDENT, PHASES, Transform
 from .state import TrainState
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ def check_stack(transforms: tuple[Transform, ...], text: Callable[[], str]) -> N
             raise ValueError(f"{name} is applied twice in {text()}; apply each transform once")
     for phase in _ORDER:
         members = sorted((t for t in transforms if phase in t.hooks), key=lambda t: t.name)
-        if len(members) < 2:
+        if len(members) < 2 or phase in INDEPENDENT:
             continue
         first, second = members[0], members[1]
         if phase in EXCLUSIVE:

@@ -74,6 +74,9 @@ _ARITY = {"split": 2, "micro_context": 3, "scale_loss": 2, "after_update": 2,
           "evaluate_context": 2, **{p: 2 for p in PREPARE_PHASES}}
 #: Phases a stack may fill once at most whatever it declares: two of them cannot both run.
 EXCLUSIVE = frozenset({"split", "flush", "decide", "scale_loss", "unscale", "shard", "compile"})
+#: Phases whose hooks each undo their own transform's work (a failed call's): they run in the
+#: order of the transforms' names and need no ``commutes`` declaration.
+INDEPENDENT = frozenset({"abort"})
 
 
 class Hooks(TypedDict, total=False):
