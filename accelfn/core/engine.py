@@ -149,6 +149,8 @@ class Step:
                     f"this TrainState was prepared by {text}, which shards the model "
                     f"differently from {describe(self)}; a model is sharded once. Use the "
                     "same distributed(...) in every step of a state, or build a new TrainState")
+        for _, check in self._hooks["check"]:  # every refusal before anything changes
+            check(state)
         prepared = Prepared(model=state.model, optimizer_step=state.optimizer.step,
                             device=state.device)
         for phase in PREPARE_PHASES:

@@ -48,6 +48,7 @@ __all__ = [
 #: the order of their names, whatever the stacking order.
 PHASES: tuple[tuple[str, str, str], ...] = (
     # (name, when, signature)
+    ("check", "check", "(state) -> None: refuse the state before any prepare phase changes it"),
     ("convert", "prepare", "(prepared, state) -> Prepared: module swaps (float8 Linear layers)"),
     ("islands", "prepare", "(prepared, state) -> Prepared: fp32 islands, compute dtype"),
     ("checkpoint", "prepare", "(prepared, state) -> Prepared: activation checkpointing"),
@@ -74,14 +75,16 @@ _ARITY = {"split": 2, "micro_context": 3, "scale_loss": 2, "after_update": 2,
           "evaluate_context": 2, **{p: 2 for p in PREPARE_PHASES}}
 #: Phases a stack may fill once at most whatever it declares: two of them cannot both run.
 EXCLUSIVE = frozenset({"split", "flush", "decide", "scale_loss", "unscale", "shard", "compile"})
-#: Phases whose hooks each undo their own transform's work (a failed call's): they run in the
-#: order of the transforms' names and need no ``commutes`` declaration.
-INDEPENDENT = frozenset({"abort"})
+#: Phases whose hooks each see to their own transform only (a check of the state before it is
+#: prepared; undoing a failed call's partial work): they run in the order of the transforms'
+#: names and need no ``commutes`` declaration.
+INDEPENDENT = frozenset({"abort", "check"})
 
 
 class Hooks(TypedDict, total=False):
     """The hooks a transform implements, keyed by the phase each belongs to (see PHASES)."""
 
+    check: Callable[[TrainState], object]  # what it returns is ignored
     convert: Callable[[Prepared, TrainState], Prepared]
     islands: Callable[[Prepared, TrainState], Prepared]
     checkpoint: Callable[[Prepared, TrainState], Prepared]

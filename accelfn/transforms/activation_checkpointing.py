@@ -153,13 +153,17 @@ def _run_checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any
 
 
 def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -> Transform:
-    def checkpoint(prepared: Prepared, state: TrainState) -> Prepared:
+    def check(state: TrainState) -> list[tuple[str, nn.Module]]:
         chosen = _select(state.model, blocks)
         if not chosen:
             raise ValueError(
                 f"checkpointed(blocks={blocks!r}) found no block to checkpoint in "
                 f"{type(state.model).__name__}; pass blocks=(MyBlock,) or a "
                 "predicate(name, module)")
+        return chosen
+
+    def checkpoint(prepared: Prepared, state: TrainState) -> Prepared:
+        chosen = check(state)
         for _, module in chosen[::every]:
             module.__dict__["_accelfn_ckpt_save"] = save
             module.__dict__["_accelfn_ckpt_stats"] = running_stat_modules(module)
@@ -173,7 +177,7 @@ def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -
     if save is not None:
         parts.append(f"selective={len(save)} ops")
     return Transform(
-        _SLOT, Hooks(checkpoint=checkpoint),
+        _SLOT, Hooks(check=check, checkpoint=checkpoint),
         options=(("blocks", blocks), ("every", every), ("save", save)),
         label=f"checkpointed({', '.join(parts)})")
 

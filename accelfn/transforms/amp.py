@@ -55,22 +55,25 @@ def _resolve(dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
 
 def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: float,
          growth_interval: int) -> Transform:
+    def check(state: TrainState) -> list[nn.Module]:
+        """The fp32 islands: the modules ``fp32`` matches (at least one when it is given)."""
+        found = [module for name, module in state.model.named_modules()
+                 if any(_matches(spec, name, module) for spec in fp32)]
+        if fp32 and not found:
+            raise ValueError(
+                f"with_amp(fp32={fp32!r}) matched no module of the model; give module "
+                "types (nn.LSTM), qualified names ('encoder.rnn') or a "
+                "predicate(name, module)")
+        return found
+
     def islands(prepared: Prepared, state: TrainState) -> Prepared:
+        found = check(state) if fp32 else []
         resolved = _resolve(dtype, prepared.device)
         if resolved == torch.float16:
             state.slot(_SLOT, lambda: torch.amp.GradScaler(
                 prepared.device.type, init_scale=init_scale, growth_interval=growth_interval))
-        if fp32:
-            found = 0
-            for name, module in state.model.named_modules():
-                if any(_matches(spec, name, module) for spec in fp32):
-                    wrap_forward(module, "fp32", _run_in_fp32)
-                    found += 1
-            if not found:
-                raise ValueError(
-                    f"with_amp(fp32={fp32!r}) matched no module of the model; give module "
-                    "types (nn.LSTM), qualified names ('encoder.rnn') or a "
-                    "predicate(name, module)")
+        for module in found:
+            wrap_forward(module, "fp32", _run_in_fp32)
         return dataclasses.replace(prepared, compute_dtype=resolved)
 
     def forward_context(ctx: CallContext) -> contextlib.AbstractContextManager[Any]:
@@ -111,6 +114,8 @@ def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: fl
     else:  # fp16, or a dtype chosen on the device: a loss scaler
         hooks = Hooks(islands=islands, forward_context=forward_context, scale_loss=scale_loss,
                       unscale=unscale, after_update=after_update, abort=abort)
+    if fp32:
+        hooks["check"] = check
     return Transform(
         _SLOT,
         hooks,

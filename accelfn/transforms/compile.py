@@ -390,7 +390,7 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
         assert cache is not None
         _save_cache(cache, ctx.device, ctx.state)
 
-    hooks = Hooks(compile=compile)
+    hooks = Hooks(compile=compile, **({"check": lambda s: _blocks(s.model)} if regional else {}))
     if cache is not None:
         hooks["after_update"] = after_update
     parts = [p for p in (
