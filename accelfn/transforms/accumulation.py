@@ -131,4 +131,4 @@ def with_accumulation(n: int, *, mode: str = "split", dim: int = 0) -> Transform
                      # its abort hook only closes its own window (the engine clears the
                      # gradients); with_amp's only makes the scaler forget the failed step,
                      # distributed's only drops FSDP2's unreduced gradients
-                     commutes=frozenset({"with_amp", "distributed"}))
+                     commutes=frozenset({"with_amp"}))

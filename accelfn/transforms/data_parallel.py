@@ -220,10 +220,7 @@ def _distributed(strategy: str, static_graph: bool, compression: str | None,
                  ("compression", compression), ("sync_batchnorm", sync_batchnorm),
                  ("bucket_cap_mb", bucket_cap_mb), ("fsdp_sync", fsdp_sync),
                  ("find_unused_parameters", find_unused_parameters)),
-        label=f"distributed({', '.join(parts)})", preserves_finite=True,
-        # its only phase shared with them is abort (FSDP2), where each undoes its own part
-        # (the accumulation window, the loss scaler's step, FSDP2's unreduced gradients)
-        commutes=frozenset({"with_accumulation", "with_amp"}))
+        label=f"distributed({', '.join(parts)})", preserves_finite=True)
 
 
 def _root(model: nn.Module) -> Any:
