@@ -75,13 +75,14 @@ def digit_step(model: nn.Module, batch: TensorDictBase) -> dict[str, torch.Tenso
 
 def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=None, help="train for this many updates")
-    parser.add_argument("--stop-at", type=int, default=None,
+    parser.add_argument("--epochs", type=run_options.positive_int, default=8)
+    parser.add_argument("--steps", type=run_options.positive_int, default=None,
+                        help="train for this many updates")
+    parser.add_argument("--stop-at", type=run_options.positive_int, default=None,
                         help="save and stop after this many updates (resume with --resume)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--accumulation", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--batch-size", type=run_options.positive_int, default=64)
+    parser.add_argument("--accumulation", type=run_options.positive_int, default=2)
+    parser.add_argument("--lr", type=run_options.positive_float, default=3e-3)
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--fp16", action="store_true", help="fp16 with loss scaling, not bf16")
     run_options.add_arguments(parser)
@@ -98,6 +99,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     held_out = torch.arange(len(dataset)) % 5 == 0          # 20% for evaluation
     train_set, test_set = dataset[~held_out], dataset[held_out]
 
+    run_options.check_batch(args.batch_size, len(train_set), args.accumulation)
     augment = data.Compose(
         data.RandomCrop(8, padding=1),
         data.Normalize(mean=[0.3], std=[0.38], dtype=torch.float32),

@@ -61,6 +61,24 @@ def dataset(args: argparse.Namespace, out: str) -> tuple[TensorDict, int]:
     return td, int(td["label"].max()) + 1
 
 
+#: The torchvision models this example trains: ResNets, whose stem it replaces for small images.
+RESNETS = tuple(name for name in ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
+                                  "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d",
+                                  "wide_resnet50_2", "wide_resnet101_2")
+                if hasattr(torchvision.models, name))
+
+
+def ema_decay(text: str) -> float:
+    """An argparse ``type``: a decay in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), e.g. 0.99; got {text}")
+    return value
+
+
 QUICK = {"size": 16, "steps": 60}   # the default: a first run of under a minute on a CPU
 FULL = {"size": 32, "steps": 120}   # --full
 
@@ -78,20 +96,28 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser.add_argument("--full", action="store_true",
                         help=f"the longer run: --size {FULL['size']} --steps {FULL['steps']} "
                              f"(default: --size {QUICK['size']} --steps {QUICK['steps']})")
-    parser.add_argument("--size", type=int, default=None, help="image side in pixels")
-    parser.add_argument("--model", default="resnet18")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer updates")
-    parser.add_argument("--stop-at", type=int, default=None,
+    parser.add_argument("--size", type=run_options.positive_int, default=None,
+                        help="image side in pixels")
+    parser.add_argument("--model", default="resnet18", choices=RESNETS,
+                        help="a torchvision ResNet (default resnet18)")
+    parser.add_argument("--steps", type=run_options.positive_int, default=None,
+                        help="optimizer updates")
+    parser.add_argument("--stop-at", type=run_options.positive_int, default=None,
                         help="save and stop after this many updates (continue with --resume)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--accumulation", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--ema-decay", type=float, default=0.99,
+    parser.add_argument("--batch-size", type=run_options.positive_int, default=64)
+    parser.add_argument("--accumulation", type=run_options.positive_int, default=2)
+    parser.add_argument("--lr", type=run_options.positive_float, default=0.1)
+    parser.add_argument("--ema-decay", type=ema_decay, default=0.99,
                         help="the EMA's decay (warmed up: min(decay, (1 + n) / (10 + n)))")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--quiet", action="store_true")
     run_options.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.folder and args.preloaded:
+        parser.error("pass --folder or --preloaded, not both")
+    for flag, folder in (("--folder", args.folder), ("--preloaded", args.preloaded)):
+        if folder and not os.path.isdir(folder):
+            parser.error(f"{flag} {folder}: no such folder")
     preset = FULL if args.full else QUICK
     args.size = args.size or preset["size"]
     args.steps = args.steps or preset["steps"]
@@ -102,6 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     images, classes = dataset(args, out)
     is_val = torch.arange(len(images)) % 5 == 0
     train_set, val_set = images[~is_val], images[is_val]
+    run_options.check_batch(args.batch_size, len(train_set), args.accumulation)
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
     augment = data.Compose(
         data.RandomCrop(args.size, padding=args.size // 8),
@@ -121,8 +148,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     lr = af.scale_lr(args.lr, args.batch_size, base_batch_size=256)
     optimizer = torch.optim.SGD(af.param_groups(model, weight_decay=5e-4), lr=lr, momentum=0.9,
                                 nesterov=True, fused=True)
-    scheduler = af.warmup_cosine(optimizer, warmup_steps=max(1, args.steps // 20),
-                                 total_steps=args.steps)
+    warmup = min(max(1, args.steps // 20), args.steps - 1)  # none for a single update
+    scheduler = af.warmup_cosine(optimizer, warmup_steps=warmup, total_steps=args.steps)
     state = af.TrainState(model, optimizer, scheduler=scheduler)
 
     step = af.checkpointed(every=2)(resnet_step)

@@ -68,8 +68,8 @@ def mlp_step(model: nn.Module, batch: TensorDictBase) -> dict[str, torch.Tensor]
 
 def main(argv: list[str] | None = None) -> dict[str, float | None]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--std", type=float, default=0.01)
+    parser.add_argument("--steps", type=run_options.positive_int, default=200)
+    parser.add_argument("--std", type=run_options.positive_float, default=0.01)
     run_options.add_arguments(parser)
     args = parser.parse_args(argv)
 

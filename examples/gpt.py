@@ -123,8 +123,11 @@ class Block(nn.Module):
         return out
 
 
+HEADS = 4  # attention heads of every block; --dim must be a multiple of them
+
+
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 256, dim: int = 128, depth: int = 4, heads: int = 4,
+    def __init__(self, vocab: int = 256, dim: int = 128, depth: int = 4, heads: int = HEADS,
                  seq_len: int = 128) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
@@ -175,27 +178,31 @@ def generate(model: nn.Module, prompt: bytes, n: int, seq_len: int) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150, help="optimizer updates")
-    parser.add_argument("--stop-at", type=int, default=None,
+    parser.add_argument("--steps", type=run_options.positive_int, default=150,
+                        help="optimizer updates")
+    parser.add_argument("--stop-at", type=run_options.positive_int, default=None,
                         help="save and stop after this many updates (continue with --resume)")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--accumulation", type=int, default=4)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--dim", type=int, default=128)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--text-bytes", type=int, default=1_500_000)
+    parser.add_argument("--batch-size", type=run_options.positive_int, default=32)
+    parser.add_argument("--accumulation", type=run_options.positive_int, default=4)
+    parser.add_argument("--seq-len", type=run_options.positive_int, default=128)
+    parser.add_argument("--dim", type=run_options.positive_int, default=128)
+    parser.add_argument("--depth", type=run_options.positive_int, default=4)
+    parser.add_argument("--lr", type=run_options.positive_float, default=2e-3)
+    parser.add_argument("--text-bytes", type=run_options.positive_int, default=1_500_000)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
     parser.add_argument("--quiet", action="store_true")
     run_options.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.dim % HEADS:
+        parser.error(f"--dim {args.dim} must be a multiple of the {HEADS} attention heads")
 
     device = af.init_distributed()
     out = run_options.run_folder(args, "gpt")
     torch.manual_seed(0)
     corpus = pack(stdlib_text(args.text_bytes), args.seq_len)
     is_val = torch.arange(len(corpus)) % 20 == 0
+    run_options.check_batch(args.batch_size, int((~is_val).sum()), args.accumulation)
     train = data.loader(corpus[~is_val], batch_size=args.batch_size, device=device, seed=0)
     val = corpus[is_val][: 8 * args.batch_size].to(device)
 
@@ -208,12 +215,12 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     warmup = max(1, args.steps // 10)
     scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [
         torch.optim.lr_scheduler.LinearLR(optimizer, 0.01, 1.0, total_iters=warmup),
-        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, args.steps - warmup,
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, args.steps - warmup),
                                                    eta_min=args.lr / 10),
     ], milestones=[warmup])
     state = af.TrainState(model, optimizer, scheduler=scheduler)
 
-    step = af.checkpointed(lm_step)
+    step = af.checkpointed(blocks=(Block,))(lm_step)  # 'auto' needs two blocks or more
     step = af.with_clipping(max_norm=1.0)(step)
     step = af.with_accumulation(args.accumulation)(step)
     step = af.with_amp(step)
@@ -246,7 +253,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                 f"(without --resume) with more updates, e.g. --steps {2 * args.steps}"))
     else:
         monitor = Monitor(total=stop - state.step, progress=not args.quiet, desc="gpt",
-                          tokens_per_step=tokens_per_step, samples_per_step=args.batch_size,
+                          tokens_per_step=tokens_per_step,
+                          samples_per_step=args.batch_size * af.world_size(),
                           flops_per_step=flops * af.world_size(), log_every=10,
                           sync_check_step=None)
         start = time.perf_counter()

@@ -52,8 +52,8 @@ def evaluate(step: af.Step, state: af.TrainState, batches: Iterable[TensorDictBa
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--epochs", type=run_options.positive_int, default=4)
+    parser.add_argument("--log-every", type=run_options.positive_int, default=10)
     run_options.add_arguments(parser)
     args = parser.parse_args(argv)
 

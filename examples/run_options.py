@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch.distributed as dist
 
@@ -33,6 +33,50 @@ import accelfn as af
 from accelfn import checkpointing
 
 T = TypeVar("T")
+
+
+class UsageError(SystemExit):
+    """A command-line mistake: exit status 2 (as argparse's own errors), the message in
+    ``str(error)``; :func:`refuse` prints it."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.code = 2
+
+
+def refuse(message: str) -> NoReturn:
+    """Print ``<script>: error: message`` (on the first process) and exit with status 2."""
+    if af.is_main_process():
+        print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
+    raise UsageError(message)
+
+
+def _number(text: str, kind: Callable[[str], Any], low: float, strict: bool) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value < low or (strict and value == low):
+        raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 1 (else a usage error saying so)."""
+    value: int = _number(text, int, 1, strict=False)
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 0."""
+    value: int = _number(text, int, 0, strict=False)
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a number > 0."""
+    value: float = _number(text, float, 0.0, strict=True)
+    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,14 +105,14 @@ def _on_rank0(decide: Callable[[], T]) -> T:
     if dist.get_rank() == 0:
         try:
             box = [("ok", decide())]
-        except SystemExit as stop:
-            box = [("exit", str(stop.code))]
+        except SystemExit as stop:  # refuse() printed it here; the others only exit
+            box = [("exit", str(stop))]
         except Exception as error:  # the other processes must hear of it too
             box = [("error", f"{type(error).__name__}: {error}")]
     dist.broadcast_object_list(box, src=0)
     kind, value = box[0]
     if kind == "exit":
-        raise SystemExit(value if af.is_main_process() else 1)
+        raise UsageError(value)
     if kind == "error":
         raise RuntimeError(f"on the first process: {value}")
     result: T = value
@@ -88,7 +132,7 @@ def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
     if runs:
         found, run = max(runs, key=lambda pair: pair[0].stat().st_mtime)
         return run, found
-    raise SystemExit(f"--resume {path}: no complete checkpoint there, nor in a run folder under "
+    refuse(f"--resume {path}: no complete checkpoint there, nor in a run folder under "
                      "it; pass a run folder (it holds step-* folders) or one of its checkpoints")
 
 
@@ -101,7 +145,7 @@ def _new_folder(root: Path) -> Path:
             return candidate
         except FileExistsError:
             continue
-    raise SystemExit(f"cannot make a new run folder under {root}; pass --out")
+    refuse(f"cannot make a new run folder under {root}; pass --out")
 
 
 def run_folder(args: argparse.Namespace, name: str) -> str:
@@ -126,7 +170,7 @@ def run_folder(args: argparse.Namespace, name: str) -> str:
         if resumed is None or out.resolve() != resumed.resolve():
             others = checkpointing.checkpoints(out)
             if others and not args.overwrite:
-                raise SystemExit(
+                refuse(
                     f"{out} holds the checkpoints of another run ({others[-1].name}): pass "
                     f"--resume {out} to continue it, --overwrite to delete them and start "
                     "again there, or drop --out (each run then gets a new folder of its own)")
@@ -154,7 +198,7 @@ def resume(args: argparse.Namespace, state: af.TrainState, *, loader: Any | None
     if saved == world:
         return checkpointing.load(checkpoint, state, loader=loader, step=step)
     if not args.allow_resharding:
-        raise SystemExit(
+        refuse(
             f"{checkpoint} was written by {saved} process(es) and this run has {world}: pass "
             "--allow-resharding to resume it anyway (weights, optimizer, schedule and transform "
             "state carry over; the RNG states and the loader position do not, so the data "
@@ -166,13 +210,26 @@ def resume(args: argparse.Namespace, state: af.TrainState, *, loader: Any | None
     return info
 
 
+def check_batch(batch_size: int, samples: int, accumulation: int = 1) -> None:
+    """Refuse (exit status 2) a ``--batch-size`` larger than each process's share of the
+    ``samples`` training samples, or an ``--accumulation`` that cannot split it."""
+    world = af.world_size()
+    if batch_size > samples // world:
+        refuse(f"--batch-size {batch_size} is larger than the {samples // world} training samples "
+               f"of each of the {world} process(es): lower --batch-size")
+    if accumulation > batch_size:
+        refuse(f"--accumulation {accumulation} cannot split a batch of {batch_size} samples into "
+               f"{accumulation} micro-batches: use --accumulation {batch_size} or less, or a "
+               "larger --batch-size")
+
+
 def check_plan(info: checkpointing.CheckpointInfo | None, total: int) -> None:
     """SystemExit when the resumed run was planned for another number of updates than
     ``total`` (its learning-rate schedule spans the planned ones)."""
     extra = info.extra if info is not None else None
     planned = extra.get("total_steps") if isinstance(extra, dict) else None
     if info is not None and planned is not None and int(planned) != total:
-        raise SystemExit(
+        refuse(
             f"{info.path} belongs to a run of {planned} updates (its "
             f"learning-rate schedule spans them) and this one asks for {total}: resume with "
             f"--steps {planned}, or start a new run (without --resume) with --steps {total}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -228,8 +229,9 @@ def test_examples_run_under_torchrun_and_resume_in_one_process(name, tmp_path, c
     example = load_example(name)
     with pytest.raises(SystemExit) as refused:  # 2 processes wrote it, 1 resumes it
         example.main([*resume, "--resume", str(out)])
+    assert refused.value.code == 2  # a usage error
     assert "written by 2 process(es) and this run has 1: pass --allow-resharding" in str(
-        refused.value.code)
+        refused.value)
     capsys.readouterr()
     report = example.main([*resume, "--resume", str(out), "--allow-resharding"])
     assert f"resumed {saved}, written by 2 process(es), in 1" in capsys.readouterr().out
@@ -268,7 +270,8 @@ def test_each_run_writes_a_folder_of_its_own(tmp_path, monkeypatch, capsys):
 
     with pytest.raises(SystemExit) as refused:  # another run's folder
         example.main(["--steps", "3", "--out", str(runs[0])])
-    message = str(refused.value.code)
+    message = str(refused.value)
+    assert refused.value.code == 2
     assert f"{runs[0]} holds the checkpoints of another run (step-000000003)" in message
     assert f"--resume {runs[0]}" in message and "--overwrite" in message
     assert checkpoint_names(runs[0]) == ["step-000000003"]  # untouched
@@ -389,3 +392,58 @@ def test_examples_with_the_sync_check_off_print_nothing_about_it(tmp_path, capsy
     printed = capsys.readouterr().out
     assert printed.count("accelfn monitor report") == 2
     assert "host_syncs" not in printed and "probed for host syncs" not in printed
+
+
+BAD_ARGUMENTS = [  # (example, arguments, what its one-line error says)
+    ("classify_digits", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    ("classify_digits", ["--epochs", "-1"], "argument --epochs: must be >= 1, got -1"),
+    ("classify_digits", ["--stop-at", "0"], "argument --stop-at: must be >= 1, got 0"),
+    ("classify_digits", ["--lr", "-1"], "argument --lr: must be > 0, got -1"),
+    ("classify_digits", ["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+    ("classify_digits", ["--accumulation", "0"], "argument --accumulation: must be >= 1"),
+    ("classify_digits", ["--batch-size", "1", "--accumulation", "2"],
+     "--accumulation 2 cannot split a batch of 1 samples into 2 micro-batches"),
+    ("classify_digits", ["--batch-size", "5000"],
+     "--batch-size 5000 is larger than the 1437 training samples of each of the 1 process(es)"),
+    ("classify_digits", ["--resume", "no/such/run"], "--resume no/such/run: no complete checkpoint"),
+    ("classify_images", ["--model", "nope"], "argument --model: invalid choice: 'nope'"),
+    ("classify_images", ["--ema-decay", "1"], "argument --ema-decay: must be in [0, 1)"),
+    ("classify_images", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    ("classify_images", ["--folder", "no/such/folder"], "--folder no/such/folder: no such folder"),
+    ("classify_images", ["--preloaded", "no/such/cache"], "--preloaded no/such/cache: no such"),
+    ("gpt", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    ("gpt", ["--dim", "30"], "--dim 30 must be a multiple of the 4 attention heads"),
+    ("gpt", ["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
+    ("custom_transform", ["--std", "0"], "argument --std: must be > 0, got 0"),
+    ("custom_transform", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    ("hand_written_loop", ["--epochs", "0"], "argument --epochs: must be >= 1, got 0"),
+    ("hand_written_loop", ["--log-every", "0"], "argument --log-every: must be >= 1, got 0"),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "message"), BAD_ARGUMENTS,
+                         ids=[f"{n}{' '.join(a)}" for n, a, _ in BAD_ARGUMENTS])
+def test_bad_arguments_are_usage_errors_that_say_what_to_pass(name, args, message, tmp_path,
+                                                              monkeypatch, capsys):
+    """Exit status 2 and one line naming the option, before any training (no traceback)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as refused:
+        load_example(name).main([*args, "--out", str(tmp_path / "run"), "--quiet"]
+                                if name not in ("custom_transform", "hand_written_loop")
+                                else [*args, "--out", str(tmp_path / "run")])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_one_update_and_one_block_run(tmp_path, capsys):
+    """--steps 1 left the schedules no room (a zero-length cosine, a warm-up as long as the
+    run) and gpt's --depth 1 gave checkpointing no repeated block to find."""
+    gpt = load_example("gpt").main(["--steps", "1", *TINY_GPT, "--depth", "1",
+                                    "--out", str(tmp_path / "gpt")])
+    assert gpt["updates"] == 1 and math.isfinite(float(gpt["val_loss"]))
+    images = load_example("classify_images").main(["--steps", "1", *TINY_IMAGES,
+                                                   "--out", str(tmp_path / "images")])
+    assert images["updates"] == 1
