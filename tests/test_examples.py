@@ -405,7 +405,7 @@ BAD_ARGUMENTS = [  # (example, arguments, what its one-line error says)
      "--accumulation 2 cannot split a batch of 1 samples into 2 micro-batches"),
     ("classify_digits", ["--batch-size", "5000"],
      "--batch-size 5000 is larger than the 1437 training samples of each of the 1 process(es)"),
-    ("classify_digits", ["--resume", "no/such/run"], "--resume no/such/run: no complete checkpoint"),
+    ("classify_digits", ["--resume", "no/such/run"], "--resume no/such/run: no complete"),
     ("classify_images", ["--model", "nope"], "argument --model: invalid choice: 'nope'"),
     ("classify_images", ["--ema-decay", "1"], "argument --ema-decay: must be in [0, 1)"),
     ("classify_images", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
