@@ -23,6 +23,17 @@ from .bench import add_bench
 __all__ = ["COMMANDS", "build_parser", "main"]
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse ``type``: an integer >= 0 (a usage error, exit status 2, otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _run_doctor(args: argparse.Namespace) -> int:
     from ..observe.environment import doctor
 
@@ -39,7 +50,7 @@ def add_doctor(subparsers: Any) -> None:
                     "GPUs, bf16/TF32 support and settings, CPU cores against workers. "
                     "Exits 1 when a finding is an error.")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
-    p.add_argument("--num-workers", type=int, default=None, metavar="N",
+    p.add_argument("--num-workers", type=non_negative_int, default=None, metavar="N",
                    help="data-loader workers you plan to use, checked against the CPU cores")
     p.set_defaults(func=_run_doctor)
 

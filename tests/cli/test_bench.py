@@ -187,6 +187,29 @@ def test_bad_arguments_say_how_to_fix() -> None:
     assert main(["bench", "--quick", "--device", "cpu", "--warmup", "0"]) == 2
 
 
+BAD_BENCH_ARGUMENTS = [  # each refused before anything runs, with what to pass
+    (["--device", "bogus"], "--device 'bogus' is unknown; use auto, cpu, cuda or cuda:N"),
+    (["--device", "cuda:x"], "--device 'cuda:x' is not understood"),
+    (["--workers", "-1"], "--workers must be >= 0"),
+    (["--overhead-steps", "-5"], "--overhead-steps must be >= 0"),
+    (["--ddp-procs", "0"], "--ddp-procs must be >= 1"),
+    (["--ddp-procs", "-2"], "--ddp-procs must be >= 1"),
+    (["--stages", ","], "--stages names no stage"),
+    (["--stages="], "--stages names no stage"),
+    (["--compile", "--compile-mode", "bogus"], "--compile-mode 'bogus' is unknown; use one of"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_BENCH_ARGUMENTS,
+                         ids=[" ".join(a) for a, _ in BAD_BENCH_ARGUMENTS])
+def test_bad_arguments_are_usage_errors(args: list[str], message: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--quick", *args, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # nothing ran, nothing written
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_ddp_stage_runs_under_torchrun_on_two_cpu_processes(tmp_path: Path) -> None:

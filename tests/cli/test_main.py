@@ -50,3 +50,12 @@ def test_every_listed_command_has_help() -> None:
     assert len(sub.choices) == len(COMMANDS)  # type: ignore[arg-type]
     for name, p in sub.choices.items():  # type: ignore[union-attr]
         assert p.description, name
+
+
+@pytest.mark.parametrize("value", ["-3", "abc"])
+def test_doctor_refuses_a_bad_worker_count(value: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["doctor", "--num-workers", value])
+    assert exit_.value.code == 2
+    assert "argument --num-workers:" in capsys.readouterr().err

@@ -85,7 +85,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _config_from_args(args: argparse.Namespace) -> BenchConfig:
-    stages = None if not args.stages else tuple(s.strip() for s in args.stages.split(",") if s)
+    stages = (None if args.stages is None
+              else tuple(s.strip() for s in args.stages.split(",") if s.strip()))
     return BenchConfig(
         model=args.model, device=args.device, steps=args.steps, warmup=args.warmup,
         batch_size=args.batch_size, image_size=args.image_size, samples=args.samples,

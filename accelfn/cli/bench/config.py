@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from ...observe.timing import resolve_device
 
 __all__ = [
+    "COMPILE_MODES",
     "MEAN",
     "MODELS",
     "SEED_CASE_STUDY",
@@ -23,6 +24,19 @@ __all__ = [
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 MODELS = ("resnet50", "resnet18", "cnn", "mlp")
+#: torch.compile's modes (of the inductor backend) where torch cannot list its own.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def compile_modes() -> tuple[str, ...]:
+    """The inductor modes this torch knows (``torch._inductor.list_mode_options``, which
+    ``torch.compile``'s documentation points to), else :data:`COMPILE_MODES`."""
+    try:
+        from torch._inductor import list_mode_options
+
+        return ("default", *(m for m in list_mode_options() if m != "default"))
+    except Exception:  # an older or trimmed torch
+        return COMPILE_MODES
 
 #: The published ResNet-50 case study on one V100 (images/s; ``ddp`` on 4 GPUs), by stage.
 SEED_CASE_STUDY: dict[str, dict[str, float]] = {
@@ -96,7 +110,13 @@ class BenchConfig:
     def resolved(self) -> BenchConfig:
         """A copy with every ``None`` default filled in for the chosen device."""
         c = copy.deepcopy(self)
-        dev = resolve_device(c.device)
+        if str(c.device).split(":")[0] not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"--device {c.device!r} is unknown; use auto, cpu, cuda or cuda:N")
+        try:
+            dev = resolve_device(c.device)
+        except RuntimeError as exc:  # torch.device("cuda:x") and the like
+            raise ValueError(f"--device {c.device!r} is not understood ({exc}); use auto, cpu, "
+                             "cuda or cuda:N") from None
         c.device = str(dev)
         gpu = dev.type == "cuda"
         if c.model is None:
@@ -129,15 +149,27 @@ class BenchConfig:
             raise ValueError("--repeats must be >= 1")
         if c.warmup < 1:
             raise ValueError("--warmup must be >= 1 (the first step is timed on its own)")
+        for name in ("workers", "overhead_steps"):
+            if getattr(c, name) is not None and getattr(c, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if c.ddp_procs is not None and c.ddp_procs < 1:
+            raise ValueError("--ddp-procs must be >= 1")
         if c.compile is None:
             c.compile = not c.quick
         if c.workers is None:
             c.workers = max(1, min(8, os.cpu_count() or 1))
+        if (c.compile and c.compile_backend == "inductor" and c.compile_mode is not None
+                and c.compile_mode not in compile_modes()):
+            raise ValueError(f"--compile-mode {c.compile_mode!r} is unknown; use one of "
+                             f"{', '.join(compile_modes())}")
         if c.data not in ("synthetic", "digits"):
             raise ValueError(f"--data {c.data!r} is unknown; use 'synthetic' or 'digits'")
         if c.amp_dtype not in ("auto", "bf16", "fp16"):
             raise ValueError(f"--amp-dtype {c.amp_dtype!r} is unknown; use auto, bf16 or fp16")
         if c.stages is not None:
+            if not c.stages:
+                raise ValueError("--stages names no stage; use names from "
+                                 f"{[s.name for s in STAGES]}, separated by commas")
             unknown = set(c.stages) - {s.name for s in STAGES}
             if unknown:
                 raise ValueError(f"--stages: unknown {sorted(unknown)}; use names from "
