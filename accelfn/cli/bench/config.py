@@ -8,10 +8,10 @@ import os
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 
+from ...core import compat
 from ...observe.timing import resolve_device
 
 __all__ = [
-    "COMPILE_MODES",
     "MEAN",
     "MODELS",
     "SEED_CASE_STUDY",
@@ -24,20 +24,6 @@ __all__ = [
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 MODELS = ("resnet50", "resnet18", "cnn", "mlp")
-#: torch.compile's modes (of the inductor backend) where torch cannot list its own.
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-
-
-def compile_modes() -> tuple[str, ...]:
-    """The inductor modes this torch knows (``torch._inductor.list_mode_options``, which
-    ``torch.compile``'s documentation points to), else :data:`COMPILE_MODES`."""
-    try:
-        from torch._inductor import list_mode_options
-
-        return ("default", *(m for m in list_mode_options() if m != "default"))
-    except Exception:  # an older or trimmed torch
-        return COMPILE_MODES
-
 #: The published ResNet-50 case study on one V100 (images/s; ``ddp`` on 4 GPUs), by stage.
 SEED_CASE_STUDY: dict[str, dict[str, float]] = {
     "baseline": {"samples_per_s": 312.0},
@@ -159,9 +145,9 @@ class BenchConfig:
         if c.workers is None:
             c.workers = max(1, min(8, os.cpu_count() or 1))
         if (c.compile and c.compile_backend == "inductor" and c.compile_mode is not None
-                and c.compile_mode not in compile_modes()):
+                and c.compile_mode not in compat.compile_modes()):
             raise ValueError(f"--compile-mode {c.compile_mode!r} is unknown; use one of "
-                             f"{', '.join(compile_modes())}")
+                             f"{', '.join(compat.compile_modes())}")
         if c.data not in ("synthetic", "digits"):
             raise ValueError(f"--data {c.data!r} is unknown; use 'synthetic' or 'digits'")
         if c.amp_dtype not in ("auto", "bf16", "fp16"):
