@@ -38,8 +38,8 @@ CASES = {
     "ddp_acc3": lambda: af.distributed(af.with_accumulation(3)(classify)),
     "acc3_ddp": lambda: af.with_accumulation(3)(af.distributed(classify)),
     "ddp_tokens": lambda: af.with_accumulation(2)(af.distributed(token_loss)),
-    "ddp_clip_amp": lambda: af.with_amp(af.distributed(af.with_accumulation(2)(
-        af.with_clipping(max_norm=0.05)(classify)))),
+    "ddp_clip_amp": lambda: af.with_amp(dtype=torch.bfloat16)(af.distributed(
+        af.with_accumulation(2)(af.with_clipping(max_norm=0.05)(classify)))),
     "ddp_bf16_hook": lambda: af.distributed(compression="bf16")(classify),
     "fsdp_acc2_clip": lambda: af.with_clipping(max_norm=0.05)(af.with_accumulation(2)(
         af.distributed(strategy="fsdp")(classify))),

@@ -23,6 +23,7 @@ __all__ = [
     "compile_backends",
     "compile_counters",
     "compile_modes",
+    "cpu_bf16_native",
     "dcp_private_metadata_classes",
     "dcp_storage_entries",
     "foreach_copy_",
@@ -137,6 +138,17 @@ def unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
     inner = getattr(model, "_orig_mod", model)
     assert isinstance(inner, torch.nn.Module)
     return inner
+
+
+def cpu_bf16_native() -> bool:
+    """Whether this CPU computes bf16 matmuls and convolutions natively
+    (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``: AVX-512 or AMX on x86, bf16 on Arm);
+    without it oneDNN emulates bf16 and autocast's bf16 runs many times slower than float32
+    (x35 on a ResNet-18 step on an AVX2 CPU)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return False
 
 
 def compile_modes() -> tuple[str, ...]:

@@ -45,12 +45,21 @@ def _matches(spec: ModuleSpec, name: str, module: nn.Module) -> bool:
     return bool(spec(name, module))
 
 
-def _resolve(dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+def _resolve(dtype: torch.dtype | None, device: torch.device) -> torch.dtype | None:
+    """The autocast dtype: ``dtype``, or the default where the hardware computes it (None:
+    float32, autocast off, on a CPU that would only emulate bf16)."""
     if dtype is not None:
         return dtype
     if device.type == "cuda" and not _cuda_bf16():
         return torch.float16
+    if device.type == "cpu" and not _cpu_bf16():
+        return None
     return torch.bfloat16
+
+
+_NO_BF16 = ("with_amp(): this CPU has no native bf16 (AVX-512 or AMX), where autocast's bf16 "
+            "runs many times slower than float32, so the forward runs in float32 (autocast "
+            "off); pass dtype=torch.bfloat16 to use bf16 anyway")
 
 
 def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: float,
@@ -69,6 +78,8 @@ def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: fl
     def islands(prepared: Prepared, state: TrainState) -> Prepared:
         found = check(state) if fp32 else []
         resolved = _resolve(dtype, prepared.device)
+        if resolved is None:
+            state.warn_once("with_amp.cpu_bf16", _NO_BF16)
         if resolved == torch.float16:
             state.slot(_SLOT, lambda: torch.amp.GradScaler(
                 prepared.device.type, init_scale=init_scale, growth_interval=growth_interval))
@@ -77,7 +88,10 @@ def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: fl
         return dataclasses.replace(prepared, compute_dtype=resolved)
 
     def forward_context(ctx: CallContext) -> contextlib.AbstractContextManager[Any]:
-        return torch.autocast(ctx.device.type, dtype=ctx.prepared.compute_dtype)
+        compute = ctx.prepared.compute_dtype
+        if compute is None:  # the default on a CPU without native bf16: float32
+            return contextlib.nullcontext()
+        return torch.autocast(ctx.device.type, dtype=compute)
 
     def scale_loss(ctx: CallContext, loss: Tensor) -> Tensor:
         scaler = ctx.state.get_slot(_SLOT)
@@ -145,6 +159,11 @@ def _cuda_bf16() -> bool:
     return bool(torch.cuda.is_bf16_supported())
 
 
+@functools.cache
+def _cpu_bf16() -> bool:
+    return compat.cpu_bf16_native()
+
+
 def _run_in_fp32(module: nn.Module, forward: Callable[..., Any], *args: Any,
                  **kwargs: Any) -> Any:
     # Autocast off for the CPU and for the accelerator, whichever is on: not the device of the
@@ -177,7 +196,9 @@ def with_amp(
     With ``dtype=torch.float16`` the loss is also scaled by a ``torch.amp.GradScaler``
     (``scaler.scale(loss).backward(); scaler.unscale_(opt)``; an overflow skips the update and
     halves the scale, exactly as ``scaler.step``/``scaler.update`` do). The default dtype is
-    bf16 (fp16 on GPUs without bf16). ``fp32`` names modules that must run in float32 with
+    bf16 where the hardware computes it: fp16 on GPUs without bf16, and float32 (autocast off,
+    with a warning) on CPUs without native bf16 (AVX-512 or AMX), where emulated bf16 runs
+    many times slower than float32. ``fp32`` names modules that must run in float32 with
     autocast off (module types, qualified names, or ``predicate(name, module)``), e.g.
     ``fp32=nn.LSTM``; autocast is off there for the CPU and the accelerator, so modules without
     parameters (a softmax, a loss) qualify too. ``init_scale`` is a finite number > 0 and

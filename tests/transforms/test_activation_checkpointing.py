@@ -100,7 +100,7 @@ def test_wrap_keeps_state_dict_and_deepcopy_runs_its_own_weights():
     model = Net()
     keys = list(model.state_dict())
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    step = af.with_amp(fp32=Block)(af.checkpointed(classify))
+    step = af.with_amp(dtype=torch.bfloat16, fp32=Block)(af.checkpointed(classify))
     step(state, make_batch())
     assert list(model.state_dict()) == keys
     twin = copy.deepcopy(model)
@@ -256,7 +256,7 @@ def test_batchnorm_statistics_updated_once_as_without_checkpointing(options, mom
 def test_batchnorm_statistics_with_accumulation_and_amp():
     torch.manual_seed(0)
     (m1, o1), (m2, o2) = clone_setup(ResNetLike())
-    step = af.with_amp(af.with_accumulation(2)(af.checkpointed(image_loss)))
+    step = af.with_amp(dtype=torch.bfloat16)(af.with_accumulation(2)(af.checkpointed(image_loss)))
     state = af.TrainState(m1, o1)
     for i in range(2):
         step(state, image_batch(i))

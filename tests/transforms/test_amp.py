@@ -14,7 +14,7 @@ import accelfn as af
 
 def test_bf16_equals_autocast_loop_bitwise(net):
     (m1, o1), (m2, o2) = clone_setup(net, torch.optim.AdamW, lr=1e-2)
-    step = af.with_amp(classify)
+    step = af.with_amp(dtype=torch.bfloat16)(classify)
     state = af.TrainState(m1, o1)
     for i in range(3):
         batch = make_batch(seed=i)
@@ -28,9 +28,9 @@ def test_bf16_really_runs_in_bf16(net):
     dtypes = []
     net.head.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
     state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1))
-    af.with_amp(classify)(state, make_batch())
+    af.with_amp(dtype=torch.bfloat16)(classify)(state, make_batch())
     assert dtypes == [torch.bfloat16]
-    af.with_amp(classify).evaluate(state, make_batch())
+    af.with_amp(dtype=torch.bfloat16)(classify).evaluate(state, make_batch())
     assert dtypes[-1] == torch.bfloat16
 
 
@@ -107,7 +107,7 @@ def test_fp32_islands(spec):
     model.conv.register_forward_hook(lambda m, i, o: seen.__setitem__("conv", o.dtype))
     model.fc.register_forward_hook(lambda m, i, o: seen.__setitem__("fc", o.dtype))
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    af.with_amp(fp32=spec)(classify)(state, make_batch())
+    af.with_amp(dtype=torch.bfloat16, fp32=spec)(classify)(state, make_batch())
     assert seen == {"conv": torch.bfloat16, "lstm": torch.float32, "fc": torch.bfloat16}
     assert set(model.state_dict()) == set(Recurrent().state_dict())
 
@@ -125,7 +125,7 @@ def test_fp32_islands_match_hand_written_autocast_off():
 
     state = af.TrainState(m1, o1)
     batch = make_batch()
-    af.with_amp(fp32=nn.LSTM)(classify)(state, batch)
+    af.with_amp(dtype=torch.bfloat16, fp32=nn.LSTM)(classify)(state, batch)
     reference_update(m2, o2, as_dict(batch), by_hand, amp_dtype=torch.bfloat16)
     assert_params_equal(m1, m2)
 
@@ -133,7 +133,7 @@ def test_fp32_islands_match_hand_written_autocast_off():
 def test_fp32_spec_matching_nothing_is_an_error(net):
     state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="matched no module"):
-        af.with_amp(fp32=nn.LSTM)(classify)(state, make_batch())
+        af.with_amp(dtype=torch.bfloat16, fp32=nn.LSTM)(classify)(state, make_batch())
 
 
 @pytest.mark.parametrize(("options", "error", "match"), [
@@ -204,7 +204,7 @@ def test_fp32_island_without_parameters_runs_in_fp32_and_matches_autocast_off():
 
     state = af.TrainState(m1, o1)
     for i in range(2):
-        af.with_amp(fp32=Attention)(classify)(state, make_batch(seed=i))
+        af.with_amp(dtype=torch.bfloat16, fp32=Attention)(classify)(state, make_batch(seed=i))
         reference_update(m2, o2, as_dict(make_batch(seed=i)), by_hand, amp_dtype=torch.bfloat16)
     assert seen == [torch.float32, torch.float32]
     assert_params_equal(m1, m2)
@@ -217,7 +217,7 @@ def test_fp32_island_without_parameters_turns_the_accelerators_autocast_off(monk
                         lambda *a, **k: torch.device("cuda"))
     model = AttnNet()
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    step = af.with_amp(fp32=Attention)(classify)
+    step = af.with_amp(dtype=torch.bfloat16, fp32=Attention)(classify)
     was = torch.is_autocast_enabled("cuda")
     torch.set_autocast_enabled("cuda", True)
     try:
@@ -226,3 +226,28 @@ def test_fp32_island_without_parameters_turns_the_accelerators_autocast_off(monk
     finally:
         torch.set_autocast_enabled("cuda", was)
     assert model.attn.autocast_seen == (False, False)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_on_the_cpu_is_bf16_only_where_computed_natively(net, monkeypatch, native):
+    """Emulated bf16 (no AVX-512/AMX) runs many times slower than float32: auto keeps float32
+    there (autocast off, the plain fp32 loop bitwise) and says so; bf16 where native."""
+    from accelfn.transforms import amp
+
+    monkeypatch.setattr(amp, "_cpu_bf16", lambda: native)
+    dtypes = []
+    net.head.register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    (m1, o1), (m2, o2) = clone_setup(net, torch.optim.SGD)
+    state = af.TrainState(m1, o1)
+    step = af.with_amp(classify)
+    if native:
+        step(state, make_batch())
+        ref = reference_update(m2, o2, as_dict(make_batch()), classify, amp_dtype=torch.bfloat16)
+    else:
+        with pytest.warns(RuntimeWarning, match="no native bf16"):
+            step(state, make_batch())
+        ref = reference_update(m2, o2, as_dict(make_batch()), classify)
+    assert dtypes[0] == (torch.bfloat16 if native else torch.float32)
+    assert ref["losses"]
+    assert_params_equal(m1, m2)
+    assert "with_amp" not in state.slots  # no loss scaler either way

@@ -23,6 +23,8 @@ from accelfn import with_float8
 from accelfn.testing import check_transform, plain_update
 from accelfn.transforms.float8 import eligible
 
+BF16 = af.with_amp(dtype=torch.bfloat16)  # bf16 autocast whatever the CPU computes natively
+
 
 class Block(nn.Module):
     def __init__(self, dim: int) -> None:
@@ -90,7 +92,7 @@ def test_equals_torchao_conversion_and_the_plain_loop_bitwise():
     by_hand(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     step = af.with_clipping(max_norm=0.5)(af.with_accumulation(2)(
-        af.with_amp(dtype=torch.bfloat16)(with_float8(min_features=16)(ce))))
+        BF16(with_float8(min_features=16)(ce))))
     for batch in batches(3):
         metrics = step(state, batch)
         out = reference_update(ref, ref_opt, as_dict(batch), ce, micro=2,
@@ -110,8 +112,8 @@ def test_emulated_float8_against_bf16_within_the_stated_tolerance(capsys):
         losses = torch.stack([step(state, b)["loss"] for b in batches(30)])
         return losses.float(), flat(model)
 
-    bf16_losses, bf16_w = train(af.with_amp(dtype=torch.bfloat16)(ce))
-    f8_losses, f8_w = train(af.with_amp(dtype=torch.bfloat16)(with_float8(min_features=16)(ce)))
+    bf16_losses, bf16_w = train(BF16(ce))
+    f8_losses, f8_w = train(BF16(with_float8(min_features=16)(ce)))
     loss_err = ((f8_losses - bf16_losses).abs() / bf16_losses.abs()).max().item()
     weight_err = ((f8_w - bf16_w).norm() / bf16_w.norm()).item()
     with capsys.disabled():
@@ -266,8 +268,8 @@ def test_float8_all_gather_refuses_a_tied_weight():
 
 @pytest.mark.parametrize("all_gather", [False, True])
 def test_state_dict_keys_unchanged_and_checkpoints_load_across(all_gather):
-    f8_step = af.with_amp(with_float8(min_features=16, fsdp_float8_all_gather=all_gather)(ce))
-    bf16_step = af.with_amp(ce)
+    f8_step = BF16(with_float8(min_features=16, fsdp_float8_all_gather=all_gather)(ce))
+    bf16_step = BF16(ce)
     data = batches(4)
 
     def trained(step, n):
@@ -320,9 +322,9 @@ def test_contract_every_order_with_amp_accumulation_and_clipping():
 
 def test_checkpointed_gives_the_float8_result_bitwise():
     results = []
-    for step in (af.with_amp(with_float8(min_features=16)(ce)),
-                 af.checkpointed(af.with_amp(with_float8(min_features=16)(ce))),
-                 with_float8(min_features=16)(af.with_amp(af.checkpointed(ce)))):
+    for step in (BF16(with_float8(min_features=16)(ce)),
+                 af.checkpointed(BF16(with_float8(min_features=16)(ce))),
+                 with_float8(min_features=16)(BF16(af.checkpointed(ce)))):
         model = mlp()
         state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         for b in batches(3):
@@ -350,7 +352,7 @@ def test_steps_sharing_a_state_convert_once():
     other(state, batches(1)[0])
     assert {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)} == layers
     with pytest.raises(ValueError, match="converted once"):
-        with_float8(min_features=16, recipe="rowwise")(af.with_amp(ce))(state, batches(1)[0])
+        with_float8(min_features=16, recipe="rowwise")(BF16(ce))(state, batches(1)[0])
 
 
 # --------------------------------------------------------------------- compile on the GPU
@@ -371,7 +373,7 @@ def _hook(step):
 def test_cuda_without_compile_is_refused_with_the_fix():
     model = mlp()
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    eager = af.with_amp(with_float8(min_features=16)(ce))
+    eager = BF16(with_float8(min_features=16)(ce))
     with pytest.raises(ValueError, match=r"needs the model compiled.*af\.compiled"):
         _hook(eager)(_context(eager, state, "cuda"))
     with _hook(eager)(_context(eager, state, "cpu")):  # emulated on the CPU: eager is fine
@@ -398,8 +400,8 @@ def test_compiled_float8_matches_eager_float8():
         state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
         return torch.stack([step(state, b)["loss"] for b in batches(3)]).float(), flat(model)
 
-    eager = train(af.with_amp(with_float8(min_features=16)(ce)))
-    compiled = train(af.compiled(af.with_amp(with_float8(min_features=16)(ce))))
+    eager = train(BF16(with_float8(min_features=16)(ce)))
+    compiled = train(af.compiled(BF16(with_float8(min_features=16)(ce))))
     assert torch.allclose(compiled[0], eager[0], rtol=5e-3)
     assert ((compiled[1] - eager[1]).norm() / eager[1].norm()) < 1e-2
 
@@ -422,9 +424,9 @@ def test_on_a_float8_gpu_eager_is_refused_and_compiled_stays_close_to_bf16():
     model = mlp().to(device)
     state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     with pytest.raises(ValueError, match=r"needs the model compiled"):
-        af.with_amp(with_float8(min_features=16)(ce))(state, data[0])
-    bf16_losses, bf16_w, _ = train(af.compiled(af.with_amp(ce)))
-    f8_losses, f8_w, f8_model = train(af.compiled(af.with_amp(with_float8(min_features=16)(
+        BF16(with_float8(min_features=16)(ce))(state, data[0])
+    bf16_losses, bf16_w, _ = train(af.compiled(BF16(ce)))
+    f8_losses, f8_w, f8_model = train(af.compiled(BF16(with_float8(min_features=16)(
         ce))))
     assert len(converted(f8_model)) == 4
     assert ((f8_losses - bf16_losses).abs() / bf16_losses).max() < 2e-2

@@ -119,7 +119,7 @@ def test_guard_reads_the_host_once_per_update_and_off_never(net, monkeypatch):
         monkeypatch.setattr(torch.Tensor, name, spy)
     # SGD: unlike CPU Adam, it reads nothing on the host itself
     state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
-    step = af.with_amp(af.with_accumulation(2)(af.with_clipping(classify)))
+    step = af.with_amp(dtype=torch.bfloat16)(af.with_accumulation(2)(af.with_clipping(classify)))
     step(state, make_batch())
     assert reads == ["item"]  # loss + norm, read once
     reads.clear()
@@ -212,7 +212,7 @@ def test_sync_probe_finds_no_host_sync_in_a_fused_step_and_the_guard_read_otherw
     from accelfn.observe.sync_probe import SyncProbe
 
     fused = _fused_setup(net)
-    step = af.with_amp(af.with_accumulation(2)(af.with_clipping(classify)))
+    step = af.with_amp(dtype=torch.bfloat16)(af.with_accumulation(2)(af.with_clipping(classify)))
     for i in range(2):
         step(fused, make_batch(seed=i))
     with SyncProbe(mode="emulate") as probe:
