@@ -13,7 +13,7 @@ from reference import reference_update
 import accelfn as af
 
 REGISTRY = {
-    "amp": af.with_amp,
+    "amp": af.with_amp(dtype=torch.bfloat16),
     "accumulation": af.with_accumulation(3),
     "clipping": af.with_clipping(max_norm=0.05),
     "nonfinite": af.with_nonfinite(policy="skip", max_consecutive=5),
