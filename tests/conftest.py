@@ -115,6 +115,25 @@ def torchrun(*args, timeout: float = 300, **run):
     return proc
 
 
+def torchrun_results(worker, out, timeout: float = 300) -> list:
+    """Run ``worker out`` under [`torchrun`][] and load what each rank saved with
+    [`save_rank_results`][] (``out/rank<r>.pt``), rank 0 first."""
+    torchrun(worker, out, timeout=timeout)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+
+def save_rank_results(out_dir, results) -> None:
+    """In a torchrun worker: save this rank's ``results`` for [`torchrun_results`][], then
+    wait for every rank and take the process group down."""
+    import os
+
+    import torch.distributed as dist
+
+    torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def roundtrip(obj):
     """``obj`` through ``torch.save`` and ``torch.load(weights_only=True)`` in memory (what a
     checkpoint file does to a state_dict)."""

@@ -21,7 +21,7 @@ TESTS = os.path.dirname(HERE)
 if TESTS not in sys.path:  # under torchrun: conftest sits in tests/
     sys.path.insert(0, TESTS)
 
-from conftest import Net, classify, torchrun  # noqa: E402
+from conftest import Net, classify, save_rank_results, torchrun_results  # noqa: E402
 from dist_worker import RANK_ROWS, global_batch  # noqa: E402
 
 import accelfn as af  # noqa: E402
@@ -106,16 +106,13 @@ def worker(out_dir: str) -> None:
     step(state, {k: v[RANK_ROWS[rank]] for k, v in global_batch(2).items()})  # moved on
     state.step = 2  # the parameters differ from the checkpoint's; the step count does not
     results = {name: _case(name, rank, root, saved, state, step) for name in CASES}
-    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    save_rank_results(out_dir, results)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("load_agree")
-    torchrun(__file__, out, timeout=240)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return torchrun_results(__file__, out, timeout=240)
 
 
 pytestmark = pytest.mark.distributed

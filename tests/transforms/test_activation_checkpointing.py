@@ -29,22 +29,26 @@ class DropNet(Net):
         return self.head(h)
 
 
-@pytest.mark.parametrize("options", [
-    {}, {"every": 2}, {"blocks": (Block,)}, {"blocks": lambda n, m: n == "blocks.1"},
-    {"selective": True}, {"selective": [torch.ops.aten.addmm.default]},
-])
-def test_gradients_identical_to_no_checkpointing(options):
-    torch.manual_seed(0)
-    (m1, o1), (m2, o2) = clone_setup(DropNet())
-    step = af.checkpointed(**options)(classify)
+def _assert_equals_plain_loop(net, step, updates: int) -> None:
+    """``step`` on ``net`` against the plain loop on a copy, both seeded alike (dropout)."""
+    (m1, o1), (m2, o2) = clone_setup(net)
     state = af.TrainState(m1, o1)
-    for i in range(3):
+    for i in range(updates):
         batch = make_batch(seed=i)
         torch.manual_seed(100 + i)
         step(state, batch)
         torch.manual_seed(100 + i)
         reference_update(m2, o2, as_dict(batch), classify)
     assert_params_equal(m1, m2)
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"every": 2}, {"blocks": (Block,)}, {"blocks": lambda n, m: n == "blocks.1"},
+    {"selective": True}, {"selective": [torch.ops.aten.addmm.default]},
+])
+def test_gradients_identical_to_no_checkpointing(options):
+    torch.manual_seed(0)
+    _assert_equals_plain_loop(DropNet(), af.checkpointed(**options)(classify), updates=3)
 
 
 def test_checkpointing_saves_fewer_activations():
@@ -180,16 +184,7 @@ class KwNet(nn.Module):
 
 def test_blocks_keyword_arguments_reach_the_block_with_dropout_as_the_plain_loop():
     torch.manual_seed(0)
-    (m1, o1), (m2, o2) = clone_setup(KwNet())
-    step = af.checkpointed(classify)
-    state = af.TrainState(m1, o1)
-    for i in range(2):
-        batch = make_batch(seed=i)
-        torch.manual_seed(100 + i)
-        step(state, batch)
-        torch.manual_seed(100 + i)
-        reference_update(m2, o2, as_dict(batch), classify)
-    assert_params_equal(m1, m2)
+    _assert_equals_plain_loop(KwNet(), af.checkpointed(classify), updates=2)
 
 
 class ResBlock(nn.Module):

@@ -26,7 +26,7 @@ TESTS = os.path.dirname(HERE)
 if TESTS not in sys.path:  # under torchrun: conftest, dist_worker and reference sit in tests/
     sys.path.insert(0, TESTS)
 
-from conftest import Net, classify, torchrun  # noqa: E402
+from conftest import Net, classify, save_rank_results, torchrun_results  # noqa: E402
 from dist_worker import RANK_ROWS, global_batch  # noqa: E402
 from reference import reference_update  # noqa: E402
 
@@ -147,16 +147,13 @@ def worker(out_dir: str) -> None:
     for case in CASES:
         results[_name(case)] = {"failed": _train(case, fail=True),
                                 "clean": _train(case, fail=False)}
-    torch.save(results, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
+    save_rank_results(out_dir, results)
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist_failures")
-    torchrun(__file__, out, timeout=600)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return torchrun_results(__file__, out, timeout=600)
 
 
 def _reference(kind: str) -> dict[str, torch.Tensor]:
