@@ -215,7 +215,8 @@ class DataLoaderAdapter(BatchLoader):
 
     def __init__(self, node: _DataLoaderNode, root: BaseNode[TensorDictBase], *,
                  num_batches: int | None, config: Mapping[str, Any]) -> None:
-        super().__init__(root, num_batches=num_batches, config=config, close_fns=(node.close,))
+        super().__init__(root, num_batches=num_batches, config=config, close_fns=(node.close,),
+                         portable_position=True)
         self.dataloader = node.dataloader
         self.stateful = node.stateful
 

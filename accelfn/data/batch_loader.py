@@ -17,6 +17,7 @@ from tensordict import TensorDictBase
 from torchdata.nodes import BaseNode
 
 from ..core import compat
+from .positions import core_node, core_position, staged_position
 
 __all__ = ["STATE_FORMAT", "BatchLoader", "is_reading_state", "reading_state"]
 
@@ -73,7 +74,7 @@ class _Iterator(Iterator[TensorDictBase]):
         try:
             batch = owner._next()
         except StopIteration:
-            owner._ended = True  # the loop heard of the epoch's end (part of the position)
+            owner._ended = owner._delivered = True  # the loop heard of the epoch's end
             if owner._last_return is not None:  # the loop's last step, up to the epoch's end
                 owner.total_time_s += time.perf_counter() - owner._last_return
             owner._last_return = None
@@ -85,6 +86,7 @@ class _Iterator(Iterator[TensorDictBase]):
         owner.total_time_s += t1 - owner._last_return if owner._last_return is not None else wait
         owner._last_return = t1
         owner.batches += 1
+        owner._delivered = True
         return batch
 
 
@@ -101,6 +103,23 @@ def _stop_threads(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) 
         todo.extend(v for v in vars(node).values() if isinstance(v, BaseNode))
     for fn in close_fns:
         fn()
+
+
+def _mark_started(root: BaseNode[Any]) -> None:
+    """Tell every node of the graph that counts epochs (``mark_started()``) that its epoch
+    began, so that the next ``reset()`` starts the next one even if the loop took no batch
+    (whether a prefetch thread had pulled one must not decide which epoch comes next)."""
+    seen: set[int] = set()
+    todo: list[Any] = [root]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        mark = getattr(node, "mark_started", None)
+        if callable(mark):
+            mark()
+        todo.extend(v for v in vars(node).values() if isinstance(v, BaseNode))
 
 
 def _finalize(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) -> None:
@@ -146,6 +165,9 @@ class BatchLoader(Iterable[TensorDictBase]):
         num_batches: batches per epoch, if known (``len(loader)``).
         config: plain description of the pipeline, stored in the state and checked on load.
         close_fns: called by [`close`][] (e.g. to stop worker processes).
+        portable_position: the graph is one that [`loader`][] or [`from_dataloader`][]
+            build: a position loads whatever stages carry the batches (``prefetch``,
+            ``pin_memory``, ``device``, where the transform runs), and is checked when loaded.
     """
 
     def __init__(
@@ -155,8 +177,10 @@ class BatchLoader(Iterable[TensorDictBase]):
         num_batches: int | None = None,
         config: Mapping[str, Any] | None = None,
         close_fns: Sequence[Callable[[], None]] = (),
+        portable_position: bool = False,
     ) -> None:
         self.root = root
+        self._portable = portable_position
         self.num_batches = num_batches
         self.config = dict(config or {})
         self._close_fns = tuple(close_fns)
@@ -167,6 +191,9 @@ class BatchLoader(Iterable[TensorDictBase]):
         # (it yields nothing: the loop runs its end-of-epoch code, then the next iter()).
         self._ended = False
         self._empty = False
+        # Whether an epoch was begun by iter(), and whether the loop received anything of it.
+        self._begun = False
+        self._delivered = False
         self._closed_at = -1
         self._peeked: TensorDictBase | None = None
         self._peek_state: dict[str, Any] | None = None
@@ -197,6 +224,8 @@ class BatchLoader(Iterable[TensorDictBase]):
             state = self._read_start
         self._read_start = None
         if state is None:
+            if self._begun and not self._delivered:
+                _mark_started(self.root)
             self.root.reset(None)
         else:
             self.root.reset(state)
@@ -212,7 +241,8 @@ class BatchLoader(Iterable[TensorDictBase]):
                 else:
                     self._empty = True
                     self._peek_state = before
-        self._active = True
+        self._active = self._begun = True
+        self._delivered = False
         return _Iterator(self, self._generation)
 
     def _next(self) -> TensorDictBase:
@@ -304,7 +334,14 @@ class BatchLoader(Iterable[TensorDictBase]):
                 "(whether the epoch's end had reached the loop): pass what "
                 "BatchLoader.state_dict() returned"
             )
-        self._pending_state = state["root"]
+        root = state["root"]
+        if self._portable:
+            position = core_position(root)
+            check = getattr(core_node(self.root), "check_state", None)
+            if callable(check):  # a malformed position is refused now, before anything changes
+                check(position.core)
+            root = staged_position(self.root, position)
+        self._pending_state = root
         self._pending_ended = ended
         self._peeked = self._peek_state = None
         self._read_start = None

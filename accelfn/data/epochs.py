@@ -49,6 +49,10 @@ class EpochCounting(BaseNode[T]):  # type: ignore[misc]  # torchdata: untyped
         for name, value in counts.items():
             setattr(self, f"_{name}", value)
 
+    def mark_started(self) -> None:
+        """Count the epoch in progress as begun (the next bare ``reset()`` starts the next)."""
+        self._started = True
+
     def get_state(self) -> dict[str, Any]:
         return {"source": self.source.state_dict(), "epoch": self._epoch,
                 **{name: getattr(self, f"_{name}") for name in self.COUNTERS}}

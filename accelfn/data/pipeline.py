@@ -21,6 +21,7 @@ persistent pool), ``stages`` (``ToDevice``, ``ApplyTransform``) and ``batch_load
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -159,6 +160,11 @@ def _check_keys(name: str, keys: Any) -> None:
         raise TypeError(
             f"{name} must be a list or tuple of keys, got {keys!r} ({type(keys).__name__})"
         )
+    if name == "keys" and len(keys) == 0:
+        raise ValueError(
+            "keys=[] names no key, so batches would hold nothing; pass the keys to load, "
+            "or keys=None for all of them"
+        )
 
 
 def loader(
@@ -252,6 +258,24 @@ def loader(
         _check_int("num_workers", num_workers, 0)
     if worker_type not in ("thread", "process"):
         raise ValueError(f"worker_type must be 'thread' or 'process', got {worker_type!r}")
+    if mp_context is not None:
+        methods = multiprocessing.get_all_start_methods()
+        if mp_context not in methods:
+            raise ValueError(
+                f"mp_context={mp_context!r} is not a start method here; pass one of {methods} "
+                "(or None for the platform's default)"
+            )
+        if worker_type != "process":
+            raise ValueError(
+                f"mp_context={mp_context!r} starts worker processes, but worker_type="
+                f"{worker_type!r}: pass worker_type='process' (map-style datasets) to use it, "
+                "or leave mp_context=None"
+            )
+    if sample_transform is not None and not callable(sample_transform):
+        raise TypeError(
+            f"sample_transform must be callable (a function of one sample), got "
+            f"{sample_transform!r}"
+        )
     if rng is not None and not isinstance(rng, DataLoaderRNG):
         raise TypeError(
             f"rng={rng!r}: pass accelfn.data.DataLoaderRNG(...) (e.g. DataLoaderRNG() to draw "
@@ -280,6 +304,22 @@ def loader(
 
     if kind in ("tensordict", "map"):
         if kind == "tensordict":
+            # Per-sample options would be ignored: the rows are gathered, never loaded one by one.
+            if sample_transform is not None:
+                raise ValueError(
+                    "sample_transform applies to map-style and iterable sources, loaded one "
+                    "sample at a time; a TensorDict (or dict of tensors) source is gathered "
+                    "whole batches at a time, so it would be ignored: pass a batch transform as "
+                    "transform= (e.g. accelfn.data.RandomCrop, or any f(batch) -> batch), or "
+                    "wrap the data in a map-style dataset"
+                )
+            if ragged_keys:
+                raise ValueError(
+                    f"ragged_keys={list(ragged_keys)!r} applies to samples collated one by one; "
+                    "a TensorDict (or dict of tensors) source holds one fixed-shape row per "
+                    "sample (pad it, storing the lengths as another key), so leave ragged_keys "
+                    "out"
+                )
             gather = TensorDictGather(data, keys)
             n = gather.num_samples
             on_device_source = gather.device is not None and gather.device.type != "cpu"
@@ -382,4 +422,5 @@ def loader(
         node = ToDevice(node, dev, keep_on_host=host_keys(transform))
     if transform is not None and not on_host:
         node = ApplyTransform(node, transform, seed=seed, rank=rank)
-    return BatchLoader(node, num_batches=num_batches, config=config, close_fns=close_fns)
+    return BatchLoader(node, num_batches=num_batches, config=config, close_fns=close_fns,
+                       portable_position=True)

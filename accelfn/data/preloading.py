@@ -210,6 +210,12 @@ def _preload(
     if isinstance(source, Mapping) and any(isinstance(k, str) for k in source):
         source = _as_source(source)[1]  # a dict of columns, as a TensorDict (checked)
     if isinstance(source, TensorDictBase):
+        if sample_transform is not None:  # refused before anything is written or reused
+            raise ValueError(
+                "sample_transform applies to map-style datasets, loaded one sample at a time; "
+                "a TensorDict (or dict of tensors) is written as it is: transform its columns "
+                "first, or wrap it in a map-style dataset"
+            )
         n = source.batch_size[0] if source.batch_dims else 0
     elif isinstance(source, torch.utils.data.IterableDataset) or not hasattr(source, "__len__"):
         raise TypeError(

@@ -68,8 +68,12 @@ def resolve_shard(rank: int | None, world_size: int | None) -> tuple[int, int]:
             f"got rank={rank!r} and world_size={world_size!r}: pass both, or neither to use "
             "torch.distributed's rank and world size when it is initialised"
         )
-    if not isinstance(rank, int) or not isinstance(world_size, int):
-        raise TypeError(f"rank and world_size must be ints, got {rank!r} and {world_size!r}")
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(
+                f"{name} must be an int, got {value!r} ({type(value).__name__}); pass rank=r, "
+                "world_size=w as ints (or neither, to use torch.distributed's)"
+            )
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(
             f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
@@ -332,15 +336,36 @@ class IndexBatchSampler(BaseNode[Any]):  # type: ignore[misc]  # torchdata: unty
         s = self.shard_size
         return s // self.batch_size if self.drop_last else -(-s // self.batch_size)
 
+    def check_state(self, state: Any) -> tuple[int, int]:
+        """``(epoch, batches)`` of a saved state, checked against this sampler.
+
+        Raises:
+            ValueError: not a sampler state, or out of range for this sampler.
+        """
+        epoch, batches = (state.get("epoch"), state.get("batches")) if isinstance(
+            state, dict) else (None, None)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (epoch, batches)):
+            raise ValueError(
+                f"the loader position holds {state!r:.200} where a sampler position "
+                "{'epoch': int, 'batches': int} belongs; pass what BatchLoader.state_dict() "
+                "returned"
+            )
+        assert isinstance(epoch, int) and isinstance(batches, int)
+        if epoch < 0 or not 0 <= batches <= self.num_batches:
+            raise ValueError(
+                f"sampler state {state!r} is out of range for "
+                f"{self.num_batches} batches per epoch"
+            )
+        return epoch, batches
+
+    def mark_started(self) -> None:
+        """Count the epoch in progress as begun (the next bare ``reset()`` starts the next)."""
+        self._started = True
+
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         if initial_state is not None:
-            epoch, batches = int(initial_state["epoch"]), int(initial_state["batches"])
-            if epoch < 0 or not 0 <= batches <= self.num_batches:
-                raise ValueError(
-                    f"sampler state {initial_state!r} is out of range for "
-                    f"{self.num_batches} batches per epoch"
-                )
+            epoch, batches = self.check_state(initial_state)
             self.epoch, self._batches = epoch, batches
             # A restored position is inside an epoch: the next reset(None) starts a new one.
             self._started = True
