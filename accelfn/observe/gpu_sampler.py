@@ -9,11 +9,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["GPUSample", "GPUSampler"]
+__all__ = ["GPUSample", "GPUSampler", "check_interval"]
 
 #: One sample: ``(t, util_percent, memory_used_gib, power_w)``, ``t`` in seconds since the
 #: sampler started, ``power_w`` ``None`` where the GPU does not report it.
 GPUSample = tuple[float, float, float, float | None]
+
+
+def check_interval(call: str, interval: float) -> None:
+    """Refuse a sampling interval that is not a positive number of seconds (0 would spin
+    the sampler thread flat out, stealing a core from training)."""
+    if not (isinstance(interval, (int, float)) and interval > 0):
+        raise ValueError(f"{call}: give the time between pynvml samples in seconds > 0 "
+                         "(default 0.5)")
 
 
 class GPUSampler:
@@ -25,6 +33,7 @@ class GPUSampler:
     """
 
     def __init__(self, index: int | None = None, *, interval: float = 0.5) -> None:
+        check_interval(f"GPUSampler(interval={interval})", interval)
         self.index = index
         self.interval = interval
         self.samples: list[GPUSample] = []

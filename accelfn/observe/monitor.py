@@ -51,16 +51,17 @@ from torch import Tensor, nn
 
 from ..core.processes import is_main_process
 from ..core.state import TrainState
+from . import records
 from .diagnostics import Diagnostics
 from .findings import Finding
 from .flops import _dtype_key, peak_flops, training_flops
-from .gpu_sampler import GPUSampler
+from .gpu_sampler import GPUSampler, check_interval
 from .initialisation import check_model
 from .profiling import Profiler
 from .progress_bars import Bar, make_bar
 from .records import PendingStep, StepRecord, batch_samples, make_row, rss_gib, snapshot_metrics
 from .report import MonitorReport, Thresholds
-from .sinks import CsvSink, JsonlSink, Sink, TensorBoardSink, close_sinks
+from .sinks import CsvSink, JsonlSink, Sink, TensorBoardSink, close_sinks, open_sinks, write_sinks
 from .sync_probe import SyncPoint, SyncProbe
 from .verdict import summarise
 
@@ -73,18 +74,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-def _boundary_event(device: torch.device) -> torch.cuda.Event:
-    """A timing event recorded now on ``device``'s current stream (a step boundary)."""
-    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch
-    event.record(torch.cuda.current_stream(device))
-    return event
-
-
-def _completed(event: torch.cuda.Event) -> bool:
-    """Whether the device has passed ``event`` (asks, never waits)."""
-    return bool(event.query())  # type: ignore[no-untyped-call]  # unannotated in torch
 
 
 class Monitor:
@@ -156,6 +145,7 @@ class Monitor:
             raise ValueError(f"Monitor(log_every={log_every}): must be >= 1")
         if warmup < 0:
             raise ValueError(f"Monitor(warmup={warmup}): must be >= 0")
+        check_interval(f"Monitor(gpu_interval={gpu_interval})", gpu_interval)
         self.log_every, self.warmup, self.total = log_every, warmup, total
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
         if not isinstance(peak_dtype, torch.dtype):
@@ -212,20 +202,18 @@ class Monitor:
         """Start the clock, the GPU sampler, outputs and the profiler (done by ``with``)."""
         if self._started:
             return self
-        self._started = True
+        self._refuse_closed("start")
         self._next_step = self.state.step if self.state is not None else 0
         if self._main:
-            if self._paths["jsonl"]:
-                self._sinks.append(JsonlSink(self._paths["jsonl"]))
-            if self._paths["csv"]:
-                self._sinks.append(CsvSink(self._paths["csv"]))
-            if self._paths["tensorboard"]:
-                self._sinks.append(TensorBoardSink(self._paths["tensorboard"]))
-            self._sinks += self._extra_sinks
-            for sink in self._sinks:
-                sink.open(self._next_step)
+            kinds = {"jsonl": JsonlSink, "csv": CsvSink, "tensorboard": TensorBoardSink}
+            sinks: list[Sink] = [make(path) for kind, make in kinds.items()
+                                 if (path := self._paths[kind])]
+            # one failing to open closes those opened: nothing left running, start again
+            open_sinks(sinks + self._extra_sinks, self._next_step)
+            self._sinks = sinks + self._extra_sinks
             if self._want_progress:
                 self._bar = make_bar(self.total, self._desc, self._file)
+        self._started = True
         if self.profiler is not None and not self.profiler.running and not self.profiler.done:
             self.profiler.start()
         if self._gpu is not None and not self._gpu.start():
@@ -238,8 +226,13 @@ class Monitor:
             self._gpu.rebase(self._t0)
         if self._cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-            self._ev_last = _boundary_event(self.device)
+            self._ev_last = records.boundary_event(self.device)
         return self
+
+    def _refuse_closed(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"Monitor.{what}() after close(): its outputs are closed and "
+                               "its report is final; start a new Monitor for more steps")
 
     def __enter__(self) -> Monitor:
         return self.start()
@@ -311,6 +304,7 @@ class Monitor:
         Call [`step`][] after each training step; if you do not, each batch counts as one
         step when the next one is asked for.
         """
+        self._refuse_closed("iterate")
         self.start()
         it = iter(iterable)
         self._in_iterate += 1
@@ -334,10 +328,12 @@ class Monitor:
             self._end_probe()
 
     @contextlib.contextmanager
-    def measure(self, *, samples: float | None = None, tokens: float | None = None,
+    def measure(self, *, samples: float | Tensor | None = None,
+                tokens: float | Tensor | None = None,
                 data_wait: float | None = None) -> Iterator[StepRecord]:
         """Context manager around one training step; the time since the previous one is the
         data wait (unless under [`iterate`][], which times ``next()`` itself)."""
+        self._refuse_closed("measure")
         self.start()
         outside = time.perf_counter() - self._t_last
         rec = StepRecord()
@@ -379,32 +375,36 @@ class Monitor:
         self.flops_per_step = training_flops(model, *inputs, loss_fn=loss_fn)
         return int(self.flops_per_step)
 
-    def step(self, metrics: Any = None, *, samples: float | None = None,
-             tokens: float | None = None, data_wait: float | None = None) -> None:
+    def step(self, metrics: Any = None, *, samples: float | Tensor | None = None,
+             tokens: float | Tensor | None = None, data_wait: float | None = None) -> None:
         """Record the end of one training step. Never waits for the device.
 
         Args:
             metrics: what the step returned (TensorDict / mapping of scalar tensors, a loss
                 tensor, or None); read later, every ``log_every`` steps.
             samples: how many samples this step processed (default: ``samples_per_step``, or
-                the batch's leading dimension under [`iterate`][]).
-            tokens: how many tokens this step processed (default: ``tokens_per_step``).
+                the batch's leading dimension under [`iterate`][]); a one-element tensor
+                (``mask.sum()``) is read with the metrics, later.
+            tokens: how many tokens this step processed (default: ``tokens_per_step``);
+                a tensor as for ``samples``.
             data_wait: seconds this step waited for data, e.g. ``loader.last_wait_s``
                 (default: what [`iterate`][] / [`measure`][] measured).
         """
+        self._refuse_closed("step")
         probed = self._probe is not None
         self._end_probe()
         if not self._started:
             self.start()
         now = time.perf_counter()
-        snaps, py = snapshot_metrics(metrics)
-        event = _boundary_event(self.device) if self._cuda else None
         if samples is None:
             samples = self.samples_per_step
             if samples is None and self._awaiting_step:
                 samples = batch_samples(self._last_batch)
         if tokens is None:
             tokens = self.tokens_per_step
+        snaps, py = snapshot_metrics(metrics, {"samples": samples, "tokens": tokens})
+        samples, tokens = (None if isinstance(x, Tensor) else x for x in (samples, tokens))
+        event = records.boundary_event(self.device) if self._cuda else None
         wait = self._wait_acc if data_wait is None else float(data_wait)
         mem = (torch.cuda.memory_allocated(self.device) / 2**30 if self._cuda else rss_gib())
         self._pending.append(PendingStep(
@@ -441,15 +441,14 @@ class Monitor:
         new: list[dict[str, Any]] = []
         while self._pending:
             p = self._pending[0]
-            if p.event is not None and not _completed(p.event):
+            if p.event is not None and not records.completed(p.event):
                 break
             self._pending.popleft()
             new.append(make_row(p))
         if not new:
             return
         self.rows.extend(new)
-        for sink in self._sinks:
-            sink.write(new)
+        failed = write_sinks(self._sinks, new)  # one failing: the others still get the rows
         if self._bar is not None:
             last = new[-1]
             parts = [f"{k}={last[k]:.4g}" for k in ("loss",) if k in last]
@@ -457,6 +456,8 @@ class Monitor:
                 parts.append(f"{last['samples_per_s']:.0f} samples/s")
             parts.append(f"wait {100 * last['data_share']:.0f}%")
             self._bar.set_postfix_str(" ".join(parts))
+        if failed is not None:
+            raise failed
 
     # -- the verdict --------------------------------------------------------------------------
 

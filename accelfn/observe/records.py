@@ -16,12 +16,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ROW_KEYS", "PendingStep", "StepRecord", "batch_samples", "make_row", "rss_gib",
-           "snapshot_metrics"]
+__all__ = ["COUNT_KEYS", "ROW_KEYS", "PendingStep", "StepRecord", "batch_samples",
+           "boundary_event", "completed", "make_row", "rss_gib", "snapshot_metrics"]
 
 #: The fields of every row; anything else in a row is one of the step's metrics.
 ROW_KEYS = {"step", "time_s", "iter_s", "step_s", "data_wait_s", "data_share", "samples",
             "tokens", "samples_per_s", "tokens_per_s", "mem_gib", "probed"}
+
+#: The snapshot keys of a step's ``samples`` and ``tokens`` given as tensors (read with its
+#: metrics, never on their own); no metric name holds a NUL.
+COUNT_KEYS = {"samples": "\0samples", "tokens": "\0tokens"}
 
 
 @dataclass
@@ -42,17 +46,29 @@ class PendingStep:
     probed: bool
 
 
+def boundary_event(device: torch.device) -> torch.cuda.Event:
+    """A timing event recorded now on ``device``'s current stream (a step boundary)."""
+    event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def completed(event: torch.cuda.Event) -> bool:
+    """Whether the device has passed ``event`` (asks, never waits)."""
+    return bool(event.query())  # type: ignore[no-untyped-call]  # unannotated in torch
+
+
 class StepRecord:
     """Handed out by :meth:`~accelfn.observe.monitor.Monitor.measure`; give it the step's
     metrics with :meth:`record`."""
 
     def __init__(self) -> None:
         self.metrics: Any = None
-        self.samples: float | None = None
-        self.tokens: float | None = None
+        self.samples: float | Tensor | None = None
+        self.tokens: float | Tensor | None = None
 
-    def record(self, metrics: Any = None, *, samples: float | None = None,
-               tokens: float | None = None) -> None:
+    def record(self, metrics: Any = None, *, samples: float | Tensor | None = None,
+               tokens: float | Tensor | None = None) -> None:
         """Attach the step's metrics (device tensors are fine) and its sample/token count."""
         self.metrics = metrics
         if samples is not None:
@@ -85,36 +101,60 @@ def rss_gib() -> float | None:
         return None
 
 
-def snapshot_metrics(metrics: Any) -> tuple[list[tuple[list[str], Tensor]], dict[str, float]]:
+def _one_number(what: str, v: Tensor) -> Tensor:
+    """``v`` as a 0-d tensor, or a ``ValueError`` saying why it is not one number."""
+    if v.numel() != 1 or v.is_complex():
+        kind = "a complex tensor" if v.is_complex() else "a tensor"
+        raise ValueError(
+            f"Monitor.step: {what} is {kind} of shape {list(v.shape)}, not one number: "
+            "reduce it on the device first (e.g. .mean() or .sum()), or leave it out")
+    return v.detach().reshape(())
+
+
+def snapshot_metrics(metrics: Any, counts: Mapping[str, Any] | None = None,
+                     ) -> tuple[list[tuple[list[str], Tensor]], dict[str, float]]:
     """Copy a step's scalar metrics off the device without a host sync.
 
     Scalar tensors are stacked per device and copied to (pinned) host memory with
     ``non_blocking=True``; Python and numpy numbers are kept as they are. Nested mappings
-    (and nested TensorDicts) give one metric per leaf, named ``"outer.inner"``. Read the
+    (and nested TensorDicts) give one metric per leaf, named ``"outer.inner"``. A device's
+    metrics are stacked in ``float32``, or in ``float64`` when one of them is ``float64``,
+    ``int32`` or ``int64`` (so that a count of 2**24 + 1 tokens keeps its last digit). A
+    tensor of more than one element is refused (``ValueError``). ``counts`` (the step's
+    ``samples`` and ``tokens``, when tensors) go with them under their own keys. Read the
     copies only once the step's boundary event has completed.
     """
-    if metrics is None:
-        return [], {}
+    items: list[tuple[Any, Any]] = []
     if isinstance(metrics, Tensor):
         metrics = {"loss": metrics}
-    try:
-        items = list(metrics.items(include_nested=True, leaves_only=True))
-    except TypeError:
-        items = list(metrics.items())
+    if metrics is not None:
+        try:
+            items = list(metrics.items(include_nested=True, leaves_only=True))
+        except TypeError:
+            items = list(metrics.items())
     groups: dict[torch.device, tuple[list[str], list[Tensor]]] = {}
     py: dict[str, float] = {}
+
+    def add(key: str, v: Tensor) -> None:
+        keys, ts = groups.setdefault(v.device, ([], []))
+        keys.append(key)
+        wide = v.dtype in (torch.int32, torch.int64) and v.device.type != "mps"  # no f64
+        # float32 and float64 as they are: the stack promotes to float64 when one is
+        ts.append(v if v.dtype in (torch.float32, torch.float64) else
+                  v.double() if wide else v.float())
+
     while items:
         k, v = items.pop(0)
         key = ".".join(k) if isinstance(k, tuple) else str(k)
         if isinstance(v, Tensor):
-            if v.numel() == 1:
-                keys, ts = groups.setdefault(v.device, ([], []))
-                keys.append(key)
-                ts.append(v.detach().reshape(()).float())
+            add(key, _one_number(f"metric {key!r}", v))
         elif isinstance(v, Mapping):  # a nested dict: its leaves as "outer.inner"
             items[:0] = [(f"{key}.{k2}", v2) for k2, v2 in v.items()]
         elif isinstance(v, numbers.Real) and not isinstance(v, bool):
             py[key] = float(v)
+    for key, v in (counts or {}).items():
+        if isinstance(v, Tensor):
+            add(COUNT_KEYS[key], _one_number(f"{key}=...", v))
     snaps = []
     with torch.no_grad():
         for dev, (keys, ts) in groups.items():
@@ -134,18 +174,22 @@ def make_row(p: PendingStep) -> dict[str, Any]:
     step_s = p.iter_s
     if p.event is not None and p.prev_event is not None:
         step_s = p.prev_event.elapsed_time(p.event) / 1e3
+    values: dict[str, Any] = {}
+    for keys, snap in p.snaps:
+        values.update(zip(keys, snap.tolist()))
+    counts = {k: values.pop(COUNT_KEYS[k]) for k in COUNT_KEYS if COUNT_KEYS[k] in values}
+    samples, tokens = counts.get("samples", p.samples), counts.get("tokens", p.tokens)
     row: dict[str, Any] = {
         "step": p.step, "time_s": round(p.time_s, 6), "iter_s": p.iter_s,
         "step_s": step_s, "data_wait_s": p.data_wait_s,
         "data_share": p.data_wait_s / p.iter_s if p.iter_s > 0 else 0.0,
-        "samples": p.samples, "tokens": p.tokens,
-        "samples_per_s": p.samples / step_s if p.samples and step_s > 0 else None,
-        "tokens_per_s": p.tokens / step_s if p.tokens and step_s > 0 else None,
+        "samples": samples, "tokens": tokens,
+        "samples_per_s": samples / step_s if samples and step_s > 0 else None,
+        "tokens_per_s": tokens / step_s if tokens and step_s > 0 else None,
         "mem_gib": p.mem_gib,
     }
     if p.probed:
         row["probed"] = True
-    for keys, values in p.snaps:
-        row.update(zip(keys, values.tolist()))
+    row.update(values)
     row.update(p.py_metrics)
     return row

@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
 
-__all__ = ["CsvSink", "JsonlSink", "Row", "Sink", "TensorBoardSink", "close_sinks", "scalars"]
+__all__ = ["CsvSink", "JsonlSink", "Row", "Sink", "TensorBoardSink", "close_sinks", "open_sinks",
+           "scalars", "write_sinks"]
 
 #: One step's record: field name to an ``int``, ``float``, ``bool`` or ``None``.
 Row = Mapping[str, Any]
@@ -254,7 +255,7 @@ class TensorBoardSink:
         self.writer.close()
 
 
-def close_sinks(sinks: list[Sink], report: str, failed_loop: bool) -> Exception | None:
+def close_sinks(sinks: Sequence[Sink], report: str, failed_loop: bool) -> Exception | None:
     """Close every sink, even after one fails, and return the first error. When the monitored
     loop raised (``failed_loop``), a sink with an ``abort(report)`` method (W&B, MLflow: the
     run marked failed) is aborted instead."""
@@ -266,6 +267,30 @@ def close_sinks(sinks: list[Sink], report: str, failed_loop: bool) -> Exception 
                 abort(report)
             else:
                 sink.close(report)
+        except Exception as exc:
+            failed = failed or exc
+    return failed
+
+
+def open_sinks(sinks: Sequence[Sink], start_step: int) -> None:
+    """Open every sink at ``start_step``. When one fails, the sinks opened so far and the
+    failing one are closed as after a failed loop (a tracker's run is not left running, no
+    file stays open) and its error is raised."""
+    for i, sink in enumerate(sinks):
+        try:
+            sink.open(start_step)
+        except BaseException:
+            close_sinks(list(sinks[:i + 1]), "", failed_loop=True)
+            raise
+
+
+def write_sinks(sinks: Sequence[Sink], rows: Sequence[Row]) -> Exception | None:
+    """Hand ``rows`` to every sink, even after one fails (the others lose no row); return
+    the first error."""
+    failed: Exception | None = None
+    for sink in sinks:
+        try:
+            sink.write(rows)
         except Exception as exc:
             failed = failed or exc
     return failed

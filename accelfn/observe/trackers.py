@@ -23,6 +23,8 @@ and W&B would merge rows of one step into one, it counts the calls: each is a ro
 
 from __future__ import annotations
 
+import posixpath
+import re
 import time
 import warnings
 from collections.abc import Mapping, Sequence
@@ -153,6 +155,17 @@ class WandbSink:
             self.run = None  # opened again (another monitor): wandb.init again
 
 
+def mlflow_name(name: str) -> str:
+    """``name`` as MLflow takes a metric name: characters other than letters, digits,
+    ``_ - . : /`` and spaces become ``_``, and the name is a normalised relative path
+    (no ``//``, ``./`` or leading ``/``), of at most 250 characters."""
+    out = re.sub(r"[^/\w.\- :]", "_", name)
+    if posixpath.normpath(out) != out or out.startswith("/"):
+        out = "/".join(part if part not in ("", ".", "..") else "_"
+                       for part in out.split("/"))
+    return out[:250] or "_"
+
+
 class MlflowSink:
     """Rows to an MLflow run: each numeric field as a metric at its step.
 
@@ -192,6 +205,7 @@ class MlflowSink:
         self._client: Any = None
         self._owned = True
         self._last = -1
+        self._names: dict[str, str] = {}  # row field -> the MLflow metric name
 
     def _experiment_id(self) -> str:
         if self.experiment is None:
@@ -222,7 +236,7 @@ class MlflowSink:
         self.run_id = run_id
         if self._owned:
             self._client.update_run(run_id, status="RUNNING")
-        history = self._client.get_metric_history(run_id, f"{self.prefix}iter_s")
+        history = self._client.get_metric_history(run_id, self._name(f"{self.prefix}iter_s"))
         self._last = max((int(m.step) for m in history), default=-1)
 
     def write(self, rows: Sequence[Row]) -> None:
@@ -230,11 +244,23 @@ class MlflowSink:
             raise RuntimeError("MlflowSink.write before open(): the Monitor opens its sinks "
                                "when it starts")
         now = int(time.time() * 1000)
-        metrics = [self._metric(k, v, now, int(r["step"])) for r in rows
+        metrics = [self._metric(self._name(k), v, now, int(r["step"])) for r in rows
                    if int(r["step"]) > self._last
                    for k, v in scalars(r, self.prefix).items()]
         for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 per batch
             self._client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def _name(self, field: str) -> str:
+        """The MLflow name of ``field``; a field MLflow would refuse (and end the run for)
+        is renamed with a warning, once."""
+        name = self._names.get(field)
+        if name is None:
+            name = self._names[field] = mlflow_name(field)
+            if name != field:
+                warnings.warn(f"MlflowSink: MLflow refuses the metric name {field!r}; it is "
+                              f"logged as {name!r} (letters, digits, _ - . : / and spaces "
+                              "only)", stacklevel=4)
+        return name
 
     def close(self, report: str | None = None) -> None:
         self._close(report, status="FINISHED")

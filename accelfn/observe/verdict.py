@@ -7,6 +7,7 @@ sync-bound, GPU underused or compute-bound).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -66,8 +67,11 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
     samples_gpu = list(gpu_samples)
     gpu_util = gpu_mem = gpu_power = None
     if samples_gpu:
+        # the measured steps' time only: not the warm-up, nor what ran after the last step
+        # (a checkpoint saved, an evaluation) while the GPU idled
         t_from = sel[0]["time_s"] - sel[0]["iter_s"] if sel else 0.0
-        window = [s for s in samples_gpu if s[0] >= t_from] or samples_gpu
+        t_to = sel[-1]["time_s"] if sel else math.inf
+        window = [s for s in samples_gpu if t_from <= s[0] <= t_to] or samples_gpu
         gpu_util = sum(s[1] for s in window) / len(window)
         gpu_mem = max(s[2] for s in window)
         powers = [s[3] for s in window if s[3] is not None]
@@ -79,8 +83,10 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
     metrics: dict[str, float] = {}
     for k in metric_keys:
         vals = [r[k] for r in sel if isinstance(r.get(k), (int, float))]
-        if vals:
-            metrics[k] = sum(vals) / len(vals)
+        finite = [v for v in vals if math.isfinite(v)]
+        if vals:  # one NaN step must not hide the mean of the others
+            metrics[k] = sum(finite) / len(finite) if finite else math.nan
+    nonfinite = _nonfinite(rows)
     findings, line = verdict(share=share, gpu_util=gpu_util, gpu_note=gpu_note, mfu=mfu,
                              syncs=syncs, probe_mode=probe_mode, device_type=device.type,
                              th=th, sync_check=sync_check)
@@ -90,6 +96,7 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
             f"all {len(rows)} step(s) fall within warmup={warmup}: the timing numbers "
             "include the warm-up (compilation, autotuning, start-up)",
             "run more steps than warmup, or lower Monitor(warmup=...)"))
+    findings += nonfinite
     findings += more_findings
     return MonitorReport(
         steps=len(rows), measured_steps=n, warmup=warmup,
@@ -102,6 +109,24 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
         gpu_memory_gib=gpu_mem, gpu_power_w=gpu_power, gpu_note=gpu_note,
         syncs=syncs, metrics=metrics, findings=findings, verdict=line,
         rows=list(rows), gpu_samples=list(samples_gpu), warmup_included=warmup_included)
+
+
+def _nonfinite(rows: list[dict[str, Any]]) -> list[Finding]:
+    """A warning for each metric that was NaN or Inf at some step."""
+    out = []
+    for k in [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ROW_KEYS]:
+        steps = [r for r in rows if isinstance(r.get(k), float)]
+        bad = [r["step"] for r in steps if not math.isfinite(r[k])]
+        if bad:
+            out.append(Finding(
+                "nonfinite", "warning",
+                f"{k!r} was NaN or Inf at {len(bad)} of {len(steps)} steps (first at step "
+                f"{bad[0]}); the report's mean of it is over the finite values",
+                "a NaN or Inf loss: lower the learning rate or warm it up, clip gradients "
+                "(accelfn.with_clipping), use bf16 or fp16 with loss scaling "
+                "(accelfn.with_amp); accelfn.with_nonfinite(policy='skip') skips such "
+                "updates and counts them"))
+    return out
 
 
 def verdict(*, share: float | None, gpu_util: float | None, gpu_note: str | None,
