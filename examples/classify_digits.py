@@ -92,14 +92,13 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
 
     device = af.init_distributed()
     main_process = af.is_main_process()
-    out = run_options.run_folder(args, "digits")
-    torch.manual_seed(args.seed)
-
     dataset = digits()
     held_out = torch.arange(len(dataset)) % 5 == 0          # 20% for evaluation
     train_set, test_set = dataset[~held_out], dataset[held_out]
-
     run_options.check_batch(args.batch_size, len(train_set), args.accumulation)
+    out = run_options.run_folder(args, "digits")  # after every refusal: it makes the folder
+    torch.manual_seed(args.seed)
+
     augment = data.Compose(
         data.RandomCrop(8, padding=1),
         data.Normalize(mean=[0.3], std=[0.38], dtype=torch.float32),

@@ -51,14 +51,35 @@ def embedded_images(size: int = 32) -> TensorDict:
     return TensorDict({"image": images, "label": d["label"]}, batch_size=d.batch_size)
 
 
-def dataset(args: argparse.Namespace, out: str) -> tuple[TensorDict, int]:
+def dataset(args: argparse.Namespace, out: str | None) -> tuple[TensorDict, int] | None:
+    """The images and the number of classes. A ``--folder`` is preloaded into the run folder
+    ``out``: None while there is none yet (``out`` None)."""
     if args.preloaded:
         td = data.open_preloaded(args.preloaded)
     elif args.folder:
+        if out is None:
+            return None
         td = data.preload_image_folder(args.folder, os.path.join(out, "cache"), size=args.size)
     else:
         td = embedded_images(args.size)
     return td, int(td["label"].max()) + 1
+
+
+def count_images(folder: str) -> int:
+    """The images of an image folder; a usage error when it has none."""
+    try:
+        files = data.find_images(folder)[0]
+    except FileNotFoundError:  # torchvision's: no class folder, or no image in them
+        files = []
+    if not files:
+        run_options.refuse(f"--folder {folder}: no images found; it must hold one folder a "
+                           f"class, each with images: {folder}/<class>/<image> (.jpg, .png, ...)")
+    return len(files)
+
+
+def held_out(samples: int) -> torch.Tensor:
+    """Which samples are for validation: every fifth."""
+    return torch.arange(samples) % 5 == 0
 
 
 #: The torchvision models this example trains: ResNets, whose stem it replaces for small images.
@@ -123,12 +144,16 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     args.steps = args.steps or preset["steps"]
 
     device = af.init_distributed()
-    out = run_options.run_folder(args, "images")
+    found = dataset(args, None)  # None for a --folder: it is preloaded into the run folder
+    samples = count_images(args.folder) if found is None else len(found[0])
+    run_options.check_batch(args.batch_size, int((~held_out(samples)).sum()), args.accumulation)
+    out = run_options.run_folder(args, "images")  # after every refusal: it makes the folder
     torch.manual_seed(0)
-    images, classes = dataset(args, out)
-    is_val = torch.arange(len(images)) % 5 == 0
+    found = found or dataset(args, out)
+    assert found is not None
+    images, classes = found
+    is_val = held_out(len(images))
     train_set, val_set = images[~is_val], images[is_val]
-    run_options.check_batch(args.batch_size, len(train_set), args.accumulation)
     mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
     augment = data.Compose(
         data.RandomCrop(args.size, padding=args.size // 8),

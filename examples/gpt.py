@@ -12,6 +12,7 @@ The text is the documentation of Python's standard library (every module's docst
 ships with every Python), cut into documents and packed into sequences with padding at
 document ends. The loss is a mean over real tokens and the step function returns the token
 count as ``"weight"``, so accumulation and data parallelism average over tokens exactly.
+Throughput (``real_tokens_per_s``) counts those real tokens only, padding excluded.
 Transforms: activation checkpointing of the transformer blocks, bf16 autocast, token-weighted
 gradient accumulation, clipping, DDP or FSDP2, and optionally ``compiled``. Each run writes
 into ``runs/gpt/<date>-<time>`` (``--out``, ``--resume``, ``--overwrite``,
@@ -198,11 +199,11 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         parser.error(f"--dim {args.dim} must be a multiple of the {HEADS} attention heads")
 
     device = af.init_distributed()
-    out = run_options.run_folder(args, "gpt")
-    torch.manual_seed(0)
     corpus = pack(stdlib_text(args.text_bytes), args.seq_len)
     is_val = torch.arange(len(corpus)) % 20 == 0
     run_options.check_batch(args.batch_size, int((~is_val).sum()), args.accumulation)
+    out = run_options.run_folder(args, "gpt")  # after every refusal: it makes the folder
+    torch.manual_seed(0)
     train = data.loader(corpus[~is_val], batch_size=args.batch_size, device=device, seed=0)
     val = corpus[is_val][: 8 * args.batch_size].to(device)
 
@@ -234,7 +235,6 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     run_options.check_plan(info, args.steps)  # the schedule spans --steps updates
     extra = {"total_steps": args.steps}
     main_process = af.is_main_process()
-    tokens_per_step = args.batch_size * args.seq_len * af.world_size()
     flops = training_flops(model, corpus[:args.batch_size]["tokens"][:, :-1].to(device))
     if main_process:
         params = sum(p.numel() for p in model.parameters())
@@ -245,6 +245,10 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     stop = min(args.steps, args.stop_at or args.steps)
     monitor: Monitor | None = None
     elapsed = 0.0
+    first = state.step
+    # the targets that are real bytes (padding left out), summed on the device as batches
+    # arrive and read once, after training: the monitor's own count would be positions
+    real_tokens = torch.zeros((), dtype=torch.int64, device=device)
     if state.step >= stop:  # a resumed run with nothing left to train
         if main_process:
             print(run_options.nothing_to_train(
@@ -253,7 +257,6 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                 f"(without --resume) with more updates, e.g. --steps {2 * args.steps}"))
     else:
         monitor = Monitor(total=stop - state.step, progress=not args.quiet, desc="gpt",
-                          tokens_per_step=tokens_per_step,
                           samples_per_step=args.batch_size * af.world_size(),
                           flops_per_step=flops * af.world_size(), log_every=10,
                           sync_check_step=None)
@@ -261,12 +264,15 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         with monitor, PreemptionGuard() as guard:
             while state.step < stop:
                 for batch in monitor.iterate(train):
+                    real_tokens += batch["mask"].sum()  # on the device: no host sync
                     monitor.step(step(state, batch))
                     guard.exit_if_requested(out, state, loader=train, step=step, extra=extra)
                     if state.step >= stop:
                         break
         elapsed = time.perf_counter() - start
         state.sync()
+        if af.world_size() > 1:
+            torch.distributed.all_reduce(real_tokens)  # every process's batches
 
     result = step.evaluate(state, val)
     val_loss = float(result["loss"])
@@ -280,7 +286,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         "out": out,
     }
     if monitor is not None:  # something was trained: save it
-        report["tokens_per_s"] = round(monitor.report().tokens_per_s or 0.0, 1)
+        real = int(real_tokens)  # the one read of the count
+        report["real_tokens"] = real
+        report["real_tokens_per_s"] = round(real / elapsed, 1) if elapsed > 0 else 0.0
         checkpointing.save(out, state, loader=train, step=step, keep=2,  # DCP under FSDP2
                            extra=extra)
     if main_process:
@@ -289,6 +297,10 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
             report["sample"] = sample
         if monitor is not None:
             print(monitor.report())
+            positions = (state.step - first) * args.batch_size * args.seq_len * af.world_size()
+            print(f"tokens/s        {report['real_tokens_per_s']:,.0f}, padding excluded: "
+                  f"{report['real_tokens']:,} real target bytes of the {positions:,} positions "
+                  f"trained on, in {elapsed:.1f} s")
         print(json.dumps(report, indent=2))
     train.close()  # stop background threads before the process group goes
     if af.world_size() > 1:

@@ -75,7 +75,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     start_epoch = 0
     info = run_options.resume(args, state, loader=None, step=step)  # epochs restart the loader
     if info is not None:
-        start_epoch = int(info.extra["epoch"]) + 1
+        saved = info.extra if isinstance(info.extra, dict) else {}
+        if not isinstance(saved.get("epoch"), int):  # another loop's checkpoint of this model
+            run_options.refuse(
+                f"--resume {info.path}: the checkpoint records no epoch (its extra data: "
+                f"{saved or None}), so hand_written_loop.py did not write it: resume a run of "
+                "this example (runs/loop/<run>), or start a new run (without --resume)")
+        start_epoch = saved["epoch"] + 1
 
     if af.is_main_process():
         print(f"step: {af.describe(step)}")

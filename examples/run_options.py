@@ -163,6 +163,9 @@ def run_folder(args: argparse.Namespace, name: str) -> str:
             checkpoint = str(found)
         if args.out:
             out = Path(args.out)
+            if out.exists() and not out.is_dir():  # else the run would fail when it saves
+                refuse(f"--out {out}: is a file, not a folder; pass a folder (a new one is "
+                       "made) or drop --out")
         elif resumed is not None:
             out = resumed
         else:
@@ -182,6 +185,14 @@ def run_folder(args: argparse.Namespace, name: str) -> str:
     return out
 
 
+def _mismatch(checkpoint: Path, error: Exception) -> str:
+    """The line for a checkpoint that does not fit this run (another example's, or one
+    written with other options): what differs, as checkpointing.load says, and what to do."""
+    return (f"--resume {checkpoint} does not fit this run: {str(error).rstrip('.')}. Resume it "
+            "with the example and the options that wrote it, or start a new run (without "
+            "--resume)")
+
+
 def resume(args: argparse.Namespace, state: af.TrainState, *, loader: Any | None,
            step: af.Step) -> checkpointing.CheckpointInfo | None:
     """``checkpointing.load`` of ``--resume`` (after [`run_folder`][]), or None without it.
@@ -196,14 +207,21 @@ def resume(args: argparse.Namespace, state: af.TrainState, *, loader: Any | None
     meta = json.loads((checkpoint / "meta.json").read_text())  # see accelfn.checkpointing.format
     saved, world = int(meta["world_size"]), af.world_size()
     if saved == world:
-        return checkpointing.load(checkpoint, state, loader=loader, step=step)
+        try:
+            return checkpointing.load(checkpoint, state, loader=loader, step=step)
+        except checkpointing.CheckpointError as error:  # every process raises it
+            refuse(_mismatch(checkpoint, error))
     if not args.allow_resharding:
         refuse(
             f"{checkpoint} was written by {saved} process(es) and this run has {world}: pass "
             "--allow-resharding to resume it anyway (weights, optimizer, schedule and transform "
             "state carry over; the RNG states and the loader position do not, so the data "
             f"start a new epoch), or resume with torchrun --nproc_per_node={saved}")
-    info = checkpointing.load(checkpoint, state, loader=None, step=step, allow_resharding=True)
+    try:
+        info = checkpointing.load(checkpoint, state, loader=None, step=step,
+                                  allow_resharding=True)
+    except checkpointing.CheckpointError as error:
+        refuse(_mismatch(checkpoint, error))
     if af.is_main_process():
         print(f"resumed {checkpoint}, written by {saved} process(es), in {world}: the RNG "
               "states and the loader position were left behind; the data start a new epoch")

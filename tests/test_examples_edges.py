@@ -1,0 +1,155 @@
+"""The examples' edges: refusals that write nothing, resumes of checkpoints that are not the
+example's own, and throughput that counts only what was trained on."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from test_examples import load_example
+
+from accelfn import checkpointing
+
+TINY_GPT = ["--text-bytes", "3000", "--seq-len", "32", "--dim", "32", "--depth", "1", "--quiet"]
+
+
+def refused(name: str, args: list[str], capsys) -> str:
+    """The one-line error of ``name``'s main(args): exit status 2, no traceback."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        load_example(name).main(args)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and ": error: " in lines[0], err  # <script>: error: ...
+    return lines[0]
+
+
+def write_images(folder, per_class: int = 3) -> None:
+    from torchvision.io import encode_jpeg, write_file
+
+    g = torch.Generator().manual_seed(0)
+    for label in ("cat", "dog"):
+        os.makedirs(folder / label)
+        for i in range(per_class):
+            image = torch.randint(0, 256, (3, 20, 24), dtype=torch.uint8, generator=g)
+            write_file(str(folder / label / f"{i}.jpg"), encode_jpeg(image))
+
+
+REFUSED_BATCHES = [  # (example, arguments, what the error says)
+    ("classify_digits", ["--batch-size", "5000", "--quiet"], "--batch-size 5000 is larger"),
+    ("classify_digits", ["--batch-size", "1", "--accumulation", "2", "--quiet"],
+     "--accumulation 2 cannot split"),
+    ("classify_images", ["--batch-size", "5000", "--quiet"], "--batch-size 5000 is larger"),
+    ("classify_images", ["--batch-size", "50", "--quiet", "--folder", "{folder}"],
+     "--batch-size 50 is larger than the 4 training samples"),
+    ("gpt", ["--batch-size", "5000", *TINY_GPT], "--batch-size 5000 is larger"),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "message"), REFUSED_BATCHES,
+                         ids=[f"{n}{' '.join(a[:4])}" for n, a, _ in REFUSED_BATCHES])
+def test_a_refused_batch_size_writes_no_run_folder(name, args, message, tmp_path, monkeypatch,
+                                                   capsys):
+    """The default run folder (runs/<name>/<date>-<time>) used to be made before the check,
+    and stayed behind empty (with a half-made preload cache under --folder)."""
+    folder = tmp_path / "folder"
+    write_images(folder)  # 6 images: 4 train, 2 val
+    monkeypatch.chdir(tmp_path)
+    line = refused(name, [a.replace("{folder}", str(folder)) for a in args], capsys)
+    assert message in line
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("layout", ["no class folders", "class folders without images"])
+def test_an_image_folder_without_images_is_a_usage_error(layout, tmp_path, monkeypatch,
+                                                         capsys):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    if layout == "class folders without images":
+        (folder / "cat").mkdir()
+        (folder / "cat" / "notes.txt").write_text("not an image")
+    monkeypatch.chdir(tmp_path)
+    line = refused("classify_images", ["--folder", str(folder), "--quiet"], capsys)
+    assert f"--folder {folder}: no images" in line and "<class>/<image>" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_an_out_that_is_a_file_is_refused_before_training(tmp_path, capsys):
+    """--out naming a file trained the whole run, then failed to save it (FileExistsError)."""
+    (tmp_path / "taken").write_text("")
+    line = refused("custom_transform", ["--steps", "3", "--out", str(tmp_path / "taken")],
+                   capsys)
+    assert f"--out {tmp_path / 'taken'}: is a file" in line
+
+
+@pytest.mark.slow
+def test_hand_written_loop_refuses_another_examples_checkpoint(tmp_path, capsys):
+    noise = str(tmp_path / "noise")
+    load_example("custom_transform").main(["--steps", "2", "--out", noise])
+    line = refused("hand_written_loop", ["--epochs", "2", "--resume", noise], capsys)
+    assert f"--resume {noise}" in line and "different model" in line
+    assert "start a new run (without --resume)" in line
+    assert checkpoint_names(noise) == ["step-000000002"]  # nothing written there
+
+
+@pytest.mark.slow
+def test_hand_written_loop_refuses_a_checkpoint_that_records_no_epoch(tmp_path, capsys,
+                                                                      monkeypatch):
+    """A checkpoint of the same model and step but saved by another loop (its ``extra``
+    without "epoch") raised a bare KeyError after loading."""
+    loop = load_example("hand_written_loop")
+    out = str(tmp_path / "loop")
+    save = checkpointing.save
+
+    def save_as_another_loop(*args, extra=None, **kwargs):
+        return save(*args, extra={"total_steps": 22}, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "save", save_as_another_loop)
+    loop.main(["--epochs", "1", "--out", out])
+    monkeypatch.setattr(checkpointing, "save", save)
+    line = refused("hand_written_loop", ["--epochs", "2", "--resume", out], capsys)
+    assert f"{out}{os.sep}step-" in line and "records no epoch" in line
+    assert "hand_written_loop.py" in line and "without --resume" in line
+
+
+def test_a_checkpoint_of_another_step_is_a_usage_error(tmp_path, capsys):
+    """Resuming with options that change the step (here --std) was a CheckpointError
+    traceback; every example resumes through run_options.resume."""
+    out = str(tmp_path / "noise")
+    example = load_example("custom_transform")
+    example.main(["--steps", "2", "--out", out])
+    line = refused("custom_transform", ["--steps", "4", "--std", "0.5", "--resume", out],
+                   capsys)
+    assert f"--resume {out}{os.sep}step-000000002 does not fit this run" in line
+    assert "with_gradient_noise(0.5)" in line
+    assert checkpoint_names(out) == ["step-000000002"]
+
+
+def checkpoint_names(folder) -> list[str]:
+    return [p.name for p in checkpointing.checkpoints(folder)]
+
+
+@pytest.mark.slow
+def test_gpt_tokens_per_s_counts_only_real_tokens(tmp_path, capsys):
+    """Sequences are padded at document ends; tokens/s counted batch x seq_len positions,
+    padding included. With the whole training set in every batch, each update trains on
+    every real target of it."""
+    gpt = load_example("gpt")
+    corpus = gpt.pack(gpt.stdlib_text(3000), 32)
+    train = corpus[torch.arange(len(corpus)) % 20 != 0]
+    real, positions = int(train["mask"].sum()), train["mask"].numel()
+    assert real < positions  # the data have padding to leave out
+    report = gpt.main([*TINY_GPT, "--batch-size", str(len(train)), "--accumulation", "2",
+                       "--steps", "3", "--out", str(tmp_path / "gpt")])
+    assert report["real_tokens"] == 3 * real
+    assert "tokens_per_s" not in report  # the old name counted padding
+    assert report["real_tokens_per_s"] == pytest.approx(
+        3 * real / report["train_seconds"], rel=0.02)
+    printed = capsys.readouterr().out
+    assert json.loads(printed[printed.rindex("\n{"):])["real_tokens"] == 3 * real
+    assert "padding excluded" in printed
+    assert "tokens/s" not in printed.split("verdict:")[0]  # the monitor's count had padding
