@@ -27,7 +27,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from . import checks, compat
+from . import checks, compat, units
 from .batch import Batch, batch_size, check_batch
 from .carry import SLOT as CARRY
 from .carry import Carries, detached, takes_carry
@@ -288,6 +288,8 @@ class Step:
                     absolute = True
                 else:
                     coef = fixed[i]
+            if absolute and scale_hooks and coef is not None:  # see accelfn.core.units
+                coef = coef * units.inverse_unit(ctx, coef, n * plan.calls)
             objective = loss if coef is None else loss * coef
             if metrics:
                 sums.add(coef, metrics, {"loss": objective})

@@ -304,7 +304,10 @@ class Plan:
     by the total at the update, instead of weighting by the share of this call's batch.
     ``dim`` is the batch dimension samples are counted along (1 for time-major batches).
     ``sizes``, when the split knows them, are the micro-batches' sample counts along ``dim``
-    (the engine counts them otherwise).
+    (the engine counts them otherwise). ``calls`` is how many calls one update spans (a
+    call-counting split gives its ``n``): under loss scaling the engine counts absolute
+    weights in a power of two near an update's total, estimated once as the first
+    micro-batch's weight times micro-batches times calls (``accelfn.core.units``).
     """
 
     micros: Sequence[Batch]
@@ -313,6 +316,12 @@ class Plan:
     absolute: bool = False
     dim: int = 0
     sizes: Sequence[int] | None = None
+    calls: int = 1
+
+    def __post_init__(self) -> None:
+        if type(self.calls) is not int or self.calls < 1:
+            raise ValueError(f"Plan(calls={self.calls!r}) must be an int >= 1: the calls one "
+                             "update spans (1 unless the split counts calls)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,8 +73,9 @@ def _calls_mode(n: int, dim: int) -> Hooks:
         window = ctx.state.slot(_SLOT, _Window)
         window.calls += 1
         if window.calls >= n:
-            return Plan((batch,), update=True, sums=window.close(), absolute=True, dim=dim)
-        return Plan((batch,), update=False, sums=window.sums, absolute=True, dim=dim)
+            return Plan((batch,), update=True, sums=window.close(), absolute=True, dim=dim,
+                        calls=n)
+        return Plan((batch,), update=False, sums=window.sums, absolute=True, dim=dim, calls=n)
 
     def flush(ctx: CallContext) -> Sums | None:
         window = ctx.state.slot(_SLOT, _Window)

@@ -41,9 +41,10 @@ CASES = {
 }
 
 
-# small enough that only the poisoned call overflows: calls mode scales each call's loss by
-# its sample count too, which at the default 2**16 overflows fp16 in the first backward
-INIT_SCALE = 2.0**8
+# the default: calls mode weights each call by its sample count, counted in a unit agreed by
+# both ranks (7 and 5 rows: their own units would be 16 and 8), so only the poisoned call
+# overflows, as in the plain loop
+INIT_SCALE = 2.0**16
 
 
 class Poison:
