@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import itertools
 from collections.abc import Callable, Iterable
 from typing import Any, overload
 
@@ -129,15 +131,73 @@ def _bound(forward: Callable[..., Any], kwargs: dict[str, Any]) -> Callable[...,
     return functools.partial(forward, **kwargs) if kwargs else forward
 
 
+class _Running:
+    """The key of the checkpointed options whose step's model is running (None: no step's)."""
+
+    def __init__(self) -> None:
+        self.key: int | None = None  # an instance attribute from the start: dynamo guards it
+
+
+_RUNNING = _Running()
+# checkpointed options -> their key: equal options, one key (compiled code is reused)
+_KEYS: dict[Any, int] = {}
+_UNHASHABLE = itertools.count(-1, -1)  # keys of options that cannot be a dict key
+
+
+def _key(options: tuple[Any, ...]) -> int:
+    try:
+        return _KEYS.setdefault(options, len(_KEYS) + 1)
+    except TypeError:  # an unhashable blocks predicate: a key of its own
+        return next(_UNHASHABLE)
+
+
+class _Scoped(nn.Module):
+    """What a checkpointed step's function receives: its model, whose call marks this
+    preparation as the one running, so that each block's wrapper runs with the settings of
+    this step's ``checkpointed(...)`` (steps of other options on the same state, or none,
+    keep theirs). Attributes and ``training`` are the model's (as ``torch.compile``'s
+    wrapper does); the model's own ``state_dict`` keys are unchanged."""
+
+    def __init__(self, model: nn.Module, key: int) -> None:
+        super().__init__()
+        self.module = model
+        self.accelfn_checkpoint_key = key
+
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        return bool(self._modules["module"].training)  # type: ignore[union-attr]
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        if "_modules" in self.__dict__:  # nn.Module.__init__ sets it before the model exists
+            self._modules["module"].training = mode  # type: ignore[union-attr]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        running = _RUNNING
+        previous = running.key
+        running.key = self.accelfn_checkpoint_key
+        try:
+            return self.module(*args, **kwargs)
+        finally:
+            running.key = previous
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+
 def _run_checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any,
                       **kwargs: Any) -> Any:
-    if not torch.is_grad_enabled():
+    # the settings of the running step's preparation (None: it does not checkpoint here)
+    settings = module.__dict__["_accelfn_ckpt"].get(_RUNNING.key)
+    if settings is None or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    save: tuple[Any, ...] | None = module.__dict__["_accelfn_ckpt_save"]
+    save: tuple[Any, ...] | None = settings[0]
     # Under torch.compile the recompute is the partitioner's, inside the graph, which applies
     # buffer mutations once; context_fn must there be a pair of TorchDispatchModes.
-    stats: tuple[nn.Module, ...] = (
-        () if torch.compiler.is_compiling() else module.__dict__["_accelfn_ckpt_stats"])
+    stats: tuple[nn.Module, ...] = () if torch.compiler.is_compiling() else settings[1]
     if save is None and not stats:
         return torch_checkpoint(_bound(forward, kwargs), *args, use_reentrant=False)
 
@@ -164,12 +224,15 @@ def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -
 
     def checkpoint(prepared: Prepared, state: TrainState) -> Prepared:
         chosen = check(state)
+        # Each preparation's settings are kept on the blocks under its options' key: steps of
+        # other checkpointed(...) options (or none) on the same state keep theirs.
+        key = _key((blocks, every, save))
         for _, module in chosen[::every]:
-            module.__dict__["_accelfn_ckpt_save"] = save
-            module.__dict__["_accelfn_ckpt_stats"] = running_stat_modules(module)
+            module.__dict__.setdefault("_accelfn_ckpt", {})[key] = (
+                save, running_stat_modules(module))
             wrap_forward(module, "checkpoint", _run_checkpointed)
         state.slot(_SLOT, lambda: {"blocks": len(chosen[::every])})
-        return prepared
+        return dataclasses.replace(prepared, model=_Scoped(prepared.model, key))
 
     parts = [f"blocks={blocks if isinstance(blocks, str) else 'custom'}"]
     if every != 1:
