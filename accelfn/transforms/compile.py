@@ -82,8 +82,7 @@ def _call_forward(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any
 
 def _run_compiled(module: nn.Module, forward: Callable[..., Any], *args: Any,
                   **kwargs: Any) -> Any:
-    compiled_call: Callable[..., Any] = module.__dict__["_accelfn_compiled"]
-    return compiled_call(forward, *args, **kwargs)
+    return module.__dict__["_accelfn_compiled"](forward, *args, **kwargs)
 
 
 def _block_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -98,9 +97,8 @@ def _block_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 _NESTED = torch.compiler.nested_compile_region(_block_forward)
 
 
-def _run_nested(module: nn.Module, forward: Callable[..., Any], *args: Any,
-                **kwargs: Any) -> Any:
-    return _NESTED(module, *args, **kwargs)
+def _run_nested(module: nn.Module, forward: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    return _NESTED(module, *args, **kw)
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -113,24 +111,32 @@ def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return blocks
 
 
-def _compile_blocks(model: nn.Module, kwargs: dict[str, Any]) -> int:
-    """Each block compiled in place (under DDP/FSDP2, inside their wrappers and hooks)."""
-    blocks = _blocks(model)
+def _wrap_blocks(model: nn.Module, kwargs: dict[str, Any], done: tuple[Any, ...]) -> None:
+    """Each block compiled in place when ``done[0]`` (under DDP/FSDP2, inside their wrappers
+    and hooks), otherwise marked as the nested compile region of a whole-model compile."""
     # One compiled function for all blocks: dynamo keys its code on _call_forward's code and
     # guards on the block's class, not on the block, so blocks of a class share one graph.
-    compiled_call = torch.compile(_call_forward, **kwargs)
-    for _, block in blocks:
-        block.__dict__["_accelfn_compiled"] = compiled_call
-        wrap_forward(block, "compile", _run_compiled)
-    return len(blocks)
+    compiled_call = torch.compile(_call_forward, **kwargs) if done[0] else None
+    for _, block in _blocks(model):
+        block.__dict__["_accelfn_regional"] = done
+        if compiled_call is not None:
+            block.__dict__["_accelfn_compiled"] = compiled_call
+        wrap_forward(block, "compile", _run_compiled if done[0] else _run_nested)
 
 
-def _nest_blocks(model: nn.Module) -> int:
-    """Each block marked as the nested compile region of a whole-model compile."""
-    blocks = _blocks(model)
-    for _, block in blocks:
-        wrap_forward(block, "compile", _run_nested)
-    return len(blocks)
+def _check_regional(state: TrainState, backend: str, options: str, label: str) -> None:
+    """Refuse a regional compile of blocks an earlier step compiled otherwise (in place, they
+    hold one compiled function; nested regions hold no options, each step's compile has)."""
+    blocks = _blocks(state.model)
+    in_place, sharded, before, by = blocks[0][1].__dict__.get("_accelfn_regional", (None,) * 4)
+    here = sharded or backend not in _NESTING or any(running_stat_modules(b) for _, b in blocks)
+    if in_place is not None and (here != in_place or (here and options != before)):
+        where = ("as nested regions", "in place")
+        raise ValueError(
+            f"{label} would compile the blocks {where[here]}, but another step on this "
+            f"TrainState compiled them {where[in_place]} with {by} (in place: one compiled "
+            "function for every step); use the same compiled(regional=True, ...) options in "
+            "every step of a state, or build a new TrainState")
 
 
 # ----------------------------------------------------------------------- the cache file
@@ -351,32 +357,27 @@ def _tensor_lrs(optimizer: torch.optim.Optimizer) -> None:
 def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: str,
               optimizer: bool, options: dict[str, Any] | None, regional: bool,
               cache: Path | None) -> Transform:
+    kwargs: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic, "backend": backend,
+                              **({"options": options} if options else {"mode": mode})}
+
     def compile(prepared: Prepared, state: TrainState) -> Prepared:
         if cache is not None:
             _load_cache(cache, prepared.device, state)
-        kwargs: dict[str, Any] = {"fullgraph": fullgraph, "dynamic": dynamic,
-                                  "backend": backend}
-        if options:
-            kwargs["options"] = options
-        else:
-            kwargs["mode"] = mode
-        model = prepared.model
-        if regional and (prepared.process_group is not None or backend not in _NESTING
-                         or any(running_stat_modules(b) for _, b in _blocks(state.model))):
-            # sharded: each block compiled in place, inside the DDP wrapper and FSDP2's
-            # per-block hooks, the rest eager (torch.compile of a sharded whole model traces
-            # the sharding's hooks); so too with a backend that runs dynamo's graph as traced,
-            # and for blocks that update running statistics (BatchNorm's), which torch's
-            # nested regions refuse in training ("in-place input or buffer mutations")
-            _compile_blocks(state.model, kwargs)
-        else:
-            if regional:  # one graph; the blocks' code compiled once, called for each
-                _nest_blocks(state.model)
+        model, sharded = prepared.model, prepared.process_group is not None
+        # sharded: each block compiled in place, inside the DDP wrapper and FSDP2's per-block
+        # hooks, the rest eager (a compile of a sharded whole model traces the sharding's
+        # hooks); so too with a backend that runs dynamo's graph as traced, and for blocks
+        # updating running statistics (BatchNorm's), which nested regions refuse in training.
+        # Otherwise one graph: the blocks' code compiled once, called for each.
+        in_place = regional and (sharded or backend not in _NESTING or any(
+            running_stat_modules(b) for _, b in _blocks(state.model)))
+        if regional:  # what the check of a later step's regional compile compares with
+            _wrap_blocks(state.model, kwargs, (in_place, sharded, repr(kwargs), label))
+        if not in_place:
             model = torch.compile(model, **kwargs)  # type: ignore[assignment]
         if not optimizer:
             return dataclasses.replace(prepared, model=model)
-        optim = state.optimizer
-        _tensor_lrs(optim)
+        _tensor_lrs(optim := state.optimizer)
         inner = prepared.optimizer_step
         compiled_step = torch.compile(lambda: inner(), fullgraph=False, backend=backend)
 
@@ -390,24 +391,24 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
         assert cache is not None
         _save_cache(cache, ctx.device, ctx.state)
 
-    hooks = Hooks(compile=compile, **({"check": lambda s: _blocks(s.model)} if regional else {}))
+    parts = [p for p in (
+        mode, "fullgraph" if fullgraph else None,
+        None if dynamic is None else f"dynamic={dynamic}",
+        None if backend == "inductor" else backend, "optimizer" if optimizer else None,
+        "regional" if regional else None, None if cache is None else "cache",
+    ) if p]
+    label = f"compiled({', '.join(parts)})" if parts else "compiled"
+    hooks = Hooks(compile=compile)
+    if regional:
+        hooks["check"] = lambda s: _check_regional(s, backend, repr(kwargs), label)
     if cache is not None:
         hooks["after_update"] = after_update
-    parts = [p for p in (
-        mode,
-        "fullgraph" if fullgraph else None,
-        None if dynamic is None else f"dynamic={dynamic}",
-        None if backend == "inductor" else backend,
-        "optimizer" if optimizer else None,
-        "regional" if regional else None,
-        None if cache is None else "cache",
-    ) if p]
     return Transform(
         "compiled", hooks,
         options=(("mode", mode), ("fullgraph", fullgraph), ("dynamic", dynamic),
                  ("backend", backend), ("optimizer", optimizer), ("options", options),
                  ("regional", regional), ("cache", None if cache is None else str(cache))),
-        label=f"compiled({', '.join(parts)})" if parts else "compiled",
+        label=label,
         # its after_update (with cache=) only writes the compile cache's file; the scaler's
         # update, the EMA average and float8's scale precompute neither compile nor read it
         commutes=frozenset({"with_amp", "with_ema", "with_float8"}))
