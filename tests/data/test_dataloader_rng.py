@@ -7,11 +7,10 @@ in its loader. Without the option the dropout masks differ (shown too).
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import roundtrip
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
@@ -151,13 +150,6 @@ def test_sharded_order_is_distributed_samplers(drop_last):
                            rank=rank, world_size=3, rng=ad.DataLoaderRNG())
         got = [b["y"] for _ in range(2) for b in loader]
         assert same(got, ref), rank
-
-
-def roundtrip(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 @pytest.mark.parametrize("generator", [False, True])

@@ -6,13 +6,13 @@ reference is always the same DataLoader iterated by hand.
 
 from __future__ import annotations
 
-import io
 import multiprocessing
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import roundtrip
 from tensordict import TensorDict
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -362,14 +362,6 @@ def test_stateful_dataloader_with_workers_resumes_through_state_dict():
     resumed = [b["y"] for b in again]
     again.close()
     assert len(resumed) == 3 and all(torch.equal(a, b) for a, b in zip(resumed, rest))
-
-
-def roundtrip(obj):
-    """Through torch.save and torch.load(weights_only=True), as a checkpoint file would."""
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 def test_a_position_taken_before_iterating_draws_nothing_and_resumes_exactly(tmp_path):

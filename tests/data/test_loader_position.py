@@ -8,10 +8,9 @@ heard of it resumes at the next epoch.
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
+from conftest import roundtrip
 from tensordict import TensorDict
 
 import accelfn.data as ad
@@ -29,13 +28,6 @@ def make(kind: str = "plain") -> ad.BatchLoader:
     if kind == "threads":
         return ad.loader(make_td(), batch_size=BATCH, seed=3, num_workers=2)
     return ad.loader(make_td(), batch_size=BATCH, seed=3)
-
-
-def roundtrip(state: dict) -> dict:
-    buf = io.BytesIO()
-    torch.save(state, buf)
-    buf.seek(0)
-    return torch.load(buf, weights_only=True)
 
 
 def for_loop(loader, start_epoch=0, save_at=None):

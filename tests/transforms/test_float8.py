@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import io
 import json
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchao.float8 as float8  # the test extra installs accelfn[float8]
-from conftest import as_dict, torchrun
+from conftest import as_dict, roundtrip, torchrun
 from reference import reference_update
 from tensordict import TensorDict
 from torch import nn
@@ -282,10 +281,7 @@ def test_state_dict_keys_unchanged_and_checkpoints_load_across(all_gather):
     plain = mlp().state_dict()
     f8 = trained(f8_step, 2)
     assert list(f8.model.state_dict()) == list(plain)
-    buffer = io.BytesIO()
-    torch.save(f8.state_dict(), buffer)
-    buffer.seek(0)
-    saved = torch.load(buffer, weights_only=True)
+    saved = roundtrip(f8.state_dict())
     # a float8 checkpoint resumes in bf16 ...
     into_bf16 = trained(bf16_step, 0)
     into_bf16.load_state_dict(saved)
