@@ -90,8 +90,8 @@ class _Iterator(Iterator[TensorDictBase]):
         return batch
 
 
-def _stop_threads(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) -> None:
-    """Stop every background thread of the graph below ``root`` and call ``close_fns``."""
+def _nodes(root: BaseNode[Any]) -> Iterator[Any]:
+    """Every node of the graph below ``root`` (each once)."""
     seen: set[int] = set()
     todo: list[Any] = [root]
     while todo:
@@ -99,8 +99,14 @@ def _stop_threads(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) 
         if id(node) in seen:
             continue
         seen.add(id(node))
-        compat.stop_node_thread(node)
+        yield node
         todo.extend(v for v in vars(node).values() if isinstance(v, BaseNode))
+
+
+def _stop_threads(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) -> None:
+    """Stop every background thread of the graph below ``root`` and call ``close_fns``."""
+    for node in _nodes(root):
+        compat.stop_node_thread(node)
     for fn in close_fns:
         fn()
 
@@ -109,17 +115,10 @@ def _mark_started(root: BaseNode[Any]) -> None:
     """Tell every node of the graph that counts epochs (``mark_started()``) that its epoch
     began, so that the next ``reset()`` starts the next one even if the loop took no batch
     (whether a prefetch thread had pulled one must not decide which epoch comes next)."""
-    seen: set[int] = set()
-    todo: list[Any] = [root]
-    while todo:
-        node = todo.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
+    for node in _nodes(root):
         mark = getattr(node, "mark_started", None)
         if callable(mark):
             mark()
-        todo.extend(v for v in vars(node).values() if isinstance(v, BaseNode))
 
 
 def _finalize(root: BaseNode[Any], close_fns: Sequence[Callable[[], None]]) -> None:
