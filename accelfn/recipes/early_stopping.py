@@ -26,6 +26,25 @@ _MODES = ("min", "max")
 _STORES = ("cpu", "device")
 
 
+_KEYS = ("best", "best_index", "counter", "calls", "should_stop", "best_weights")
+
+
+def _value_of(metric: Any) -> float:
+    """The metric as a float; one number only (a mapping of metrics or a tensor of several
+    elements is the usual slip: ``step.evaluate(...)`` instead of its ``["loss"]``)."""
+    if isinstance(metric, Tensor):
+        if metric.numel() != 1:
+            raise TypeError(f"EarlyStopping.update() takes one number, got a tensor of shape "
+                            f"{tuple(metric.shape)}; reduce it first (e.g. .mean()), or pick "
+                            'the metric: metrics["loss"]')
+        return float(metric.detach())
+    if isinstance(metric, (bool, str)) or not isinstance(metric, SupportsFloat):
+        raise TypeError(f"EarlyStopping.update() takes one number (a float or a one-element "
+                        f"tensor), got {type(metric).__name__}; pick the metric, e.g. "
+                        'update(metrics["loss"], state)')
+    return float(metric)
+
+
 def _model_of(target: TrainState | nn.Module) -> nn.Module:
     if isinstance(target, TrainState):
         return target.model
@@ -120,7 +139,7 @@ class EarlyStopping:
         model = None if target is None else _model_of(target)
         if self.should_stop:
             return True
-        value = float(metric.detach()) if isinstance(metric, Tensor) else float(metric)
+        value = _value_of(metric)
         index = self.calls
         self.calls += 1
         if self.is_improvement(value):
@@ -163,9 +182,22 @@ class EarlyStopping:
             k: v.detach().clone() for k, v in self.best_weights.items()}
         return {"best": self.best, "best_index": self.best_index, "counter": self.counter,
                 "calls": self.calls, "should_stop": self.should_stop,
-                "best_weights": weights}
+                "best_weights": weights, "mode": self.mode}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load counters, best metric and best weights (copies); checked first, so a
+        checkpoint that does not fit raises ``ValueError`` and changes nothing."""
+        missing = [k for k in _KEYS if k not in state_dict]
+        if missing:
+            raise ValueError(f"EarlyStopping.load_state_dict(): the checkpoint lacks {missing}; "
+                             "give it what EarlyStopping.state_dict() returned")
+        # checkpoints written before the mode was recorded have none: taken as this one's
+        mode = state_dict.get("mode", self.mode)
+        if mode != self.mode:
+            raise ValueError(f"EarlyStopping.load_state_dict(): the checkpoint was taken with "
+                             f"mode={mode!r} and this one has mode={self.mode!r}; its best "
+                             f"metric would be compared the other way round. Build it with "
+                             f"EarlyStopping(..., mode={mode!r})")
         self.best = state_dict["best"]
         self.best_index = state_dict["best_index"]
         self.counter = int(state_dict["counter"])

@@ -12,6 +12,7 @@ the global batch over a reference batch); pass its result as ``lr``.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -159,8 +160,9 @@ def _layer_ids(model: nn.Module, blocks: Sequence[str] | None) -> tuple[dict[str
 def _check_decay(name: str, value: float | None) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-        raise ValueError(f"param_groups({name}={value!r}) must be a number >= 0")
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value < 0):
+        raise ValueError(f"param_groups({name}={value!r}) must be a finite number >= 0")
     return float(value)
 
 
@@ -230,9 +232,10 @@ def param_groups(
     if given and rule != "torchvision":
         raise ValueError(f"param_groups({given[0]}=...) is an option of rule='torchvision'; "
                          f"with rule={rule!r} biases and norm layers get no weight decay")
-    if lr is not None and (not isinstance(lr, (int, float)) or lr <= 0):
-        raise ValueError(f"param_groups(lr={lr!r}) must be a number > 0 (or None to keep "
-                         "the optimizer's)")
+    if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float))
+                           or not math.isfinite(lr) or lr <= 0):
+        raise ValueError(f"param_groups(lr={lr!r}) must be a finite number > 0 (or None to "
+                         "keep the optimizer's)")
     if no_decay_types is not None:
         if rule in ("dim", "nanogpt"):
             raise ValueError(f"param_groups(no_decay_types=...) does not apply with "
@@ -249,6 +252,10 @@ def param_groups(
                              "rate>: each layer's rate is lr * layer_decay ** depth")
     elif blocks is not None:
         raise ValueError("param_groups(blocks=...) only applies with layer_decay=...")
+    if blocks is not None and (isinstance(blocks, str) or not list(blocks)):
+        raise ValueError(f"param_groups(blocks={blocks!r}) takes a non-empty list of module "
+                         "paths, shallowest first (e.g. ['blocks.0', 'blocks.1']), or None to "
+                         "find the repeated blocks")
     named_params = dict(model.named_parameters())
     skip = list(skip) if not isinstance(skip, str) else [skip]
     # a tied parameter may be skipped by any of its names (head.weight for embed.weight)

@@ -88,6 +88,17 @@ def _check_steps(fn: str, warmup_steps: Any, total_steps: Any | None) -> None:
                          f"total_steps={total_steps}")
 
 
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def _no_warmup(fn: str, start_factor: float | None) -> None:
+    if start_factor is not None:
+        raise ValueError(f"{fn}(start_factor={start_factor!r}) applies to the warmup, and "
+                         "warmup_steps=0 has none; drop start_factor or give warmup_steps > 0")
+
+
 def _start_factor(fn: str, start_factor: float | None, warmup_steps: int) -> float:
     if start_factor is None:
         return 1.0 / (warmup_steps + 1)
@@ -124,14 +135,25 @@ def warmup_cosine(
 
     ``start_factor`` defaults to ``1 / (warmup_steps + 1)``, so warmup climbs
     ``lr * (t + 1) / (warmup_steps + 1)`` and reaches ``lr`` at ``t = warmup_steps``.
-    ``min_lr`` is absolute (torch's ``eta_min``), the same for every group.
+    ``min_lr`` is absolute (torch's ``eta_min``), the same for every group; one above a
+    group's rate (layer-wise rates) raises ``ValueError``, as that group would climb to it.
     ``warmup_steps=0`` gives the plain ``CosineAnnealingLR``.
     """
     _check_optimizer("warmup_cosine", optimizer)
     _check_steps("warmup_cosine", warmup_steps, total_steps)
-    if not isinstance(min_lr, (int, float)) or min_lr < 0:
-        raise ValueError(f"warmup_cosine(min_lr={min_lr!r}) must be a number >= 0")
+    if not _is_number(min_lr) or min_lr < 0:
+        raise ValueError(f"warmup_cosine(min_lr={min_lr!r}) must be a finite number >= 0")
+    for i, group in enumerate(optimizer.param_groups):
+        # the groups' base rates as torch's schedulers take them (initial_lr once set)
+        base = float(group.get("initial_lr", group["lr"]))
+        if min_lr > base:  # the "decay" would climb from base up to min_lr
+            raise ValueError(f"warmup_cosine(min_lr={min_lr:g}) is above the learning rate "
+                             f"{base:g} of param group {i}: that group's rate would rise to "
+                             "min_lr instead of decaying (min_lr is absolute, as torch's "
+                             "eta_min, the same for every group); give min_lr <= the smallest "
+                             "group rate")
     if warmup_steps == 0:
+        _no_warmup("warmup_cosine", start_factor)
         return _HeldCosine(optimizer, T_max=total_steps, eta_min=float(min_lr))
     factor = _start_factor("warmup_cosine", start_factor, warmup_steps)
     warmup = _warmup(optimizer, warmup_steps, factor)
@@ -163,6 +185,7 @@ def warmup_linear(
                          "final learning rate as a fraction of the base one")
     decay_steps = total_steps - warmup_steps
     if warmup_steps == 0:
+        _no_warmup("warmup_linear", start_factor)
         return LinearLR(optimizer, start_factor=1.0, end_factor=float(end_factor),
                         total_iters=decay_steps)
     factor = _start_factor("warmup_linear", start_factor, warmup_steps)
@@ -198,7 +221,9 @@ def one_cycle(
     ``total_steps`` updates; after them the final rate and momentum are held (torch's
     ``OneCycleLR`` overshoots at update ``total_steps`` and raises ``ValueError`` at the next).
 
-    ``max_lr`` defaults to each group's current ``lr``. ``warmup_steps``, when given, sets
+    ``max_lr`` defaults to each group's current ``lr``, or to the ``max_lr`` a ``OneCycleLR``
+    already built on the optimizer left in its groups (a rebuilt cycle, or an optimizer whose
+    mid-cycle state was loaded first, keeps its peak). ``warmup_steps``, when given, sets
     ``pct_start = warmup_steps / total_steps``. ``cycle_momentum`` defaults to True only for
     optimizers that have momentum (``betas``, or SGD with ``momentum > 0``), where torch's
     default would switch momentum on for plain SGD. ``total_steps`` counts optimizer
@@ -231,8 +256,15 @@ def one_cycle(
         raise ValueError(f"one_cycle(three_phase=True, pct_start={pct_start:g}): the rise and "
                          f"the fall of {total_steps} updates leave none for the final "
                          "annealing; give pct_start (or warmup_steps / total_steps) of 0.5 at most")
+    for name, value in (("div_factor", div_factor), ("final_div_factor", final_div_factor)):
+        if not _is_number(value) or value <= 0:
+            raise ValueError(f"one_cycle({name}={value!r}) must be a finite number > 0 (the "
+                             "rates are max_lr / div_factor and "
+                             "max_lr / div_factor / final_div_factor)")
     if max_lr is None:
-        max_lr = [float(g["lr"]) for g in optimizer.param_groups]
+        # a OneCycleLR already built on this optimizer (or on the one a loaded state came
+        # from) left its peak in "max_lr" and moved "lr" off it
+        max_lr = [float(g.get("max_lr", g["lr"])) for g in optimizer.param_groups]
     elif not isinstance(max_lr, (int, float)):
         max_lr = [float(v) for v in max_lr]
     if cycle_momentum is None:
@@ -354,9 +386,15 @@ def warmup_plateau(
     _check_steps("warmup_plateau", warmup_steps, None)
     if mode not in ("min", "max"):
         raise ValueError(f"warmup_plateau(mode={mode!r}) must be 'min' or 'max'")
-    if not 0.0 < factor < 1.0:
-        raise ValueError(f"warmup_plateau(factor={factor!r}) must be in (0, 1): new lr = "
-                         "lr * factor")
+    if not _is_number(factor) or not 0.0 < factor < 1.0:
+        raise ValueError(f"warmup_plateau(factor={factor!r}) must be a number in (0, 1): "
+                         "new lr = lr * factor")
+    for name, count in (("patience", patience), ("cooldown", cooldown)):
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"warmup_plateau({name}={count!r}) must be an int >= 0 "
+                             "(evaluations)")
+    if not warmup_steps:
+        _no_warmup("warmup_plateau", start_factor)
     warmup = None
     if warmup_steps:
         warmup = _warmup(optimizer, warmup_steps,
