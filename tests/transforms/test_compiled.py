@@ -1,4 +1,4 @@
-"""compiled(regional=True) and compiled(cache=...): block-wise compilation against eager
+"""compiled(regional=...) and compiled(cache=...): block-wise compilation against eager
 PyTorch, graphs that do not grow with depth, stacking with checkpointed and distributed, and a
 compile cache file that warms a fresh process (torch's cache counters, not timings).
 
@@ -28,7 +28,7 @@ from reference import reference_update
 
 import accelfn as af
 from accelfn.core import compat
-from accelfn.transforms.compile import CacheFile, read_cache, unpack_kernels, write_cache
+from accelfn.transforms.compile.cache import CacheFile, read_cache, unpack_kernels, write_cache
 
 HERE = Path(__file__).resolve()
 TOL = {"atol": 1e-5, "rtol": 1e-4}  # fp32: inductor fuses and reorders reductions
@@ -77,18 +77,29 @@ def gradients(model, fn=classify):
 # ----------------------------------------------------------------------- regional
 
 
+IN_PLACE, NESTED = True, "nested"
+
+
+def _in_place(model) -> bool:
+    return all("_accelfn_compiled" in b.__dict__ for b in model.blocks)
+
+
 @pytest.mark.compile
-def test_regional_compiles_each_block_once_and_matches_eager(fresh_dynamo):
+@pytest.mark.parametrize("regional", [IN_PLACE, NESTED])
+def test_regional_compiles_each_block_once_and_matches_eager(fresh_dynamo, regional):
     torch.manual_seed(0)
     base = Net(depth=3)
     m1, m2 = copy.deepcopy(base), copy.deepcopy(base)
-    step = af.compiled(regional=True)(classify)
+    step = af.compiled(regional=regional)(classify)
     g0 = graphs()
     with torch._dynamo.config.patch(error_on_recompile=True):  # blocks 2 and 3 reuse block 1's
         state = train(step, m1)
-    assert graphs() - g0 == 1  # one graph: the whole model, the blocks' region in it
+    # one graph: in place, the block's (the rest eager); nested, the whole model's
+    assert graphs() - g0 == 1
     assert_close(m1, reference(m2))
     prepared = step.prepare(state)
+    assert _in_place(m1) is (regional is IN_PLACE)
+    assert (prepared.model is m1) is (regional is IN_PLACE)  # in place: the model not wrapped
     assert compat.unwrap_compiled(prepared.model) is m1
     assert list(m1.state_dict()) == list(base.state_dict())
     assert all(b.__dict__["_accelfn_tags"] == ("compile",) for b in m1.blocks)
@@ -102,7 +113,7 @@ def test_regional_compiles_each_block_once_and_matches_eager(fresh_dynamo):
 def test_regional_traced_code_does_not_grow_with_depth_whole_model_code_does(fresh_dynamo):
     # backend="aot_eager" traces through AOTAutograd without generating code, in seconds
     counts = {}
-    for regional in (True, False):
+    for regional in (IN_PLACE, NESTED, False):
         for depth in (2, 6):
             torch._dynamo.reset()
             g, c = graphs(), captured()
@@ -112,13 +123,15 @@ def test_regional_traced_code_does_not_grow_with_depth_whole_model_code_does(fre
             counts[regional, depth] = (graphs() - g, captured() - c)
     assert {counts[key][0] for key in counts} == {1}  # one graph each
     per_block = {regional: (counts[regional, 6][1] - counts[regional, 2][1]) / 4
-                 for regional in (True, False)}
-    assert per_block[True] <= 2  # a call of the blocks' compiled region
-    assert per_block[False] >= 2 * per_block[True] + 1  # every operation of the block
+                 for regional in (IN_PLACE, NESTED, False)}
+    assert per_block[IN_PLACE] == 0  # one block traced, whatever the depth
+    assert per_block[NESTED] <= 2  # a call of the blocks' compiled region
+    assert per_block[False] >= 2 * per_block[NESTED] + 1  # every operation of the block
 
 
 @pytest.mark.compile
-def test_regional_with_the_eager_backend_compiles_blocks_in_place(fresh_dynamo, monkeypatch):
+def test_nested_with_the_eager_backend_compiles_blocks_in_place_with_a_note(fresh_dynamo,
+                                                                            monkeypatch):
     # backend="eager" runs dynamo's graph as traced: a nested region there re-traces its block
     # at every call (torch's invoke_subgraph builds its schema by tracing, x29 slower on the
     # 4-block GPT of benchmarks/compile.py --quick); each block is compiled in place instead
@@ -131,25 +144,32 @@ def test_regional_with_the_eager_backend_compiles_blocks_in_place(fresh_dynamo, 
     torch.manual_seed(0)
     base = Net(depth=3)
     model = copy.deepcopy(base)
-    state = train(af.compiled(regional=True, backend="eager")(classify), model, steps=3)
+    with pytest.warns(RuntimeWarning, match=r"in place instead of as nested regions: "
+                                            r"backend='eager'.*rest of the model runs eager"):
+        state = train(af.compiled(regional=NESTED, backend="eager")(classify), model, steps=3)
     assert traced == []  # no region traced per call
-    assert all("_accelfn_compiled" in b.__dict__ for b in model.blocks)
+    assert _in_place(model)
     assert_close(model, reference(copy.deepcopy(base)))
     assert state.step == 3
+    with warnings.catch_warnings():  # asked for in place: nothing to say
+        warnings.simplefilter("error")
+        train(af.compiled(regional=IN_PLACE, backend="eager")(classify), Net(depth=3), steps=1)
 
 
 @pytest.mark.compile
-def test_regional_with_checkpointed_in_either_order_matches_eager(fresh_dynamo):
+@pytest.mark.parametrize("regional", [IN_PLACE, NESTED])
+def test_regional_with_checkpointed_in_either_order_matches_eager(fresh_dynamo, regional):
     torch.manual_seed(0)
     base = Net(depth=3)
     expected = reference(copy.deepcopy(base))
     g0 = graphs()
-    for build in (lambda f: af.compiled(regional=True)(af.checkpointed(f)),
-                  lambda f: af.checkpointed(af.compiled(regional=True)(f))):
+    for build in (lambda f: af.compiled(regional=regional)(af.checkpointed(f)),
+                  lambda f: af.checkpointed(af.compiled(regional=regional)(f))):
         model = copy.deepcopy(base)
         with torch._dynamo.config.patch(error_on_recompile=True):
             train(build(classify), model)
         assert_close(model, expected)
+        assert _in_place(model) is (regional is IN_PLACE)
         # checkpoint wrapping ran first: the compiled region holds the checkpointed forward
         assert all(b.__dict__["_accelfn_tags"] == ("checkpoint", "compile") for b in model.blocks)
     assert graphs() - g0 == 1  # the second order reused the first one's compiled code
@@ -177,13 +197,14 @@ def test_regional_on_blocks_with_running_statistics_matches_eager(fresh_dynamo):
     torch.manual_seed(0)
     base = NormNet()
     expected = reference(copy.deepcopy(base))
-    for build in (lambda f: af.compiled(regional=True, backend="aot_eager")(f),
-                  lambda f: af.compiled(regional=True, backend="aot_eager")(af.checkpointed(f)),
-                  lambda f: af.checkpointed(af.compiled(regional=True, backend="aot_eager")(f))):
+    compiled = af.compiled(regional=NESTED, backend="aot_eager")
+    for build in (lambda f: compiled(f), lambda f: compiled(af.checkpointed(f)),
+                  lambda f: af.checkpointed(compiled(f))):
         torch._dynamo.reset()
         model = copy.deepcopy(base)
-        train(build(classify), model)
-        assert all("_accelfn_compiled" in b.__dict__ for b in model.blocks)
+        with pytest.warns(RuntimeWarning, match="running statistics"):
+            train(build(classify), model)
+        assert _in_place(model)
         got, want = model.state_dict(), expected.state_dict()
         assert list(got) == list(want)
         for name in want:  # parameters and running statistics (updated once per forward)
@@ -199,8 +220,10 @@ def test_regional_without_repeated_blocks_says_how_to_fix():
 
 
 def test_options_are_checked_and_described(tmp_path):
-    with pytest.raises(TypeError, match="booleans"):
+    with pytest.raises(TypeError, match="takes False, True .* or 'nested'"):
         af.compiled(regional="yes")
+    with pytest.raises(TypeError, match="booleans"):
+        af.compiled(fullgraph="yes")
     with pytest.raises(TypeError, match="path of a file"):
         af.compiled(cache=3)
     with pytest.raises(ValueError, match="backend='inductor'"):
@@ -221,6 +244,9 @@ def test_options_are_checked_and_described(tmp_path):
     step = af.compiled(regional=True, cache=tmp_path / "c.bin")(classify)
     assert repr(step).startswith("compiled(regional, cache) ∘ ")
     assert af.compiled(regional=True) == af.compiled(regional=True) != af.compiled()
+    assert repr(af.compiled(regional="nested")(classify)).startswith(
+        "compiled(regional=nested) ∘ ")
+    assert af.compiled(regional="nested") != af.compiled(regional=True)
 
 
 # ----------------------------------------------------------------------- distributed
@@ -243,6 +269,9 @@ def distributed_main(out_dir: str) -> None:
             af.distributed(strategy="fsdp")(af.checkpointed(classify))),
         "fsdp_inner": lambda: af.checkpointed(af.distributed(strategy="fsdp")(
             af.compiled(regional=True, backend="aot_eager")(classify))),
+        # nested regions asked for: the sharded blocks are compiled in place, with a note
+        "ddp_nested": lambda: af.compiled(regional="nested", backend="aot_eager")(
+            af.distributed(classify)),
     }
     results = {}
     for name, build in cases.items():
@@ -252,12 +281,17 @@ def distributed_main(out_dir: str) -> None:
         state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         step = build()
         g = graphs()
-        for i in range(STEPS):
-            step(state, {k: v[RANK_ROWS[rank]] for k, v in global_batch(i).items()})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(STEPS):
+                step(state, {k: v[RANK_ROWS[rank]] for k, v in global_batch(i).items()})
         params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
                   for n, p in model.named_parameters()}
         results[name] = {"params": params, "graphs": graphs() - g,
-                         "keys_kept": list(model.state_dict()) == keys}
+                         "keys_kept": list(model.state_dict()) == keys,
+                         "in_place": all("_accelfn_compiled" in b.__dict__ for b in model.blocks),
+                         "notes": [str(w.message) for w in caught
+                                   if "instead of as nested regions" in str(w.message)]}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
@@ -277,8 +311,11 @@ def test_regional_under_ddp_and_fsdp_in_either_order_equals_one_process(tmp_path
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         for case, got in results.items():
-            assert got["keys_kept"], case
+            assert got["keys_kept"] and got["in_place"], case
             assert got["graphs"] <= 1, (case, got["graphs"])  # the first case compiles
+            assert len(got["notes"]) == (case == "ddp_nested"), (case, got["notes"])
+            if got["notes"]:
+                assert "sharded (DDP/FSDP2)" in got["notes"][0]
             for name, value in model.named_parameters():
                 torch.testing.assert_close(got["params"][name], value.detach(), **TOL,
                                            msg=f"{case} rank {rank} {name}")
