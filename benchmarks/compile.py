@@ -4,15 +4,17 @@ On a 12-block GPT (``benchmarks/gpt2.py``'s model; 64 wide on a CPU, GPT-2 small
 a GPU), every compile is timed in a fresh process whose ``TORCHINDUCTOR_CACHE_DIR`` and
 ``TMPDIR`` are new, empty directories (a fresh machine):
 
-* ``regional``: the cold compile time of ``af.compiled(regional=True)`` (each block compiled,
-  one compiled code for all twelve) against ``af.compiled()`` (the whole model), and the
-  steady step time of the two, of eager and of torch's regional recipe by hand
-  (``block.compile()`` on every block) interleaved in one process, medians.
-  Targets: compile time <= 0.5x of the whole model's, steady step within 5%.
+* ``regional``: the cold compile time of ``af.compiled(regional=True)`` (each block compiled
+  in place, one compiled code for all twelve, the rest eager) and of
+  ``af.compiled(regional="nested")`` (the whole model with each block a nested compile region)
+  against ``af.compiled()`` (the whole model), and the steady step time of the three, of
+  eager and of torch's regional recipe by hand (``block.compile()`` on every block)
+  interleaved in one process, medians. Targets (``regional=True``): compile time <= 0.5x of
+  the whole model's, steady step within 5%.
 * ``cache``: the time to the first compiled step of a resumed job, cold (torch.compile, no
   cache file) and from the cache file that a cold job with ``af.compiled(cache=...)`` wrote,
   each in a fresh process with an empty inductor cache. Target: <= 0.2x of cold.
-* ``prepared``: the two cold compiles of ``regional`` again, each in a fresh process on a
+* ``prepared``: the three cold compiles of ``regional`` again, each in a fresh process on a
   machine that has compiled something else before (a copy of directories where a small,
   unrelated function was compiled): inductor's one-time work on a machine (probing the CPU's
   vector instructions, precompiling its C++ header) is done, so what remains is the model's
@@ -57,6 +59,9 @@ from accelfn.core import compat
 from accelfn.observe.timing import environment, interleaved, resolve_device, sync
 
 SECTIONS = ("regional", "cache", "prepared", "depth")
+# The cold compiles timed: probe name -> compiled(regional=...)
+REGIONAL: dict[str, bool | str] = {"whole": False, "regional": True, "nested": "nested"}
+SIDES = tuple(REGIONAL)
 TARGETS = {"regional_compile": 0.5, "regional_steady": 0.05, "cache": 0.2}
 
 
@@ -104,10 +109,11 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     batches = token_batches(c, args.batch_size, 4, device)
     cursor = iter(range(10**9))
 
-    def side(regional: bool | None, cache: str | None = None, by_hand: bool = False) -> Any:
+    def side(regional: bool | str | None, cache: str | None = None,
+             by_hand: bool = False) -> Any:
         model = make_model(c, device)
         step: Any = af.lift(lm_loss)
-        if regional is not None:
+        if regional is not None:  # False: the whole model; True: in place; "nested"
             step = af.compiled(regional=regional, cache=cache, backend=args.backend)(step)
         if by_hand:  # torch's regional compilation recipe, the step otherwise eager
             for block in model.blocks:
@@ -116,7 +122,7 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
         return lambda: step(state, batches[next(cursor) % len(batches)])
 
     kind = args.probe
-    one = side(kind == "regional", args.cache_file)
+    one = side(REGIONAL.get(kind, False), args.cache_file)
     t0 = time.perf_counter()
     one()
     sync(device)
@@ -127,16 +133,19 @@ def probe(args: argparse.Namespace) -> dict[str, Any]:
     if kind == "regional" and not args.first_only:
         # the steady comparison: compile the others in this process too
         # (the whole model twice, on two model copies: the control, its ratio the noise)
-        whole, again = side(False), side(False)
+        whole, again, nested = side(False), side(False), side("nested")
         eager, by_hand = side(None), side(None, by_hand=True)
-        for fn in (whole, again, eager, by_hand):
+        for fn in (whole, again, nested, eager, by_hand):
             fn()
         sync(device)
-        t_whole, t_regional, t_again, t_eager, t_hand = interleaved(
-            [whole, one, again, eager, by_hand], args.steps, device)
+        t_whole, t_regional, t_nested, t_again, t_eager, t_hand = interleaved(
+            [whole, one, nested, again, eager, by_hand], args.steps, device)
         ratios = [r / w for r, w in zip(t_regional, t_whole, strict=True)]
+        nested_ratios = [r / w for r, w in zip(t_nested, t_whole, strict=True)]
         out.update(whole_step_ms=statistics.median(t_whole) * 1e3,
                    regional_step_ms=statistics.median(t_regional) * 1e3,
+                   nested_step_ms=statistics.median(t_nested) * 1e3,
+                   nested_steady_ratio=statistics.median(nested_ratios),
                    whole_again_step_ms=statistics.median(t_again) * 1e3,
                    eager_step_ms=statistics.median(t_eager) * 1e3,
                    block_compile_step_ms=statistics.median(t_hand) * 1e3,
@@ -219,25 +228,31 @@ def _median(runs: list[dict[str, Any]], key: str) -> float:
     return float(statistics.median(r[key] for r in runs))
 
 
-def bench_regional(wholes: list[dict[str, Any]],
-                   regionals: list[dict[str, Any]]) -> dict[str, Any]:
+def bench_regional(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """``runs``: each side's cold compiles (the repeats of a side in order, side by side back
+    to back); the first regional run also timed the steady steps."""
+    wholes, regionals, nesteds = (runs[side] for side in SIDES)
     regional = regionals[0]  # the one that also timed the steady steps
     compile_ratio, ratios = _median_ratio(regionals, wholes, "compile_s")
+    nested_ratio, nested_ratios = _median_ratio(nesteds, wholes, "compile_s")
     steady = regional["steady_ratio"]
     return {
-        "whole": wholes[0], "regional": regional, "repeats": len(wholes),
-        "whole_compile_s": [w["compile_s"] for w in wholes],
-        "regional_compile_s": [r["compile_s"] for r in regionals],
-        "whole_compile_s_median": _median(wholes, "compile_s"),
-        "regional_compile_s_median": _median(regionals, "compile_s"),
+        "whole": wholes[0], "regional": regional, "nested": nesteds[0],
+        "repeats": len(wholes),
+        **{f"{side}_compile_s": [r["compile_s"] for r in runs[side]] for side in SIDES},
+        **{f"{side}_compile_s_median": _median(runs[side], "compile_s") for side in SIDES},
         "compile_ratio": compile_ratio,
         "compile_ratios": ratios,
         "steady_ratio": steady,
         "steady_ratio_quartiles": regional["steady_ratio_quartiles"],
         "control_ratio": regional["control_ratio"],
+        "nested_compile_ratio": nested_ratio,
+        "nested_compile_ratios": nested_ratios,
+        "nested_steady_ratio": regional["nested_steady_ratio"],
         "speedup_vs_eager": {
             "whole": regional["eager_step_ms"] / regional["whole_step_ms"],
             "regional": regional["eager_step_ms"] / regional["regional_step_ms"],
+            "nested": regional["eager_step_ms"] / regional["nested_step_ms"],
             "block_compile_by_hand": regional["eager_step_ms"]
             / regional["block_compile_step_ms"]},
         "regional_over_block_compile_by_hand": regional["regional_step_ms"]
@@ -246,13 +261,20 @@ def bench_regional(wholes: list[dict[str, Any]],
                     "steady_ratio": f"within {TARGETS['regional_steady']:.0%} of 1"},
         "met": {"compile_ratio": compile_ratio <= TARGETS["regional_compile"],
                 "steady_ratio": abs(steady - 1) <= TARGETS["regional_steady"]},
-        "note": "compile_ratio = the median over repeats of regional / whole-model cold "
-                "compile_s, the two of a repeat run back to back, each in a fresh process "
-                "with an empty TORCHINDUCTOR_CACHE_DIR and TMPDIR; steady_ratio = the median "
-                "of per-step regional / whole-model ratios, interleaved in the first regional "
-                "probe's process with the whole model again on another model copy (the "
-                "control: its ratio is the noise), eager and torch's recipe by hand "
-                "(block.compile() on every block)",
+        "nested_met": {
+            "compile_ratio": nested_ratio <= TARGETS["regional_compile"],
+            "steady_ratio": abs(regional["nested_steady_ratio"] - 1)
+            <= TARGETS["regional_steady"]},
+        "note": "regional = compiled(regional=True) (blocks compiled in place, the rest "
+                "eager), nested = compiled(regional='nested') (the whole model, each block a "
+                "nested compile region), whole = compiled(); compile_ratio = the median over "
+                "repeats of regional / whole-model cold compile_s (nested_compile_ratio: "
+                "nested / whole), the sides of a repeat run back to back, each in a fresh "
+                "process with an empty TORCHINDUCTOR_CACHE_DIR and TMPDIR; steady_ratio = the "
+                "median of per-step regional / whole-model ratios (nested_steady_ratio: "
+                "nested / whole), interleaved in the first regional probe's process with the "
+                "whole model again on another model copy (the control: its ratio is the "
+                "noise), eager and torch's recipe by hand (block.compile() on every block)",
     }
 
 
@@ -288,46 +310,49 @@ def bench_cache(colds: list[dict[str, Any]], warms: list[dict[str, Any]],
     }
 
 
-def _prepared_pairs(args: argparse.Namespace, log: Any, depths: list[int | None],
-                    repeats: int) -> dict[int | None, tuple[list[dict[str, Any]],
-                                                            list[dict[str, Any]]]]:
-    """Whole-model and regional cold compiles, back to back, each in a fresh process on a
-    copy of one prepared machine: ``repeats`` pairs at each depth."""
-    runs: dict[int | None, tuple[list[dict[str, Any]], list[dict[str, Any]]]] = {
-        d: ([], []) for d in depths}
+def _prepared_runs(args: argparse.Namespace, log: Any, depths: list[int | None],
+                   repeats: int) -> dict[int | None, dict[str, list[dict[str, Any]]]]:
+    """Each side's cold compile, the sides back to back, each in a fresh process on a copy of
+    one prepared machine: ``repeats`` rounds at each depth."""
+    runs: dict[int | None, dict[str, list[dict[str, Any]]]] = {
+        d: {side: [] for side in SIDES} for d in depths}
     with tempfile.TemporaryDirectory(prefix="accelfn-machines-") as root:
         template = os.path.join(root, "prepared")
         _run_probe(args, "prepare", None, log, machine=template)
         for i in range(repeats):
             for depth in depths:
-                for kind, side in zip(("whole", "regional"), runs[depth], strict=True):
-                    machine = os.path.join(root, f"{kind}-{depth}-{i}")
+                for side in SIDES:
+                    machine = os.path.join(root, f"{side}-{depth}-{i}")
                     shutil.copytree(template, machine, symlinks=True)
-                    side.append(_run_probe(args, kind, None, log, machine=machine,
-                                           first_only=True, layers=depth))
+                    runs[depth][side].append(_run_probe(
+                        args, side, None, log, machine=machine, first_only=True,
+                        layers=depth))
                     shutil.rmtree(machine, ignore_errors=True)
     return runs
 
 
 def bench_prepared(args: argparse.Namespace, fresh_wholes: list[dict[str, Any]],
                    log: Any) -> dict[str, Any]:
-    wholes, regionals = _prepared_pairs(args, log, [None], args.repeats)[None]
+    runs = _prepared_runs(args, log, [None], args.repeats)[None]
+    wholes, regionals, nesteds = (runs[side] for side in SIDES)
     ratio, ratios = _median_ratio(regionals, wholes, "compile_s")
+    nested_ratio, nested_ratios = _median_ratio(nesteds, wholes, "compile_s")
     return {
-        "whole": wholes[0], "regional": regionals[0], "repeats": len(wholes),
-        "whole_compile_s_median": _median(wholes, "compile_s"),
-        "regional_compile_s_median": _median(regionals, "compile_s"),
+        "whole": wholes[0], "regional": regionals[0], "nested": nesteds[0],
+        "repeats": len(wholes),
+        **{f"{side}_compile_s_median": _median(runs[side], "compile_s") for side in SIDES},
         "compile_ratio": ratio, "compile_ratios": ratios,
+        "nested_compile_ratio": nested_ratio, "nested_compile_ratios": nested_ratios,
         "target": f"compile_ratio <= {TARGETS['regional_compile']}",
         "met": ratio <= TARGETS["regional_compile"],
         "machine_one_time_s": _median(fresh_wholes, "compile_s")
         - _median(wholes, "compile_s"),
-        "note": "the median over repeats of regional / whole-model cold compile_s, each in a "
-                "fresh process with an empty inductor cache on a machine that compiled an "
-                "unrelated function before (a copy of its TORCHINDUCTOR_CACHE_DIR and TMPDIR: "
-                "the CPU's vector instruction probes and inductor's precompiled C++ header "
-                "are there); machine_one_time_s = the fresh machines' median whole-model "
-                "compile_s less this one's",
+        "note": "the median over repeats of regional (and nested) / whole-model cold "
+                "compile_s, each in a fresh process with an empty inductor cache on a machine "
+                "that compiled an unrelated function before (a copy of its "
+                "TORCHINDUCTOR_CACHE_DIR and TMPDIR: the CPU's vector instruction probes and "
+                "inductor's precompiled C++ header are there); machine_one_time_s = the fresh "
+                "machines' median whole-model compile_s less this one's",
     }
 
 
@@ -338,22 +363,27 @@ def _line(depths: list[int], times: list[float]) -> dict[str, float]:
 
 def bench_depth(args: argparse.Namespace, log: Any) -> dict[str, Any]:
     depths = sorted({int(d) for d in args.depths.split(",")})
-    runs = _prepared_pairs(args, log, list(depths), args.depth_repeats)
-    whole = [_median(runs[d][0], "compile_s") for d in depths]
-    regional = [_median(runs[d][1], "compile_s") for d in depths]
-    lines = {"whole": _line(depths, whole), "regional": _line(depths, regional)}
+    runs = _prepared_runs(args, log, list(depths), args.depth_repeats)
+    times = {side: [_median(runs[d][side], "compile_s") for d in depths] for side in SIDES}
+    lines = {side: _line(depths, times[side]) for side in SIDES}
     return {
         "depths": depths, "repeats": args.depth_repeats,
-        "whole_compile_s": whole, "regional_compile_s": regional,
-        "compile_ratio_by_depth": [r / w for r, w in zip(regional, whole, strict=True)],
+        **{f"{side}_compile_s": times[side] for side in SIDES},
+        "compile_ratio_by_depth": [r / w for r, w in zip(
+            times["regional"], times["whole"], strict=True)],
+        "nested_compile_ratio_by_depth": [r / w for r, w in zip(
+            times["nested"], times["whole"], strict=True)],
         "fit": lines,
         "per_block_ratio": lines["regional"]["s_per_block"] / lines["whole"]["s_per_block"],
+        "nested_per_block_ratio": lines["nested"]["s_per_block"]
+        / lines["whole"]["s_per_block"],
         "note": "cold compile_s (medians over repeats) at each depth, each in a fresh process "
                 "on a copy of one machine that compiled an unrelated function before, the "
-                "two sides of a depth back to back; fit = the least-squares line through "
-                "each side's times against the number of blocks: s_per_block is what each "
-                "block adds to the compile, intercept_s what the compile costs at any depth; "
-                "per_block_ratio = regional's slope / the whole model's",
+                "sides of a depth back to back; fit = the least-squares line through each "
+                "side's times against the number of blocks: s_per_block is what each block "
+                "adds to the compile, intercept_s what the compile costs at any depth; "
+                "per_block_ratio = regional's slope / the whole model's (nested_per_block_"
+                "ratio: nested's)",
     }
 
 
@@ -381,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="blocks in the GPT (default: 12, 4 with --quick)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per process")
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--probe", choices=("whole", "regional", "warm", "prepare"),
+    p.add_argument("--probe", choices=(*SIDES, "warm", "prepare"),
                    help=argparse.SUPPRESS)
     p.add_argument("--first-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cache-file", help=argparse.SUPPRESS)
@@ -423,8 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="accelfn-ckpt-") as ckpt, \
             tempfile.TemporaryDirectory(prefix="accelfn-machine-") as machine:
         cache_file = os.path.join(ckpt, "compile-cache.bin")  # beside the checkpoints
-        wholes: list[dict[str, Any]] = []
-        regionals: list[dict[str, Any]] = []
+        runs: dict[str, list[dict[str, Any]]] = {side: [] for side in SIDES}
         warms: list[dict[str, Any]] = []
         writer = None
         if "cache" in only:  # a cold job with cache=: writes the file, on a kept machine
@@ -435,13 +464,16 @@ def main(argv: list[str] | None = None) -> int:
         fresh = {"regional", "cache", "prepared"} & set(only)  # cold on fresh machines
         for i in range(args.repeats if fresh else 0):  # each repeat's probes back to back
             log(f"repeat {i + 1} of {args.repeats}:")
-            wholes.append(_run_probe(args, "whole", None, log))  # plain: no cache file
+            runs["whole"].append(_run_probe(args, "whole", None, log))  # plain: no cache file
             if "regional" in only:
-                regionals.append(_run_probe(args, "regional", None, log, first_only=i > 0))
+                runs["regional"].append(_run_probe(args, "regional", None, log,
+                                                   first_only=i > 0))
+                runs["nested"].append(_run_probe(args, "nested", None, log, first_only=True))
             if "cache" in only:
                 warms.append(_run_probe(args, "warm", cache_file, log))
+        wholes = runs["whole"]
         if "regional" in only:
-            result["regional"] = bench_regional(wholes, regionals)
+            result["regional"] = bench_regional(runs)
         if "cache" in only:
             log("restart on the same machine:")
             local = _run_probe(args, "warm", None, log, machine=machine)

@@ -256,15 +256,24 @@ def compile_depth(r: dict[str, Any], name: str) -> str:
     d, m = r["depth"], r["model"]
     load = r["machine"]["load_average"]
     fit = d["fit"]
-    rows = ["| blocks | whole-model cold compile s | regional s | regional / whole |",
-            "|---:|---:|---:|---:|"]
-    rows += [f"| {n} | {w:.1f} | {g:.1f} | {_x(x)} |" for n, w, g, x in zip(
-        d["depths"], d["whole_compile_s"], d["regional_compile_s"],
-        d["compile_ratio_by_depth"], strict=True)]
-    rows.append(f"| each block adds | {fit['whole']['s_per_block']:.2f} | "
-                f"{fit['regional']['s_per_block']:.2f} | {_x(d['per_block_ratio'])} |")
-    rows.append(f"| any depth costs | {fit['whole']['intercept_s']:.1f} | "
-                f"{fit['regional']['intercept_s']:.1f} | |")
+    nested = "nested_compile_s" in d  # results before regional="nested" had two sides
+    head = ("| blocks | whole-model cold compile s | regional (in place) s | regional / whole |"
+            + (" nested s | nested / whole |" if nested else ""))
+    rows = [head, "|---:|---:|---:|---:|" + ("---:|---:|" if nested else "")]
+    for i, n in enumerate(d["depths"]):
+        row = (f"| {n} | {d['whole_compile_s'][i]:.1f} | {d['regional_compile_s'][i]:.1f} | "
+               f"{_x(d['compile_ratio_by_depth'][i])} |")
+        if nested:
+            row += (f" {d['nested_compile_s'][i]:.1f} | "
+                    f"{_x(d['nested_compile_ratio_by_depth'][i])} |")
+        rows.append(row)
+    row = (f"| each block adds | {fit['whole']['s_per_block']:.2f} | "
+           f"{fit['regional']['s_per_block']:.2f} | {_x(d['per_block_ratio'])} |")
+    rows.append(row + (f" {fit['nested']['s_per_block']:.2f} | "
+                       f"{_x(d['nested_per_block_ratio'])} |" if nested else ""))
+    row = (f"| any depth costs | {fit['whole']['intercept_s']:.1f} | "
+           f"{fit['regional']['intercept_s']:.1f} | |")
+    rows.append(row + (f" {fit['nested']['intercept_s']:.1f} | |" if nested else ""))
     return (f"### Compile time against depth ({r['machine']['date'][:10]}, "
             f"{r['machine']['cpu']}, {r['machine']['cpu_cores']} cores, load average "
             f"{load[0]:.2f})\n\n`{r['command']}` -> `{name}`. The same GPT (width {m['dim']}, "
@@ -282,6 +291,7 @@ def compile_ratios(r: dict[str, Any], name: str) -> str:
     repeats = g.get("repeats", 1)
     whole_s = g.get("whole_compile_s_median", g["whole"]["compile_s"])
     regional_s = g.get("regional_compile_s_median", g["regional"]["compile_s"])
+    nested = "nested_compile_ratio" in g  # results before regional="nested" had two sides
     rows = ["| measurement | value | target | met |", "|---|---:|---|---|",
             f"| regional / whole-model cold compile time, fresh machine | "
             f"{_x(g['compile_ratio'])} | {g['targets']['compile_ratio']} | "
@@ -291,27 +301,40 @@ def compile_ratios(r: dict[str, Any], name: str) -> str:
                     f"{_x(prepared['compile_ratio'])} | {prepared['target']} | "
                     f"{prepared['met']} |")
     control = (f" (control {_x(g['control_ratio'])})" if "control_ratio" in g else "")
-    rows += [f"| regional / whole-model steady step time | {_x(g['steady_ratio'])}{control} | "
-             f"{g['targets']['steady_ratio']} | {g['met']['steady_ratio']} |",
-             f"| first compiled step after resume, cache file / cold | "
+    rows.append(f"| regional / whole-model steady step time | {_x(g['steady_ratio'])}"
+                f"{control} | {g['targets']['steady_ratio']} | {g['met']['steady_ratio']} |")
+    if nested:
+        rows.append(f"| nested / whole-model cold compile time, fresh machine | "
+                    f"{_x(g['nested_compile_ratio'])} | | |")
+        if prepared and "nested_compile_ratio" in prepared:
+            rows.append(f"| same, on a machine that has compiled before | "
+                        f"{_x(prepared['nested_compile_ratio'])} | | |")
+        rows.append(f"| nested / whole-model steady step time | "
+                    f"{_x(g['nested_steady_ratio'])} | | |")
+    rows += [f"| first compiled step after resume, cache file / cold | "
              f"{_x(c['first_step_ratio'])} | {c['target']} | {c['met']} |",
              f"| same, restart that finds its own inductor cache / cold | "
              f"{_x(c['same_machine_ratio'])} | | |"]
+    sides = (f"regional (`compiled(regional=True)`, blocks in place) {regional_s:.0f} s"
+             + (f", nested (`regional=\"nested\"`) {g['nested_compile_s_median']:.0f} s"
+                if nested else ""))
     text = (f"### Compilation ({r['machine']['date'][:10]}, {r['machine']['cpu']}, "
             f"{r['machine']['cpu_cores']} cores, load average {load[0]:.2f})\n\n"
             f"`{r['command']}` -> `{name}`. GPT of {m['layers']} blocks, width {m['dim']}, "
             f"sequence {m['seq']}, batch {m['batch']}; each measurement in a fresh process "
             f"with an empty inductor cache; ratios are medians of {repeats} back-to-back "
-            f"pair(s). Whole-model cold compile {whole_s:.0f} s, regional {regional_s:.0f} s "
+            f"pair(s). Whole-model cold compile {whole_s:.0f} s, {sides} "
             f"(medians); first step from the cache file "
             f"{c.get('warm_first_step_s_median', c['warm']['first_step_s']):.0f} s against "
             f"{c.get('cold_first_step_s_median', c['cold']['first_step_s']):.0f} s cold.")
     if prepared:
         text += (f" On machines that have compiled before: whole model "
                  f"{prepared['whole_compile_s_median']:.0f} s, regional "
-                 f"{prepared['regional_compile_s_median']:.0f} s; a fresh machine's one-time "
-                 f"work (vector instruction probes, precompiled header) "
-                 f"{prepared['machine_one_time_s']:.0f} s.")
+                 f"{prepared['regional_compile_s_median']:.0f} s"
+                 + (f", nested {prepared['nested_compile_s_median']:.0f} s"
+                    if "nested_compile_s_median" in prepared else "")
+                 + f"; a fresh machine's one-time work (vector instruction probes, "
+                 f"precompiled header) {prepared['machine_one_time_s']:.0f} s.")
     return text + "\n\n" + "\n".join(rows)
 
 

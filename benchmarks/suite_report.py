@@ -96,7 +96,8 @@ def summary(parts: dict[str, Any]) -> dict[str, Any]:
     regional = (parts.get("compile", {}).get("result") or {}).get("regional")
     if regional:
         out["regional_compile"] = {
-            k: regional.get(k) for k in ("compile_ratio", "steady_ratio", "targets", "met")}
+            k: regional.get(k) for k in ("compile_ratio", "steady_ratio", "targets", "met",
+                                         "nested_compile_ratio", "nested_steady_ratio")}
     tests = parts.get("gpu_tests", {}).get("result")
     if tests:
         out["gpu_tests"] = {k: tests[k] for k in ("passed", "failures", "errors", "skipped")}

@@ -245,7 +245,9 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     assert [s["name"] for s in parts["float8"]["result"]["sides"]] == ["bf16", "float8"]
     regional = parts["compile"]["result"]["regional"]
     assert regional["whole"]["graphs"] == regional["regional"]["graphs"] == 1
+    assert regional["nested"]["graphs"] == 1
     assert _number(regional["compile_ratio"]) and _number(regional["steady_ratio"])
+    assert _number(regional["nested_compile_ratio"]) and _number(regional["nested_steady_ratio"])
     # every stage ran (compile with the 'eager' backend), DDP skipped with its reason
     stages = {s["name"]: s for s in parts["bench_resnet50"]["result"]["stages"]}
     assert all(s["status"] == "ok" for n, s in stages.items() if n != "ddp"), stages
@@ -342,7 +344,7 @@ def test_compile_benchmark_depth_section_fits_a_line_per_side(tmp_path: Path) ->
     assert proc.returncode == 0, proc.stderr[-3000:]
     depth = json.loads(out.read_text())["depth"]
     assert depth["depths"] == [2, 4]
-    for side in ("whole", "regional"):
+    for side in ("whole", "regional", "nested"):
         times = depth[f"{side}_compile_s"]
         fit = depth["fit"][side]
         slope = (times[1] - times[0]) / 2  # two points: the line passes through both

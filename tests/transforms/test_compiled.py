@@ -220,7 +220,7 @@ def test_regional_without_repeated_blocks_says_how_to_fix():
 
 
 def test_options_are_checked_and_described(tmp_path):
-    with pytest.raises(TypeError, match="takes False, True .* or 'nested'"):
+    with pytest.raises(TypeError, match=r"takes False, True .* or 'nested'"):
         af.compiled(regional="yes")
     with pytest.raises(TypeError, match="booleans"):
         af.compiled(fullgraph="yes")
