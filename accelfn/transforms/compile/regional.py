@@ -82,7 +82,8 @@ def in_place_reason(model: nn.Module, mode: Regional, sharded: bool,
     if mode is True:
         return ""
     if sharded:
-        return "the model is sharded (DDP/FSDP2): its whole-model compile would trace the hooks"
+        return ("the model is sharded (DDP/FSDP2), and a whole-model compile would trace the "
+                "sharding's hooks")
     if backend not in _NESTING:
         return (f"backend={backend!r} does not compile through AOTAutograd, so a nested region "
                 "would be traced again at every call")
