@@ -8,8 +8,8 @@
 #
 #   environment     accelfn doctor (versions, driver, GPU, settings)
 #   float8          benchmarks/float8.py: float8 against bf16 tokens/s on a 507M GPT
-#   compile         benchmarks/compile.py --only regional: regional against whole-model cold
-#                   compile and steady step on GPT-2 small
+#   compile         benchmarks/compile.py --only regional: regional (in place) and nested
+#                   against whole-model cold compile and steady step on GPT-2 small
 #   gpu_tests       the GPU-only tests (marked gpu, or skipped without CUDA): pytest -p gpu_only
 #   bench_resnet50  accelfn bench --model resnet50: images/s, MFU and ratio of every stage
 #                   (DataLoader baseline, accelfn data, AMP, compile, channels_last, DDP)
@@ -117,7 +117,7 @@ else
   GPT=()
   TRANSFORMS=()
   DATA=(--samples 20000 --repeats 2)
-  COMPILE=()
+  COMPILE=(--steps 30)  # three cold compiles and six interleaved sides: keep it in budget
   FLOAT8=()
   T_FLOAT8=270; T_COMPILE=200
   T_TESTS=90; T_BENCH=210; T_GPT=130; T_TRANSFORMS=130; T_DATA=60
