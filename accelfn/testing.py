@@ -10,11 +10,11 @@
 [`plain_update`][] is one update of the plain PyTorch loop (forward, backward, an optional
 edit of the gradients, ``optimizer.step()``, ``zero_grad(set_to_none=True)``); it uses torch
 only. [`check_transform`][] runs the contract on a transform: equivalence to the reference
-you give (parameters, buffers and optimizer state, bitwise), every stacking order with the
-built-ins, ``state_dict`` round trip and exact resume, purity (reuse in two stacks and two
-states), no host sync in any step, and a refused bad input or a call failing half-way
-leaving every piece of state intact. Each check raises ``AssertionError`` saying what
-differed.
+you give (parameters, buffers and optimizer state, bitwise; the batches left as they were),
+every stacking order with the built-ins, ``state_dict`` round trip and exact resume, purity
+(reuse in two stacks, and two states trained one after the other and in turn), no host sync
+in any step, and a refused bad input or a call failing half-way leaving every piece of state
+intact. Each check raises ``AssertionError`` saying what differed.
 """
 
 from __future__ import annotations
@@ -131,6 +131,20 @@ def _assert_same(a: Sequence[tuple[str, Tensor]], b: Sequence[tuple[str, Tensor]
             raise AssertionError(f"{what}: {name} differs (max {diff:.3g})")
 
 
+def _batch_tensors(batches: Any, where: str = "batches") -> list[tuple[str, Tensor]]:
+    """Copies of the tensors in ``batches`` (mappings, lists and tuples of them), by place."""
+    if isinstance(batches, Tensor):
+        return [(where, batches.detach().clone())]
+    if isinstance(batches, Mapping):
+        items: Any = batches.items()
+    elif isinstance(batches, (list, tuple)):
+        items = enumerate(batches)
+    else:
+        return []
+    return [named for key, value in items
+            for named in _batch_tensors(value, f"{where}[{key!r}]")]
+
+
 def _assert_same_state(a: Any, b: Any, what: str, where: str = "state") -> None:
     """``a == b`` for two ``state_dict()``s: every tensor and every plain value."""
     if isinstance(a, Tensor) or isinstance(b, Tensor):
@@ -174,13 +188,16 @@ def _failing(loss_fn: LossFn, armed: list[bool]) -> LossFn:
 
 def _train(step: Step, make_model: Callable[[], nn.Module],
            make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
-           batches: Sequence[Any]) -> tuple[TrainState, list[tuple[str, Tensor]]]:
-    model = make_model()
-    state = TrainState(model, make_optimizer(model))
+           batches: Sequence[Any], state: TrainState | None = None,
+           ) -> tuple[TrainState, list[tuple[str, Tensor]]]:
+    """Train a new state (or ``state``) on ``batches``."""
+    if state is None:
+        model = make_model()
+        state = TrainState(model, make_optimizer(model))
     for batch in batches:
         step(state, batch)
     state.sync()
-    return state, _params(model, state.optimizer)
+    return state, _params(state.model, state.optimizer)
 
 
 def check_transform(
@@ -221,8 +238,11 @@ def check_transform(
     armed = [False]  # makes the step's loss function fail, for check 6
     step = apply_transform(_failing(loss_fn, armed), transform)
 
-    # 1. equivalence to the hand-written reference
+    # 1. equivalence to the hand-written reference, on the batches as made
+    pristine = _batch_tensors(batches)
     _, params = _train(step, make_model, make_optimizer, batches)
+    _assert_same(pristine, _batch_tensors(batches),
+                 "a step changed its batch in place (it must not write to its input)")
     if reference is not None:
         model = make_model()
         optimizer = make_optimizer(model)
@@ -268,8 +288,12 @@ def check_transform(
         report.orders += 1
     report.passed.append("orders")
 
-    # 4. state_dict round trip and exact resume
+    # 4. state_dict round trip and exact resume; the two states are trained in turn, and
+    # each must equal a run alone (state kept outside the TrainState mixes them)
     half = steps // 2 or 1
+    alone, _ = _train(step, make_model, make_optimizer, batches[:half])
+    _at_boundary(step, alone)
+    _, alone_params = _train(step, make_model, make_optimizer, batches[half:], alone)
     first, _ = _train(step, make_model, make_optimizer, batches[:half])
     _at_boundary(step, first)
     saved = copy.deepcopy(first.state_dict())
@@ -281,14 +305,22 @@ def check_transform(
         step(first, batch)
     resumed.sync()
     first.sync()
+    _assert_same(alone_params, _params(first.model, first.optimizer),
+                 "two states trained in turn, against one trained alone (state kept outside "
+                 "the TrainState?)")
     _assert_same(_params(first.model, first.optimizer),
                  _params(resumed.model, resumed.optimizer), "resume from state_dict()")
     report.passed.append("resume")
 
     # 5. no host sync in a step (emulated: every would-be device sync is reported), over
     # several updates: a sync made every other update (logging, say) is a sync too
+    # updates, and from a fresh state's first update (a sync made once, when a slot is first
+    # filled, is a sync too)
+    new_model = make_model()
+    new_state = TrainState(new_model, make_optimizer(new_model))
     with SyncProbe(mode="emulate", allow=("guard.py",)) as probe:
         for batch in batches if len(batches) > 1 else batches * 2:
+            step(new_state, batch)
             step(first, batch)
     if probe.syncs:
         raise AssertionError(f"{transform!r} adds host syncs: {probe.syncs}")
