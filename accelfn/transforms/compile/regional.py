@@ -21,7 +21,7 @@ depth. Two ways, both torch's own:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -31,8 +31,8 @@ from ...core.state import TrainState
 
 __all__ = ["Regional", "check", "in_place_reason", "wrap_blocks"]
 
-# What compiled(regional=...) takes besides False: True (in place) or "nested".
-Regional = bool | str
+# What compiled(regional=...) takes: False, True (in place) or "nested".
+Regional = bool | Literal["nested"]
 # The backends that compile a nested region once (AOTAutograd's); others: blocks in place.
 _NESTING = frozenset({"inductor", "aot_eager", "aot_eager_decomp_partition"})
 
