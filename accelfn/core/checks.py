@@ -44,7 +44,7 @@ def check_stack(transforms: tuple[Transform, ...], text: Callable[[], str]) -> N
 
 
 def check_optimizer_holds_trainable(state: TrainState) -> None:
-    held = {id(p) for g in state.optimizer.param_groups for p in g["params"]}
+    held = {id(p) for o in state.optimizers for g in o.param_groups for p in g["params"]}
     missing = [n for n, p in state.model.named_parameters() if p.requires_grad
                and id(p) not in held]
     if missing:

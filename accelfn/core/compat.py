@@ -67,19 +67,20 @@ _ones_like = torch.ones_like
 _PRESERVE = torch.preserve_format
 
 
-def backward(loss: Tensor) -> None:
-    """``loss.backward()``: for a plain real scalar that requires grad, the autograd engine's
-    call ``torch.autograd.backward`` makes (``torch.autograd.graph._engine_run_backward`` with
-    a gradient of ones), without its per-call argument handling (a fifth of a small model's
-    backward on the CPU); anything else (tensor subclasses, torch-function modes, functorch
-    transforms, a loss without grad) goes through ``loss.backward()`` itself."""
+def backward(loss: Tensor, inputs: tuple[Tensor, ...] = ()) -> None:
+    """``loss.backward(inputs=inputs or None)``: for a plain real scalar that requires grad,
+    the autograd engine's call ``torch.autograd.backward`` makes
+    (``torch.autograd.graph._engine_run_backward`` with a gradient of ones), without its
+    per-call argument handling (a fifth of a small model's backward on the CPU); anything else
+    (tensor subclasses, torch-function modes, functorch transforms, a loss without grad) goes
+    through ``loss.backward()`` itself. ``inputs``: accumulate into these leaves only."""
     if (type(loss) is Tensor and loss.requires_grad and loss.dim() == 0
             and loss.dtype.is_floating_point and not _has_torch_function_unary(loss)
             and not _functorch_active()):
         _engine_run_backward((loss,), (_ones_like(loss, memory_format=_PRESERVE),), False, False,
-                             (), allow_unreachable=True, accumulate_grad=True)
+                             inputs, allow_unreachable=True, accumulate_grad=True)
     else:
-        loss.backward()  # type: ignore[no-untyped-call]
+        loss.backward(inputs=inputs or None)  # type: ignore[no-untyped-call]
 
 
 _OPTIMIZER_ZERO_GRAD = torch.optim.Optimizer.zero_grad

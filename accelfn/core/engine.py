@@ -28,6 +28,7 @@ from tensordict import TensorDict
 from torch import Tensor
 
 from . import checks, compat, units
+from . import optimizers as optimizers_
 from .batch import Batch, batch_size, check_batch
 from .carry import SLOT as CARRY
 from .carry import Carries, detached, takes_carry
@@ -151,7 +152,8 @@ class Step:
                     "same distributed(...) in every step of a state, or build a new TrainState")
         for _, check in self._hooks["check"]:  # every refusal before anything changes
             check(state)
-        prepared = Prepared(model=state.model, optimizer_step=state.optimizer.step,
+        optimizers = state.optimizers
+        prepared = Prepared(model=state.model, optimizer_step=optimizers_.stepper(optimizers),
                             device=state.device)
         for phase in PREPARE_PHASES:
             for t, hook in self._hooks[phase]:
@@ -160,8 +162,8 @@ class Step:
                     raise TypeError(f"{t.name}'s {phase!r} hook returned {result!r}; return a "
                                     "Prepared (dataclasses.replace(prepared, ...))")
                 prepared = result
-        skips = compat.step_supports_amp_scaling(state.optimizer) and all(
-            group.get("fused") for group in state.optimizer.param_groups)
+        skips = all(compat.step_supports_amp_scaling(optimizer) and all(
+            group.get("fused") for group in optimizer.param_groups) for optimizer in optimizers)
         prepared = dataclasses.replace(prepared, skips_on_device=skips)
         checks.check_optimizer_holds_trainable(state)
         state.add_preparation(key, prepared, describe(self))
@@ -207,6 +209,8 @@ class Step:
         try:
             plan = self._plan(ctx, batch)
             sums = Sums() if plan.sums is None else plan.sums
+            if sums.empty:  # a new window: gradients left by anything else are not this one's
+                optimizers_.clear_grads(state.optimizers)
             carried: dict[int, Any] = {}
             absolute = self._backward(ctx, plan, sums, plan.absolute or ctx.distributed is not None,
                                       carried)
@@ -259,6 +263,7 @@ class Step:
         check = sums.empty  # the first micro-batch of a window: check the output
         losses, coefs = sums.loss_terms()
         backward = compat.backward
+        inputs = optimizers_.backward_inputs(ctx.state)
         weighted: bool | None = None
         coef: Tensor | float | None
         for i, micro in enumerate(micros):
@@ -301,7 +306,7 @@ class Step:
                 for _, hook in scale_hooks:
                     objective = hook(ctx, objective)
             try:
-                backward(objective)
+                backward(objective, inputs)
             except RuntimeError as error:
                 if "backward through the graph a second time" in str(error):
                     raise RuntimeError(
@@ -313,7 +318,7 @@ class Step:
 
     def _abort(self, ctx: CallContext) -> None:
         """Undo a failed call: gradients cleared, every transform's partial work undone."""
-        ctx.state.optimizer.zero_grad(set_to_none=True)
+        optimizers_.clear_grads(ctx.state.optimizers)
         guard = ctx.state.get_slot(GUARD_SLOT)
         if isinstance(guard, Guard):  # a decision deferred by this call: no update to settle
             guard.forget(ctx.state.step)
@@ -335,29 +340,29 @@ class Step:
     def _update(self, ctx: CallContext, sums: Sums, absolute: bool,
                 carried: dict[int, Any] | None = None) -> TensorDict:
         state, prepared = ctx.state, ctx.prepared
-        optimizer = state.optimizer
+        optimizers = state.optimizers
         metrics = sums.result(divide=absolute)
         uctx = UpdateContext(state, prepared, metrics["loss"])
         if absolute:
             uctx.divisor = uctx.weight_total = torch.as_tensor(
                 sums.weight, dtype=torch.float32, device=prepared.device)
-        fresh = not optimizer.state  # the first update: a failed one leaves no state either
+        fresh = [not optimizer.state for optimizer in optimizers]  # a failed first update
+        # leaves no state either
         decided: Decision | None = None
         try:
             decision = decided = self._gradient_path(uctx)
-            lr = optimizer.param_groups[0]["lr"]  # the learning rate this update uses
-            if isinstance(lr, Tensor):  # schedulers update a tensor learning rate in place
-                lr = lr.detach().clone()
+            rates = [optimizers_.rate(o) for o in optimizers]  # what this update uses
             on_device = self._apply(uctx, decision)  # the skip flag when decided on the device
         except BaseException as error:
             optimizing = decided is not None  # the optimizer step itself raised
-            if optimizing and fresh:
-                optimizer.state.clear()  # half-built state would break the next update
+            for optimizer, first in zip(optimizers, fresh):
+                if optimizing and first:
+                    optimizer.state.clear()  # half-built state would break the next update
             self._abort(uctx)
             if optimizing:
                 if isinstance(error, torch.OutOfMemoryError):
-                    raise checks.optimizer_out_of_memory(self, error, fresh) from error
-                error.add_note(checks.optimizer_failed(fresh))
+                    raise checks.optimizer_out_of_memory(self, error, all(fresh)) from error
+                error.add_note(checks.optimizer_failed(all(fresh)))
             raise
         # from here on the update is applied (or skipped): it cannot be undone
         counted = False
@@ -369,8 +374,7 @@ class Step:
             device = prepared.device
             after = self._hooks["after_update"]
             # fills, not copies: nothing waits for the device
-            metrics["lr"] = lr if isinstance(lr, Tensor) else torch.scalar_tensor(float(lr),
-                                                                                   device=device)
+            optimizers_.rate_metrics(metrics, rates, optimizers, device)
             skip_value: Tensor | None = None
             if on_device is not None:
                 skip_value = on_device.float()
@@ -379,7 +383,7 @@ class Step:
             if decision.checked:
                 assert skip_value is not None
                 metrics["skipped"] = skip_value
-            compat.zero_grad(optimizer)
+            optimizers_.clear_grads(optimizers)
             state.step += 1
             counted = True
             if after:
@@ -420,16 +424,12 @@ class Step:
         """Run the optimizer step as decided (the scheduler steps after it, in ``_update``);
         returns the device flag 'skipped' when the decision was taken on the device (None:
         decided on the host)."""
-        optimizer = ctx.state.optimizer
+        optimizers = ctx.state.optimizers
         flags = decision.flags
-        if decision.skip is None:  # decided on the device by a fused optimizer
+        if decision.skip is None:  # decided on the device by fused optimizers
             assert flags is not None
             skip = flags.any()
-            optimizer.found_inf = skip.float()  # type: ignore[attr-defined]
-            try:
-                ctx.prepared.optimizer_step()
-            finally:
-                del optimizer.found_inf  # type: ignore[attr-defined]
+            optimizers_.step_unless(ctx.prepared.optimizer_step, optimizers, skip)
             return skip  # the scheduler steps when the guard settles the decision
         if not decision.skip:
             ctx.prepared.optimizer_step()

@@ -228,7 +228,12 @@ class CallContext:
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
+        """The state's optimizer when it has one (see [`optimizers`][])."""
         return self.state.optimizer
+
+    @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        return self.state.optimizers
 
 
 class Sums:
@@ -372,8 +377,8 @@ class UpdateContext(CallContext):
 
     def grads(self) -> list[Tensor]:
         """The gradients the optimizer will apply (parameters without one are left out)."""
-        return [p.grad for g in self.state.optimizer.param_groups for p in g["params"]
-                if p.grad is not None]
+        return [p.grad for o in self.state.optimizers for g in o.param_groups
+                for p in g["params"] if p.grad is not None]
 
     def local_grads(self) -> list[Tensor]:
         """[`grads`][] as plain tensors: this process' shard of sharded (DTensor) ones."""

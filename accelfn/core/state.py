@@ -5,46 +5,30 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from .ownership import check_model_and_optimizers, paired_schedulers
+
 __all__ = ["TrainState"]
 # torch warns when a scheduler steps before the optimizer did in this process
 _STEPPED_FIRST = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
 
 
-def _check_model_and_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
-    trainable = {id(p) for p in model.parameters() if p.requires_grad}
-    if not trainable:
-        raise ValueError(
-            "the model has no trainable parameters (all requires_grad=False); unfreeze some "
-            "parameters or there is nothing to train"
-        )
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    foreign = [p for p in held if id(p) not in {id(q) for q in model.parameters()}]
-    if foreign:
-        raise ValueError(
-            f"the optimizer holds {len(foreign)} parameter(s) that are not the model's; build "
-            "it from this model, e.g. torch.optim.AdamW(model.parameters())"
-        )
-    if not any(id(p) in trainable for p in held):
-        raise ValueError(
-            "the optimizer holds none of the model's trainable parameters; build it from "
-            "model.parameters() after freezing, not before"
-        )
+_ALIVE: weakref.WeakSet[TrainState] = weakref.WeakSet()
 
 
 class TrainState:
-    """Everything a training run updates: model, optimizer, scheduler, transform state.
+    """Everything a training run updates: model, optimizers, schedulers, transform state.
+
+    ``optimizer`` is one optimizer, or a sequence of them that together hold the model's
+    trainable parameters, each parameter in exactly one (Muon for the hidden matrices and AdamW
+    for the rest, say); every update steps all of them. ``scheduler`` is one scheduler (or
+    None) for one optimizer, or a sequence with one entry per optimizer (None entries allowed).
 
     ``state_dict()`` / ``load_state_dict()`` cover all of it. Transforms keep their state in
     named *slots* (``state.slot(name, factory)``); a slot is created on first use, and a slot
@@ -54,34 +38,25 @@ class TrainState:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         scheduler: Any | None = None,
         *,
         scheduler_every: int | str = 1,
     ) -> None:
-        _check_model_and_optimizer(model, optimizer)
+        optimizers: tuple[torch.optim.Optimizer, ...] = (
+            tuple(optimizer) if isinstance(optimizer, (list, tuple))
+            else (optimizer,))  # type: ignore[assignment]
+        check_model_and_optimizers(model, optimizers)
         if not (scheduler_every == "epoch" or (isinstance(scheduler_every, int)
                                                and not isinstance(scheduler_every, bool)
                                                and scheduler_every >= 1)):
             raise ValueError(
                 f"TrainState(scheduler_every={scheduler_every!r}): give an int N >= 1 (step the "
                 "scheduler every N real updates) or 'epoch' (step it in state.end_epoch())")
-        if scheduler is not None and not hasattr(scheduler, "step"):
-            raise TypeError(
-                f"scheduler must be a torch.optim.lr_scheduler scheduler, got "
-                f"{type(scheduler).__name__}"
-            )
-        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-            raise TypeError(
-                "ReduceLROnPlateau steps on a validation metric, not once per update; use "
-                "accelfn.warmup_plateau(optimizer, ...) and call .observe(metric) when you "
-                "evaluate, or keep the plateau scheduler outside the TrainState"
-            )
-        if scheduler is not None and getattr(scheduler, "optimizer", optimizer) is not optimizer:
-            raise ValueError("the scheduler was built for another optimizer than this state's")
+        schedulers = paired_schedulers(scheduler, optimizers)
         self._model = model
-        self._optimizer = optimizer
-        self.scheduler = scheduler
+        self._optimizers = optimizers
+        self._schedulers = schedulers
         self.step = 0  # optimizer updates attempted (skipped ones included)
         self.epoch = 0  # epochs ended with end_epoch()
         self.scheduler_every = scheduler_every
@@ -89,9 +64,26 @@ class TrainState:
         self._slots: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._preparations: list[tuple[Any, Any, str]] = []
-        self._scheduler_mark: Any = getattr(scheduler, "last_epoch", None)
+        self._scheduler_marks: list[Any] = [getattr(s, "last_epoch", None) for s in schedulers]
         self._warned: set[str] = set()
         self._lent: dict[int, torch.Tensor] = {}  # id(model tensor) -> its own value, held
+        _ALIVE.add(self)
+
+    @staticmethod
+    def several_alive() -> bool:
+        """Whether more than one TrainState lives in this process (several models: a GAN,
+        distillation), when a step's backward must reach its own parameters only."""
+        return len(_ALIVE) > 1
+
+    def backward_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The trainable parameters the optimizers hold, for ``backward(inputs=...)``; ``()``
+        (everything that requires grad) when some are not plain parameters (FSDP2's DTensor
+        shards and float8 weights receive their gradients through hooks, not as leaves)."""
+        params = tuple(p for optimizer in self._optimizers for group in optimizer.param_groups
+                       for p in group["params"] if p.requires_grad)
+        if any(type(p) is not nn.Parameter for p in params):
+            return ()
+        return params
 
     @property
     def model(self) -> nn.Module:
@@ -106,9 +98,19 @@ class TrainState:
             "TrainState(model, optimizer) for another model")
 
     @property
+    def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """Every optimizer of [`model`][], in the order given (fixed, like the model)."""
+        return self._optimizers
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
-        """The optimizer of [`model`][] (fixed, like the model)."""
-        return self._optimizer
+        """The optimizer of [`model`][] when the state has one (see [`optimizers`][])."""
+        if len(self._optimizers) > 1:
+            raise AttributeError(
+                f"this TrainState has {len(self._optimizers)} optimizers "
+                f"({', '.join(type(o).__name__ for o in self._optimizers)}); use "
+                "state.optimizers")
+        return self._optimizers[0]
 
     @optimizer.setter
     def optimizer(self, value: torch.optim.Optimizer) -> None:
@@ -116,6 +118,25 @@ class TrainState:
             "TrainState.optimizer cannot be replaced: it holds the prepared model's parameters. "
             "Build a new TrainState(model, optimizer); to change hyper-parameters, edit "
             "optimizer.param_groups")
+
+    @property
+    def schedulers(self) -> tuple[Any | None, ...]:
+        """One scheduler or None per optimizer, in the order of [`optimizers`][]."""
+        return self._schedulers
+
+    @property
+    def scheduler(self) -> Any | None:
+        """The scheduler of the state's one optimizer, or None (see [`schedulers`][])."""
+        if len(self._schedulers) > 1:
+            raise AttributeError(
+                f"this TrainState has {len(self._schedulers)} optimizers, each with its own "
+                "scheduler entry; use state.schedulers")
+        return self._schedulers[0]
+
+    @property
+    def has_scheduler(self) -> bool:
+        """Whether any optimizer has a scheduler."""
+        return any(s is not None for s in self._schedulers)
 
     @property
     def preparations(self) -> tuple[tuple[Any, Any, str], ...]:
@@ -127,42 +148,45 @@ class TrainState:
         self._preparations.append((key, prepared, description))
 
     def step_scheduler(self) -> None:
-        """Step the scheduler after a real update (the engine's call, once per update).
+        """Step the schedulers after a real update (the engine's call, once per update).
 
-        Warns once when the scheduler was stepped by someone else since the last update: a
+        Warns once when a scheduler was stepped by someone else since the last update: a
         step already steps it, so a loop that also calls ``scheduler.step()`` moves the
         schedule twice as fast.
         """
-        scheduler = self.scheduler
-        if scheduler is None or self.scheduler_every == "epoch":
+        if not self.has_scheduler or self.scheduler_every == "epoch":
             return
         self._real_updates += 1
         if self._real_updates < int(self.scheduler_every):
             return
         self._real_updates = 0
-        self._advance(scheduler)
+        self._advance()
 
     def end_epoch(self) -> None:
         """Mark the end of an epoch: counts ``state.epoch`` and, with
-        ``scheduler_every="epoch"``, steps the scheduler (a per-epoch ``StepLR``, say)."""
+        ``scheduler_every="epoch"``, steps the schedulers (a per-epoch ``StepLR``, say)."""
         self.epoch += 1
-        if self.scheduler is not None and self.scheduler_every == "epoch":
+        if self.has_scheduler and self.scheduler_every == "epoch":
             with warnings.catch_warnings():
                 if self.step:  # updates ran, maybe in the process that saved this state
                     warnings.filterwarnings("ignore", _STEPPED_FIRST, UserWarning)
-                self._advance(self.scheduler)
+                self._advance()
 
-    def _advance(self, scheduler: Any) -> None:
-        mark = getattr(scheduler, "last_epoch", None)
-        if mark is not None and self._scheduler_mark is not None and mark != self._scheduler_mark:
-            self.warn_once(
-                "scheduler",
-                f"the scheduler was stepped outside the step ({mark - self._scheduler_mark} "
-                "extra time(s) since the last update): accelfn steps the TrainState's "
-                "scheduler once per real update already. Remove scheduler.step() from the loop "
-                "(or keep the scheduler out of the TrainState to step it yourself)")
-        scheduler.step()
-        self._scheduler_mark = getattr(scheduler, "last_epoch", None)
+    def _advance(self) -> None:
+        marks = self._scheduler_marks
+        for i, scheduler in enumerate(self._schedulers):
+            if scheduler is None:
+                continue
+            mark = getattr(scheduler, "last_epoch", None)
+            if mark is not None and marks[i] is not None and mark != marks[i]:
+                self.warn_once(
+                    "scheduler",
+                    f"the scheduler was stepped outside the step ({mark - marks[i]} "
+                    "extra time(s) since the last update): accelfn steps the TrainState's "
+                    "scheduler once per real update already. Remove scheduler.step() from the "
+                    "loop (or keep the scheduler out of the TrainState to step it yourself)")
+            scheduler.step()
+            marks[i] = getattr(scheduler, "last_epoch", None)
 
     def reset_carry(self, evaluate: bool | None = None) -> None:
         """Forget what the step function carries between calls (see accelfn.core.carry):
@@ -263,8 +287,7 @@ class TrainState:
         slots.update({k: v for k, v in self._pending.items() if k not in slots})
         return {
             "model": self._model_state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            **self._optimization_state_dict(),
             "step": self.step,
             "slots": slots,
             "schedule": {"epoch": self.epoch, "real_updates": self._real_updates,
@@ -292,11 +315,7 @@ class TrainState:
                 f"the checkpoint stepped its scheduler every {schedule['every']!r}, this state "
                 f"every {self.scheduler_every!r}; build the state with the checkpointed run's "
                 "scheduler_every")
-        if (state_dict["scheduler"] is None) != (self.scheduler is None):
-            raise ValueError(
-                "the checkpoint and this state disagree on having a scheduler; build the state "
-                "the way the checkpointed run did"
-            )
+        self._check_optimization(state_dict["optimizer"], state_dict["scheduler"])
         backup = self.snapshot()
         was_open = not self.at_update_boundary
         try:
@@ -320,8 +339,7 @@ class TrainState:
         self.sync()
         snap = {
             "model": self._model_state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            **self._optimization_state_dict(),
             "step": self.step,
             "slots": {name: _save(obj, rollback=True) for name, obj in self._slots.items()},
             "pending": dict(self._pending),
@@ -333,12 +351,45 @@ class TrainState:
                              for p in self.model.parameters()]
         return copy.deepcopy(snap)
 
+    def _optimization_state_dict(self) -> dict[str, Any]:
+        """``{"optimizer": ..., "scheduler": ...}``: one optimizer's state dict and its
+        scheduler's (or None), or with several optimizers a list of each, in order."""
+        optimizers = [o.state_dict() for o in self._optimizers]
+        schedulers = [None if s is None else s.state_dict() for s in self._schedulers]
+        if len(optimizers) == 1:
+            return {"optimizer": optimizers[0], "scheduler": schedulers[0]}
+        return {"optimizer": optimizers, "scheduler": schedulers}
+
+    def _check_optimization(self, optimizer: Any, scheduler: Any) -> None:
+        """Refuse a checkpoint of another number of optimizers or other schedulers."""
+        n = len(self._optimizers)
+        saved_n = len(optimizer) if isinstance(optimizer, list) else 1
+        if saved_n != n:
+            raise ValueError(
+                f"the checkpoint holds {saved_n} optimizer(s), this state {n}; build the state "
+                "with the optimizers of the checkpointed run, in the same order")
+        schedulers = scheduler if n > 1 else [scheduler]
+        if not isinstance(schedulers, list) or len(schedulers) != n:
+            raise ValueError(f"the checkpoint's schedulers do not match its {n} optimizers")
+        for i, (saved, here) in enumerate(zip(schedulers, self._schedulers)):
+            if (saved is None) != (here is None):
+                which = "" if n == 1 else f" of optimizer {i}"
+                raise ValueError(
+                    f"the checkpoint and this state disagree on having a scheduler{which}; "
+                    "build the state the way the checkpointed run did"
+                )
+
     def _apply(self, state_dict: dict[str, Any]) -> None:
         self.model.load_state_dict(state_dict["model"], strict=True)
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        if self.scheduler is not None:
-            self.scheduler.load_state_dict(state_dict["scheduler"])
-            self._scheduler_mark = getattr(self.scheduler, "last_epoch", None)
+        several = len(self._optimizers) > 1
+        optimizers = state_dict["optimizer"] if several else [state_dict["optimizer"]]
+        schedulers = state_dict["scheduler"] if several else [state_dict["scheduler"]]
+        for optimizer, saved in zip(self._optimizers, optimizers):
+            optimizer.load_state_dict(saved)
+        for i, (scheduler, saved) in enumerate(zip(self._schedulers, schedulers)):
+            if scheduler is not None:
+                scheduler.load_state_dict(saved)
+                self._scheduler_marks[i] = getattr(scheduler, "last_epoch", None)
         self.step = int(state_dict["step"])
         schedule = state_dict.get("schedule", {})
         self.epoch = int(schedule.get("epoch", 0))
@@ -355,10 +406,15 @@ class TrainState:
                 p.grad = None if grad is None else grad.to(p.device, copy=True)
 
     def __repr__(self) -> str:
-        sched = type(self.scheduler).__name__ if self.scheduler is not None else None
+        def names(items: Sequence[Any]) -> str:
+            text = [None if x is None else type(x).__name__ for x in items]
+            return str(text[0]) if len(text) == 1 else f"[{', '.join(map(str, text))}]"
+
+        several = len(self._optimizers) > 1
         return (
             f"TrainState(model={type(self.model).__name__}, "
-            f"optimizer={type(self.optimizer).__name__}, scheduler={sched}, step={self.step}, "
+            f"optimizer{'s' if several else ''}={names(self._optimizers)}, "
+            f"scheduler{'s' if several else ''}={names(self._schedulers)}, step={self.step}, "
             f"slots={sorted(self._slots)})"
         )
 

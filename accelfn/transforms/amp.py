@@ -102,8 +102,10 @@ def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: fl
         if scaler is None:
             return
         ctx.metrics["loss_scale"] = compat.scaler_scale(scaler).detach().clone()
-        scaler.unscale_(ctx.optimizer)
-        found = compat.scaler_found_inf(scaler, ctx.optimizer)
+        found = []  # one scaler for all optimizers, as PyTorch's AMP recipe for several
+        for optimizer in ctx.state.optimizers:
+            scaler.unscale_(optimizer)
+            found += compat.scaler_found_inf(scaler, optimizer)
         flags = [f.to(ctx.device) for f in found]
         overflow = (torch.stack(flags).sum() > 0 if flags
                     else torch.zeros((), dtype=torch.bool, device=ctx.device))

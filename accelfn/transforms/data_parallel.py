@@ -79,12 +79,23 @@ def _fsdp(model: nn.Module, state: TrainState, param_dtype: torch.dtype | None) 
     fully_shard(model, mp_policy=policy)
     after = dict(model.named_parameters())
     # fully_shard swaps parameters for DTensor ones: point the optimizer at them.
-    optimizer = state.optimizer
-    if optimizer.state:
-        raise ValueError("distributed(strategy='fsdp') must shard the model before the "
-                         "optimizer has state; build the step before loading a checkpoint")
-    for group in optimizer.param_groups:
-        group["params"] = [after[before[id(p)]] for p in group["params"]]
+    for optimizer in state.optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [after[before[id(p)]] for p in group["params"]]
+
+
+def _check_fsdp_optimizers(state: TrainState) -> None:
+    """Refuse what FSDP2's sharded parameters cannot train correctly, before any change."""
+    for optimizer in state.optimizers:
+        if optimizer.state:
+            raise ValueError("distributed(strategy='fsdp') must shard the model before the "
+                             "optimizer has state; build the step before loading a checkpoint")
+        muon = getattr(torch.optim, "Muon", None)
+        if muon is not None and isinstance(optimizer, muon):
+            raise ValueError(
+                "torch.optim.Muon cannot train FSDP2-sharded parameters: its Newton-Schulz "
+                "orthogonalisation needs each whole matrix, and each process holds a shard of "
+                "it. Use distributed(strategy='ddp') with Muon, or AdamW for sharded training")
 
 
 def _all_reduce_grads(model: nn.Module, group: Any) -> None:
@@ -147,6 +158,7 @@ def _distributed(strategy: str, static_graph: bool, compression: str | None,
             model = _ddp(model, device, static_graph, compression, bucket_cap_mb,
                          find_unused_parameters)
         else:  # the islands phase (with_amp) set the compute dtype: FSDP's parameter dtype
+            _check_fsdp_optimizers(state)
             _fsdp(model, state, prepared.compute_dtype)
         return dataclasses.replace(prepared, model=model, process_group=dist.group.WORLD)
 

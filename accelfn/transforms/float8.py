@@ -123,7 +123,7 @@ def _convert(model: nn.Module, state: TrainState, config: Any, min_features: int
             f"min_features={min_features} (and that the predicate accepts); the model's "
             f"Linear sizes (in, out) are {sizes[:8]}{' ...' if len(sizes) > 8 else ''}. Lower "
             "min_features, or leave with_float8 out: small layers gain nothing from float8")
-    held = _held(state.optimizer)
+    held = {k: v for optimizer in state.optimizers for k, v in _held(optimizer).items()}
     before = {name: dict(model.get_submodule(name).named_parameters(recurse=False))
               for name in chosen}
     if config.enable_fsdp_float8_all_gather:
@@ -141,8 +141,9 @@ def _convert(model: nn.Module, state: TrainState, config: Any, min_features: int
             if fresh is not old and id(old) in held:
                 swaps[id(old)] = fresh
     if swaps:  # the float8 all-gather wraps each weight in a new Parameter
-        _repoint(state.optimizer, swaps)
-    _check_held(model, state.optimizer, before, held)
+        for optimizer in state.optimizers:
+            _repoint(optimizer, swaps)
+    _check_held(model, state.optimizers, before, held)
     return sorted(already + chosen)
 
 
@@ -161,9 +162,9 @@ def _refuse_tied(model: nn.Module, before: dict[str, dict[str, nn.Parameter]]) -
                 f"predicate=lambda name, module: name != {name!r}")
 
 
-def _check_held(model: nn.Module, optimizer: torch.optim.Optimizer,
+def _check_held(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
                 before: dict[str, dict[str, nn.Parameter]], held: dict[int, Tensor]) -> None:
-    now = _held(optimizer)
+    now = {k: v for optimizer in optimizers for k, v in _held(optimizer).items()}
     for name in before:
         for key, p in model.get_submodule(name).named_parameters(recurse=False):
             if id(before[name][key]) in held and id(p) not in now:

@@ -55,12 +55,15 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
             model = torch.compile(model, **kwargs)  # type: ignore[assignment]
         if not optimizer:
             return dataclasses.replace(prepared, model=model)
-        _tensor_lrs(optim := state.optimizer)
+        optimizers = state.optimizers
+        for optim in optimizers:
+            _tensor_lrs(optim)
         inner = prepared.optimizer_step
         compiled_step = torch.compile(lambda: inner(), fullgraph=False, backend=backend)
 
         def optimizer_step() -> None:
-            _tensor_lrs(optim)  # again: optimizer.load_state_dict puts back float rates
+            for optim in optimizers:  # again: optimizer.load_state_dict puts back float rates
+                _tensor_lrs(optim)
             compiled_step()
 
         return dataclasses.replace(prepared, model=model, optimizer_step=optimizer_step)
