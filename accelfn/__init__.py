@@ -30,17 +30,7 @@ from .core.processes import (
     scale_lr,
     world_size,
 )
-from .core.protocol import (
-    PHASES,
-    CallContext,
-    Decision,
-    Hooks,
-    Plan,
-    Prepared,
-    Sums,
-    Transform,
-    UpdateContext,
-)
+from .core.protocol import GradientTransform, Transform
 from .core.state import TrainState
 
 # data
@@ -89,27 +79,20 @@ __version__ = "0.1.0"
 __all__ = [
     "EXIT_PREEMPTED",
     "NO_DECAY_TYPES",
-    "PHASES",
-    "CallContext",
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointLockedError",
-    "Decision",
     "Diagnostics",
     "EarlyStopping",
-    "Hooks",
+    "GradientTransform",
     "Monitor",
     "NonFiniteError",
-    "Plan",
     "PreemptionGuard",
-    "Prepared",
     "Profiler",
     "Step",
-    "Sums",
     "SyncProbe",
     "TrainState",
     "Transform",
-    "UpdateContext",
     "WarmupPlateau",
     "apply_transform",
     "channels_last",

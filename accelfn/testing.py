@@ -9,12 +9,15 @@
 
 [`plain_update`][] is one update of the plain PyTorch loop (forward, backward, an optional
 edit of the gradients, ``optimizer.step()``, ``zero_grad(set_to_none=True)``); it uses torch
-only. [`check_transform`][] runs the contract on a transform: equivalence to the reference
+only. [`check_transform`][] runs the contract on a transform (a
+[`GradientTransform`][accelfn.GradientTransform] or a built-in): equivalence to the reference
 you give (parameters, buffers and optimizer state, bitwise; the batches left as they were),
 every stacking order with the built-ins, ``state_dict`` round trip and exact resume, purity
 (reuse in two stacks, and two states trained one after the other and in turn), no host sync
-in any step, and a refused bad input or a call failing half-way leaving every piece of state
-intact. Each check raises ``AssertionError`` saying what differed.
+in any step, and a refused bad input or a call failing half-way (in the loss function, or in
+the optimizer step after the gradient transforms ran) leaving every piece of state intact.
+Each check raises ``AssertionError`` saying what differed; a check that could not run (every
+stacking order refused) fails too.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 from .core.engine import Step, apply_transform
-from .core.protocol import Transform
+from .core.protocol import GradientTransform, Transform
 from .core.state import TrainState
 from .observe.sync_probe import SyncProbe
 from .transforms.accumulation import with_accumulation
@@ -166,6 +169,12 @@ def _assert_same_state(a: Any, b: Any, what: str, where: str = "state") -> None:
         raise AssertionError(f"{what}: {where} is {b!r}, was {a!r}")
 
 
+def _without(state_dict: dict[str, Any], buffers: set[str]) -> dict[str, Any]:
+    """``state_dict`` without the model's buffers."""
+    model = {k: v for k, v in state_dict["model"].items() if k not in buffers}
+    return {**state_dict, "model": model}
+
+
 def _at_boundary(step: Step, state: TrainState) -> None:
     """Apply an open call-counting window, so the state can be saved."""
     if not state.at_update_boundary:
@@ -174,6 +183,25 @@ def _at_boundary(step: Step, state: TrainState) -> None:
 
 class _InjectedFailure(Exception):
     """The error of the loss function in the failed-call check."""
+
+
+def _failing_optimizer(make_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                      armed: list[bool]) -> Callable[[nn.Module], torch.optim.Optimizer]:
+    """``make_optimizer`` whose optimizers' ``step()`` raises, before changing anything,
+    while ``armed``."""
+    def make(model: nn.Module) -> torch.optim.Optimizer:
+        optimizer = make_optimizer(model)
+        inner = optimizer.step
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            if armed[0]:
+                raise _InjectedFailure("the optimizer step failed")
+            return inner(*args, **kwargs)
+
+        optimizer.step = step  # type: ignore[method-assign]
+        return optimizer
+
+    return make
 
 
 def _failing(loss_fn: LossFn, armed: list[bool]) -> LossFn:
@@ -201,7 +229,7 @@ def _train(step: Step, make_model: Callable[[], nn.Module],
 
 
 def check_transform(
-    transform: Transform,
+    transform: Transform | GradientTransform,
     *,
     reference: Reference | None = None,
     loss_fn: LossFn = _loss,
@@ -216,14 +244,20 @@ def check_transform(
     ``reference(model, optimizer, batch)`` is one update written by hand (plain PyTorch,
     e.g. with [`plain_update`][]); the transform's step must give the same model state
     (parameters and buffers) and optimizer state bitwise. A call whose loss function raises
-    must leave the whole ``TrainState`` as it was (undo partial work in an ``abort``
-    hook). ``builtins`` are the transforms it is stacked with in every order (default: bf16
-    ``with_amp``, ``with_accumulation(2)``, ``with_clipping``): every order must give the
-    same result, or be refused when built. ``make_model`` must return the same
-    initial weights on every call (seed inside it).
+    must leave the whole ``TrainState`` as it was, and so must a call whose optimizer step
+    fails after the gradient transforms ran (a gradient transform returns its new state, it
+    does not write to the one it is given). ``builtins`` are the transforms it is stacked
+    with in every order (default: bf16 ``with_amp``, ``with_accumulation(2)``,
+    ``with_clipping``, less the built-in checked): every order must give the same result,
+    or be refused when built;
+    at least one order must run. ``make_model`` must return the same initial weights on
+    every call (seed inside it).
     """
+    if isinstance(transform, GradientTransform):
+        transform = transform.transform()
     if not isinstance(transform, Transform):
-        raise TypeError(f"check_transform takes an accelfn.Transform, got {transform!r}")
+        raise TypeError(f"check_transform takes an accelfn.GradientTransform or a built-in "
+                        f"transform, got {transform!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 2:
         raise ValueError(f"check_transform(steps={steps!r}) must be an int >= 2: the resume "
                          "check needs a step before the checkpoint and one after it")
@@ -236,6 +270,8 @@ def check_transform(
                              f"({error}); seed inside it, e.g. torch.manual_seed(0)") from None
     batches = [make_batch(i) for i in range(steps)]
     armed = [False]  # makes the step's loss function fail, for check 6
+    armed_optimizer = [False]  # makes the optimizer step fail, for check 6
+    make_optimizer = _failing_optimizer(make_optimizer, armed_optimizer)
     step = apply_transform(_failing(loss_fn, armed), transform)
 
     # 1. equivalence to the hand-written reference, on the batches as made
@@ -263,8 +299,9 @@ def check_transform(
     report.passed.append("purity")
 
     # 3. every order with the built-ins, or a refusal
-    others = list(builtins) if builtins is not None else [
-        with_amp(dtype=torch.bfloat16), with_accumulation(2), with_clipping(max_norm=0.5)]
+    others = list(builtins) if builtins is not None else [  # the other built-ins
+        t for t in (with_amp(dtype=torch.bfloat16), with_accumulation(2),
+                    with_clipping(max_norm=0.5)) if t.name != transform.name]
     outcome: list[tuple[str, Tensor]] | None = None
     refusal: str | None = None
     for order in itertools.permutations([transform, *others]):
@@ -286,6 +323,9 @@ def check_transform(
             outcome = got
         _assert_same(outcome, got, f"stacking order {order}")
         report.orders += 1
+    if not report.orders:
+        raise AssertionError(f"no stacking order of {transform!r} with {others} could run: "
+                             f"every one was refused ({refusal}); pass builtins= it stacks with")
     report.passed.append("orders")
 
     # 4. state_dict round trip and exact resume; the two states are trained in turn, and
@@ -347,9 +387,24 @@ def check_transform(
     finally:
         armed[0] = False
     _assert_same_state(before, first.state_dict(), "state after a failed call")
+    armed_optimizer[0] = True
+    try:  # calls until one updates (a call-counting split updates every n-th call; a
+        for batch in batches * 8:  # failed call discards its open window)
+            step(first, batch)
+    except _InjectedFailure:
+        pass
+    else:
+        raise AssertionError(f"{transform!r} hid the error of a failing optimizer step")
+    finally:
+        armed_optimizer[0] = False
+    # the forward ran: buffers it updates (BatchNorm's statistics) are as it left them
+    buffers = {name for name, _ in first.model.named_buffers()}
+    _assert_same_state(_without(before, buffers), _without(first.state_dict(), buffers),
+                       "state after a call whose optimizer step failed (a gradient transform "
+                       "writing to its state instead of returning the new one?)")
     model = make_model()
     twin = TrainState(model, make_optimizer(model))
-    twin.load_state_dict(copy.deepcopy(before))
+    twin.load_state_dict(copy.deepcopy(first.state_dict()))  # `before`, with those buffers
     for batch in batches:
         step(first, batch)
         step(twin, batch)

@@ -6,11 +6,11 @@
 
 Time: 4.5 s on a 2-core CPU shared with other work (load average 3), 200 updates.
 
-``with_gradient_noise`` follows the same public protocol as accelfn's own transforms: an
-immutable ``accelfn.Transform`` record declaring one hook in the ``gradients`` phase (after
-unscaling and micro-batch weighting, before clipping), with its random generator kept in a
-checkpointable slot of the TrainState. ``tests/test_examples.py`` checks it against the
-noise written by hand and runs ``accelfn.testing.check_transform`` on it.
+``with_gradient_noise`` is an ``accelfn.GradientTransform``: a name, an update of the
+gradients (after unscaling, micro-batch weighting and the reduction across processes,
+before clipping), and a state (its random generator's), which the TrainState keeps and
+checkpoints. ``tests/test_examples.py`` checks it against the noise written by hand and runs
+``accelfn.testing.check_transform`` on it.
 """
 
 from __future__ import annotations
@@ -30,34 +30,27 @@ from accelfn import checkpointing, data
 from accelfn.data.datasets import digits
 
 
-class _NoiseState:
-    """The transform's checkpointable state: its random generator."""
-
-    def __init__(self, device: torch.device, seed: int) -> None:
-        self.generator = torch.Generator(device).manual_seed(seed)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"rng": self.generator.get_state()}
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        self.generator.set_state(saved["rng"])
-
-
-def with_gradient_noise(*, std: float = 0.01, seed: int = 0) -> af.Transform:
+def with_gradient_noise(*, std: float = 0.01, seed: int = 0) -> af.GradientTransform:
     """Equivalent to ``p.grad += std * randn_like(p.grad)`` for every parameter, before
     clipping and the optimizer step."""
     if not std > 0:
         raise ValueError(f"with_gradient_noise(std={std!r}) must be > 0")
 
-    def add_noise(ctx: af.UpdateContext) -> None:
-        noise = ctx.state.slot("with_gradient_noise", lambda: _NoiseState(ctx.device, seed))
-        for g in ctx.grads():
-            g.add_(torch.randn(g.shape, generator=noise.generator, device=g.device,
-                               dtype=g.dtype), alpha=std)
+    def init(params: list[torch.Tensor]) -> dict[str, Any]:
+        generator = torch.Generator(params[0].device).manual_seed(seed)
+        return {"rng": generator.get_state()}
 
-    return af.Transform("with_gradient_noise", af.Hooks(gradients=add_noise),
-                        options=(("std", std), ("seed", seed)),
-                        label=f"with_gradient_noise({std:g})")
+    def add_noise(grads: list[torch.Tensor], params: list[torch.Tensor],
+                  state: dict[str, Any]) -> dict[str, Any]:
+        generator = torch.Generator(grads[0].device)
+        generator.set_state(state["rng"])
+        for g in grads:
+            g.add_(torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype),
+                   alpha=std)
+        return {"rng": generator.get_state()}  # the new state: kept if the update applies
+
+    return af.GradientTransform("with_gradient_noise", add_noise, init,
+                                label=f"with_gradient_noise({std:g})")
 
 
 def mlp_step(model: nn.Module, batch: TensorDictBase) -> dict[str, torch.Tensor]:

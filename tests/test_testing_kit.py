@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from halving import halve, halved, loss_fn
 from torch import nn
 
 import accelfn as af
+from accelfn.core.places import Averaging
 from accelfn.testing import check_transform, plain_update
 
 
@@ -38,64 +38,61 @@ ALL = ["reference", "purity", "orders", "resume", "no host sync", "bad input"]
 
 
 def test_a_correct_transform_on_a_model_with_buffers_passes():
-    halving = af.Transform("halve_grads", af.Hooks(gradients=halve), preserves_finite=True)
+    halving = af.GradientTransform("halve_grads", halve)
     report = check_transform(halving, reference=halved, loss_fn=loss_fn,
                              make_model=make_batchnorm_net)
     assert report.passed == ALL
 
 
-def test_catches_a_transform_that_changes_the_model_buffers():
-    def halve_buffers(ctx, skipped):  # outside its slot; the parameters stay right
-        for b in ctx.state.model.buffers():
-            if b.is_floating_point():
-                b.mul_(0.5)
+def test_catches_a_transform_that_changes_the_parameters_itself():
+    def decay(grads, params, state):  # edits the weights instead of the gradients
+        for p in params:
+            p.detach().mul_(0.999)
 
-    broken = af.Transform("halve_buffers", af.Hooks(after_update=halve_buffers), commutes=True)
+    broken = af.GradientTransform("decay_weights", decay)
     with pytest.raises(AssertionError, match="against the reference"):
         check_transform(broken, reference=plain, loss_fn=loss_fn, make_model=make_batchnorm_net)
 
 
-def test_catches_a_transform_that_changes_the_optimizer_state():
+def test_catches_a_builtin_part_that_changes_the_optimizer_state():
     def reset_momentum(ctx, skipped):
         for s in ctx.state.optimizer.state.values():
             s["momentum_buffer"].mul_(0.5)
 
-    broken = af.Transform("reset_momentum", af.Hooks(after_update=reset_momentum),
-                          commutes=True)
+    part = Averaging(lambda prepared, state: prepared, reset_momentum,
+                     lambda ctx, options: contextlib.nullcontext())
+    broken = af.Transform("reset_momentum", part)
     with pytest.raises(AssertionError, match="against the reference"):
         check_transform(broken, reference=plain, loss_fn=loss_fn, steps=2)
 
 
-def _counting(undo):
-    def micro_context(ctx, index, sync):
-        ctx.state.slot("counting", lambda: {"calls": 0})["calls"] += 1
-        return contextlib.nullcontext()
+def _counting(in_place):
+    def count(grads, params, state):
+        if in_place:  # writes to the state it was given: a failed call keeps the count
+            state["calls"] += 1
+            return None
+        return {"calls": state["calls"] + 1}
 
-    def abort(ctx):
-        ctx.state.slot("counting", lambda: {"calls": 0})["calls"] -= 1
-
-    hooks = af.Hooks(micro_context=micro_context)
-    if undo:
-        hooks["abort"] = abort
-    return af.Transform("counting", hooks)
+    return af.GradientTransform("counting", count, init=lambda params: {"calls": 0})
 
 
-def test_catches_state_left_changed_by_a_failed_call():
-    with pytest.raises(AssertionError, match="failed call"):
-        check_transform(_counting(undo=False), reference=plain, loss_fn=loss_fn)
+def test_catches_state_written_in_place_before_a_failed_optimizer_step():
+    with pytest.raises(AssertionError, match="optimizer step failed"):
+        check_transform(_counting(in_place=True), reference=plain, loss_fn=loss_fn)
 
 
-def test_a_transform_undoing_its_work_on_a_failed_call_passes():
-    report = check_transform(_counting(undo=True), reference=plain, loss_fn=loss_fn)
+def test_a_transform_returning_its_new_state_passes():
+    report = check_transform(_counting(in_place=False), reference=plain, loss_fn=loss_fn)
     assert report.passed == ALL
 
 
 def test_catches_a_host_sync_made_on_some_updates_only():
-    def every_other(ctx):  # e.g. logging every N updates
-        if ctx.state.step % 2 == 0:
-            float(ctx.grads()[0].sum())
+    def every_other(grads, params, state):  # e.g. logging every N updates
+        if state["n"] % 2 == 0:
+            float(grads[0].sum())
+        return {"n": state["n"] + 1}
 
-    broken = af.Transform("every_other", af.Hooks(gradients=every_other), commutes=True)
+    broken = af.GradientTransform("every_other", every_other, init=lambda params: {"n": 0})
     with pytest.raises(AssertionError, match="host syncs"):
         check_transform(broken, reference=plain, loss_fn=loss_fn)
 
@@ -108,8 +105,15 @@ def test_the_calls_mode_accumulation_passes(steps):
     assert report.passed == ALL[1:]
 
 
+def test_a_check_that_could_not_run_fails():
+    """Every stacking order refused: the orders check ran nothing, which is no pass."""
+    with pytest.raises(AssertionError, match=r"no stacking order .* could run"):
+        check_transform(af.with_clipping(max_norm=0.5), loss_fn=loss_fn,
+                        builtins=[af.with_clipping(max_norm=1.0)])
+
+
 def test_an_unseeded_make_model_is_named_as_the_cause():
-    halving = af.Transform("halve_grads", af.Hooks(gradients=halve), preserves_finite=True)
+    halving = af.GradientTransform("halve_grads", halve)
     with pytest.raises(AssertionError, match="make_model"):
         check_transform(halving, reference=halved, loss_fn=loss_fn,
                         make_model=lambda: nn.Linear(6, 4))
@@ -126,14 +130,18 @@ def test_too_few_steps_to_check_a_resume_are_refused(steps):
 # Each transform below breaks one property the kit promises to check; a warm-up that halves
 # the gradients of a state's first update is the transform they get wrong.
 def _warmup(name, updates_of):
-    """A transform halving the gradients while ``updates_of(ctx)`` (a counter) is 0."""
-    def gradients(ctx):
-        counter = updates_of(ctx)
+    """A gradient transform halving the gradients while ``updates_of(params, state)`` (a
+    counter) is 0; the counter is its state when ``updates_of`` returns the state."""
+    def update(grads, params, state):
+        counter = updates_of(params, state)
         if counter["updates"] == 0:
-            halve(ctx)
+            halve(grads, params, None)
+        if counter is state:
+            return {"updates": counter["updates"] + 1}
         counter["updates"] += 1
+        return None
 
-    return af.Transform(name, af.Hooks(gradients=gradients), preserves_finite=True)
+    return af.GradientTransform(name, update, init=lambda params: {"updates": 0})
 
 
 @pytest.fixture
@@ -153,8 +161,8 @@ def reference():
     return by_hand
 
 
-def test_a_warmup_counting_updates_in_its_slot_passes(reference):
-    warmup = _warmup("warmup", lambda ctx: ctx.state.slot("warmup", lambda: {"updates": 0}))
+def test_a_warmup_counting_updates_in_its_state_passes(reference):
+    warmup = _warmup("warmup", lambda params, state: state)
     report = check_transform(warmup, reference=reference, loss_fn=loss_fn)
     assert report.passed == ALL
 
@@ -162,34 +170,34 @@ def test_a_warmup_counting_updates_in_its_slot_passes(reference):
 def test_catches_state_kept_in_a_closure_across_states(reference):
     counter = {"updates": 0}  # shared by every state the step ever trains
     with pytest.raises(AssertionError, match="trained twice on fresh states"):
-        check_transform(_warmup("warmup", lambda ctx: counter), reference=reference,
+        check_transform(_warmup("warmup", lambda params, state: counter), reference=reference,
                         loss_fn=loss_fn)
 
 
-def test_catches_state_kept_in_a_closure_for_the_last_state_seen(reference):
-    last = {"state": None, "updates": 0}  # reset for a new state: right one state at a time
+def test_catches_state_kept_in_a_closure_for_the_last_model_seen(reference):
+    last = {"param": None, "updates": 0}  # reset for a new model: right one at a time
 
-    def updates_of(ctx):
-        if last["state"] is not ctx.state:
-            last.update(state=ctx.state, updates=0)
+    def updates_of(params, state):
+        if last["param"] is not params[0]:
+            last.update(param=params[0], updates=0)
         return last
 
     with pytest.raises(AssertionError, match="two states trained in turn"):
         check_transform(_warmup("warmup", updates_of), reference=reference, loss_fn=loss_fn)
 
 
-def test_catches_state_kept_per_state_outside_the_train_state(reference):
-    per_state = weakref.WeakKeyDictionary()  # never checkpointed
-
-    def updates_of(ctx):
-        return per_state.setdefault(ctx.state, {"updates": 0})
+def test_catches_state_kept_per_model_outside_the_train_state(reference):
+    def updates_of(params, state):  # kept on the model's first parameter: never checkpointed
+        if not hasattr(params[0], "_warmup_counter"):
+            params[0]._warmup_counter = {"updates": 0}
+        return params[0]._warmup_counter
 
     with pytest.raises(AssertionError, match="resume from state_dict"):
         check_transform(_warmup("warmup", updates_of), reference=reference, loss_fn=loss_fn)
 
 
 class _Counter(dict):
-    """A slot whose state_dict leaves out the counter the transform reads."""
+    """A state whose state_dict leaves out the counter the transform reads."""
 
     def __init__(self):
         super().__init__(updates=0)
@@ -202,7 +210,12 @@ class _Counter(dict):
 
 
 def test_catches_a_state_dict_leaving_out_a_counter(reference):
-    warmup = _warmup("warmup", lambda ctx: ctx.state.slot("warmup", _Counter))
+    def update(grads, params, state):
+        if state["updates"] == 0:
+            halve(grads, params, None)
+        state["updates"] += 1
+
+    warmup = af.GradientTransform("warmup", update, init=lambda params: _Counter())
     with pytest.raises(AssertionError, match="resume from state_dict"):
         check_transform(warmup, reference=reference, loss_fn=loss_fn)
 
@@ -216,7 +229,7 @@ def test_catches_noise_drawn_from_the_global_generator():
         plain_update(model, optimizer, batch, loss_fn,
                      edit_grads=lambda m: noise([p.grad for p in m.parameters()]))
 
-    broken = af.Transform("noisy", af.Hooks(gradients=lambda ctx: noise(ctx.grads())))
+    broken = af.GradientTransform("noisy", lambda grads, params, state: noise(grads))
     with pytest.raises(AssertionError, match="two states trained in turn"):
         check_transform(broken, reference=by_hand, loss_fn=loss_fn)
 
@@ -226,53 +239,38 @@ def test_catches_noise_drawn_from_the_global_generator():
                                   lambda g: g.numpy(), lambda g: g[g > 0]],
                          ids=["item", "cpu", "bool", "tolist", "numpy", "mask"])
 def test_catches_a_host_sync_on_every_update(read):
-    broken = af.Transform("peek", af.Hooks(gradients=lambda ctx: read(ctx.grads()[0])),
-                          commutes=True)
+    broken = af.GradientTransform("peek", lambda grads, params, state: read(grads[0]))
     with pytest.raises(AssertionError, match="adds host syncs"):
         check_transform(broken, reference=plain, loss_fn=loss_fn)
 
 
 def test_catches_a_host_sync_on_a_states_first_update_only():
-    def record(ctx):  # reads the first gradient norm to the host once, when the slot is new
-        first = ctx.state.slot("first_norm", lambda: {"norm": None})
-        if first["norm"] is None:
-            first["norm"] = float(ctx.grads()[0].norm())
+    def record(grads, params, state):  # reads the first gradient norm to the host once
+        if state["norm"] is None:
+            return {"norm": float(grads[0].norm())}
+        return None
 
-    broken = af.Transform("first_norm", af.Hooks(gradients=record), commutes=True)
+    broken = af.GradientTransform("first_norm", record, init=lambda params: {"norm": None})
     with pytest.raises(AssertionError, match="adds host syncs"):
         check_transform(broken, reference=plain, loss_fn=loss_fn)
 
 
 def test_catches_a_gradient_edit_one_rounding_away_from_the_reference():
-    def almost(ctx):
-        for g in ctx.grads():
+    def almost(grads, params, state):
+        for g in grads:
             g.mul_(1 + 1e-7)  # one float32 ulp: the kit compares bitwise
 
-    broken = af.Transform("almost", af.Hooks(gradients=almost), preserves_finite=True)
+    broken = af.GradientTransform("almost", almost)
     with pytest.raises(AssertionError, match=r"against the reference: model .* differs"):
         check_transform(broken, reference=plain, loss_fn=loss_fn)
 
 
-def test_catches_an_abort_undoing_work_its_call_never_did():
-    def count(ctx):  # counts updates where the call has reached them
-        ctx.state.slot("updates", lambda: {"n": 0})["n"] += 1
-
-    def abort(ctx):  # ...but undoes one on any failure, the loss function's included
-        ctx.state.slot("updates", lambda: {"n": 0})["n"] -= 1
-
-    broken = af.Transform("updates", af.Hooks(gradients=count, abort=abort), commutes=True,
-                          preserves_finite=True)
-    with pytest.raises(AssertionError, match=r"failed call: state\['slots'\]\['updates'\]"):
-        check_transform(broken, reference=plain, loss_fn=loss_fn)
-
-
 def test_catches_a_step_that_changes_its_batch_in_place():
-    def shrink(ctx, batch):  # trains on x / 2, and leaves the caller's batch halved
+    def shrink(batch, n):  # trains on x / 2, and leaves the caller's batch halved
         batch["x"].mul_(0.5)
-        return af.Plan((batch,))
+        return [batch]
 
-    broken = af.Transform("shrink", af.Hooks(split=shrink))
+    broken = af.with_accumulation(1, split=shrink)
     # before, the reference ran on the halved batches and passed; purity then blamed the step
     with pytest.raises(AssertionError, match=r"batch in place.*: batches\[0\]\['x'\] differs"):
         check_transform(broken, reference=plain, loss_fn=loss_fn)
-

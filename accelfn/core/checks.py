@@ -2,45 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import torch
 
-from .protocol import EXCLUSIVE, INDEPENDENT, PHASES, Transform
+from .places import Averaging, Spec
+from .protocol import Transform
 from .state import TrainState
 
-if TYPE_CHECKING:
-    from .engine import Step
-
 __all__ = ["after_update_failed", "check_evaluate_options", "check_optimizer_holds_trainable",
-           "check_stack", "check_state",
-           "optimizer_failed", "optimizer_out_of_memory", "out_of_memory"]
-
-_ORDER = [name for name, _, _ in PHASES]
-
-
-def check_stack(transforms: tuple[Transform, ...], text: Callable[[], str]) -> None:
-    names = [t.name for t in transforms]
-    for name in names:
-        if names.count(name) > 1:
-            raise ValueError(f"{name} is applied twice in {text()}; apply each transform once")
-    for phase in _ORDER:
-        members = sorted((t for t in transforms if phase in t.hooks), key=lambda t: t.name)
-        if len(members) < 2 or phase in INDEPENDENT:
-            continue
-        first, second = members[0], members[1]
-        if phase in EXCLUSIVE:
-            raise ValueError(
-                f"{first.name} and {second.name} both fill the {phase!r} phase, which runs one "
-                f"hook only; keep one of them in {text()}")
-        for i, a in enumerate(members):
-            for b in members[i + 1:]:
-                if not (a.commutes_with(b) and b.commutes_with(a)):
-                    raise ValueError(
-                        f"{a.name} and {b.name} both have a {phase!r} hook and do not both "
-                        f"declare that they commute, so their order would change the result; "
-                        f"declare commutes=True (or name the other) on both if it does not")
+           "check_state", "optimizer_failed", "optimizer_out_of_memory", "out_of_memory"]
 
 
 def check_optimizer_holds_trainable(state: TrainState) -> None:
@@ -63,27 +32,30 @@ def check_state(state: object) -> None:
             f"{type(state).__name__}")
 
 
-def check_evaluate_options(transforms: list[Transform], options: dict[str, object]) -> None:
-    """Refuse ``evaluate()`` options that no transform of the step declares."""
-    known = {o: t for t in transforms for o in t.evaluate_options}
+def check_evaluate_options(averaging: Averaging | None, options: dict[str, object]) -> None:
+    """Refuse ``evaluate()`` options that no transform of the step takes."""
+    known = () if averaging is None else averaging.evaluate_options
     unknown = sorted(set(options) - set(known))
     if unknown:
-        offered = ", ".join(f"{o!r} ({known[o].name})" for o in sorted(known)) or "none"
+        offered = ", ".join(f"{o!r} (with_ema)" for o in sorted(known)) or "none"
         raise TypeError(f"evaluate() got unknown option(s) {unknown}; this step offers "
                         f"{offered}")
 
 
-def out_of_memory(step: Step, error: BaseException) -> torch.OutOfMemoryError:
-    split = step._hooks["split"]
-    n = int(dict(split[0][0].options).get("n", 1)) if split else 1
+def out_of_memory(text: str, transforms: tuple[Transform, ...], spec: Spec,
+                  error: BaseException) -> torch.OutOfMemoryError:
+    """The advice for running out of memory in the forward or backward of the stack
+    ``text``."""
+    split = [t for t in transforms if t.part is spec.accumulation]
+    n = int(dict(split[0].options).get("n", 1)) if split else 1
     advice = [f"with_accumulation({2 * n}) (same update, half the activations)"]
-    if not step.has("checkpoint"):
+    if spec.checkpointing is None:
         advice.append("checkpointed (recompute block activations in backward)")
-    if not step.has("forward_context"):
+    if spec.precision is None and spec.float8 is None:
         advice.append("with_amp (bf16 activations take half the memory)")
     advice.append("a smaller batch")
     return torch.OutOfMemoryError(
-        f"out of memory in {step}; the parameters, optimizer and scheduler are unchanged "
+        f"out of memory in {text}; the parameters, optimizer and scheduler are unchanged "
         f"and gradients were cleared (buffers the forward updated, such as BatchNorm running "
         f"statistics, are as it left them). Try: {'; '.join(advice)}. ({error})")
 
@@ -99,11 +71,11 @@ def optimizer_failed(fresh: bool) -> str:
             f"reset, so the next call works; {state}")
 
 
-def optimizer_out_of_memory(step: Step, error: BaseException,
+def optimizer_out_of_memory(text: str, error: BaseException,
                             fresh: bool) -> torch.OutOfMemoryError:
     """The advice for running out of memory in the optimizer step, after backward."""
     return torch.OutOfMemoryError(
-        f"out of memory in the optimizer step of {step} (after backward: the activations "
+        f"out of memory in the optimizer step of {text} (after backward: the activations "
         f"are already freed, so a smaller batch or more micro-batches does not help); "
         f"{optimizer_failed(fresh).removeprefix('accelfn: the optimizer step raised; ')}. "
         "Try: foreach=False in the optimizer (its foreach kernels allocate temporaries the "

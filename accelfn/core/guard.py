@@ -1,13 +1,12 @@
-"""The non-finite guard: the ``decide`` phase that skips updates with NaN/Inf loss or gradients.
+"""The non-finite guard: the decision that skips updates with NaN/Inf loss or gradients.
 
-Every step has one: :func:`nonfinite` with ``policy="skip", max_consecutive=10`` unless the
-stack holds another transform filling the ``decide`` phase (``accelfn.with_nonfinite``
-builds one with other options; users may write their own). It lives in the core because the
-engine needs a default; it is an ordinary transform on the public protocol.
+Every step has one: the engine's default is :func:`nonfinite` with ``policy="skip",
+max_consecutive=10``, and ``accelfn.with_nonfinite`` fills the place with other options. It
+lives in the core because the engine needs a default.
 
-The decision is taken on the gradients the optimizer will apply: it reuses a norm or an
-overflow flag only when no hook wrote the gradients after it was reported, and checks the
-gradients itself otherwise. With a fused optimizer the skip happens on the device and the
+The decision is taken on the gradients the optimizer will apply: it reuses clipping's norm,
+or fp16's overflow flag when no gradient transform wrote the gradients after unscaling, and
+checks the gradients itself otherwise. With a fused optimizer the skip happens on the device and the
 flags are read one update later (:meth:`Guard.settle`); otherwise they are read before the
 optimizer step (one host read per update).
 """
@@ -15,6 +14,7 @@ optimizer step (one host read per update).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import compat
-from .protocol import Decision, Hooks, Transform, UpdateContext
+from .places import NonFinite
+from .protocol import Decision, Transform, UpdateContext
 from .state import TrainState
 from .syncs import GUARD_READ, deferred_read, labelled_read
 
@@ -96,21 +97,23 @@ class Guard:
                 error.add_note(_settle_failed(update))
                 raise
 
-    def _account(self, loss_bad: bool, grads_bad: bool, overflow: bool, update: int,
-                 policy: str, limit: int, done: bool = False) -> bool:
+    def _account(self, loss_bad: bool, grads_bad: bool, overflow: bool, custom: bool,
+                 update: int, policy: str, limit: int, done: bool = False) -> bool:
         """Count a bad update as skipped, or raise. A refused update is not counted (the call
-        fails and leaves the guard as it was) unless ``done``: skipped on the device already."""
-        if not (loss_bad or grads_bad or overflow):
+        fails and leaves the guard as it was) unless ``done``: skipped on the device already.
+        ``custom``: the ``skip_if`` check said to skip."""
+        if not (loss_bad or grads_bad or overflow or custom):
             self.consecutive = 0
             return False
         if (overflow and not loss_bad) or policy == "off":
             # an fp16 overflow: the loss scale backs off, it is not divergence
             self.skipped += 1
             return True
-        what = "loss" if loss_bad else "gradients"
+        what = ("a non-finite loss" if loss_bad else "non-finite gradients" if grads_bad
+                else "skip_if(loss, grads) true")
         if policy == "raise":  # decided on the host, never deferred: nothing was skipped
             raise NonFiniteError(
-                f"non-finite {what} at update {update}; {_REFUSED} Lower the learning rate, clip "
+                f"{what} at update {update}; {_REFUSED} Lower the learning rate, clip "
                 "gradients, or use with_nonfinite(policy='skip') to skip such updates")
         in_a_row = self.consecutive + 1
         if in_a_row < limit or done:
@@ -120,7 +123,7 @@ class Guard:
             state = ("the last was skipped on the device; " + _BUFFERS if done
                      else f"the last was refused: {_REFUSED}")
             raise NonFiniteError(
-                f"{in_a_row} updates in a row had a non-finite {what} (last at update "
+                f"{in_a_row} updates in a row had {what} (last at update "
                 f"{update}); training diverged: {state} Lower the learning rate or check "
                 "the data")
         return True
@@ -144,8 +147,9 @@ def _settle_failed(update: int) -> str:
             "again, with the same batch")
 
 
-def _unpack_flags(values: list[bool]) -> tuple[bool, bool, bool]:
-    return (values[0], values[1], values[2] if len(values) > 2 else False)
+def _unpack_flags(values: list[bool]) -> tuple[bool, bool, bool, bool]:
+    return (values[0], values[1], values[2] if len(values) > 2 else False,
+            values[3] if len(values) > 3 else False)
 
 
 def grads_nonfinite(grads: list[Tensor], device: torch.device) -> Tensor:
@@ -178,17 +182,19 @@ def _values(grad: Tensor) -> Tensor:
 Evidence = list[tuple[Tensor, bool]]  # (tensor, is_flag): a value is bad when non-finite
 
 
-def _evidence(ctx: UpdateContext, overflow: Tensor | None, check: bool) -> Evidence:
+def _evidence(ctx: UpdateContext, overflow: Tensor | None, norm: Tensor | None,
+              current: bool, check: bool) -> Evidence:
     """[loss, gradients] (and ``overflow``, the loss scaler's flag, when it reported): each a
-    value that is bad when non-finite, or a flag that is bad when nonzero."""
+    value that is bad when non-finite, or a flag that is bad when nonzero. ``current``: the
+    overflow flag describes the gradients as they are now; ``norm``: their total norm."""
     if not check:
         assert overflow is not None
         zero = torch.scalar_tensor(0.0, device=ctx.device)
         return [(zero, False), (zero, False), (overflow, True)]
     loss = (ctx.loss, False)
-    if overflow is not None and ctx.fact("overflow") is not None:  # unscaling checked the
-        return [loss, (overflow, True), (overflow, True)]          # gradients as they are
-    norm = ctx.fact("norm")  # a NaN/Inf gradient makes the total norm NaN/Inf
+    if overflow is not None and current:  # unscaling checked the gradients as they are
+        return [loss, (overflow, True), (overflow, True)]
+    # a NaN/Inf gradient makes the total norm NaN/Inf
     grads = (norm, False) if norm is not None else (
         grads_nonfinite(ctx.local_grads(), ctx.device), True)
     return [loss, grads] if overflow is None else [loss, grads, (overflow, True)]
@@ -212,17 +218,26 @@ def _host_flags(evidence: Evidence) -> list[bool]:
             for v, (_, is_flag) in zip(values, evidence)]
 
 
-def nonfinite(policy: str = "skip", max_consecutive: int = 10) -> Transform:
+SkipIf = Callable[[Tensor, list[Tensor]], Tensor]
+
+
+def nonfinite(policy: str = "skip", max_consecutive: int = 10,
+              skip_if: SkipIf | None = None) -> Transform:
     """The guard as a transform (see the module docstring); options checked by the caller."""
 
-    def decide(ctx: UpdateContext) -> Decision:
+    def decide(ctx: UpdateContext, overflow: Tensor | None, norm: Tensor | None,
+               current: bool) -> Decision:
         guard = ctx.state.slot(SLOT, Guard)
         if guard._pending is not None:
             guard.settle(ctx.state)  # the previous update's deferred decision
-        overflow = ctx.fact("overflow", current=False)
-        if policy == "off" and overflow is None:
+        if policy == "off" and overflow is None and skip_if is None:
             return _UNCHECKED
-        evidence = _evidence(ctx, overflow, check=policy != "off")
+        zero = torch.zeros((), dtype=torch.bool, device=ctx.device)
+        evidence = _evidence(ctx, overflow if overflow is not None or policy != "off" else zero,
+                             norm, current, check=policy != "off")
+        if skip_if is not None:  # the user's verdict, a device bool, at a place of its own
+            evidence += [(zero, True)] * (3 - len(evidence))
+            evidence.append((_verdict(skip_if, ctx), True))
         on_device = ctx.prepared.skips_on_device and policy != "raise"
         if ctx.distributed is None and not on_device:  # judged on the host: one read
             flags = _host_flags(evidence)
@@ -240,10 +255,21 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10) -> Transform:
             flags = device_flags.tolist()
         return _SKIP if guard.decide(flags, ctx.state.step, policy, max_consecutive) else _PROCEED
 
+    extra = ", skip_if" if skip_if is not None else ""
     if policy == "skip":
-        label = f"with_nonfinite({policy}, max_consecutive={max_consecutive})"
+        label = f"with_nonfinite({policy}, max_consecutive={max_consecutive}{extra})"
     else:
-        label = f"with_nonfinite({policy})"
+        label = f"with_nonfinite({policy}{extra})"
     return Transform(
-        "with_nonfinite", Hooks(decide=decide),
-        options=(("policy", policy), ("max_consecutive", max_consecutive)), label=label)
+        "with_nonfinite", NonFinite(decide),
+        options=(("policy", policy), ("max_consecutive", max_consecutive),
+                 ("skip_if", skip_if)), label=label)
+
+
+def _verdict(skip_if: SkipIf, ctx: UpdateContext) -> Tensor:
+    flag = skip_if(ctx.loss, ctx.grads())
+    if not isinstance(flag, Tensor) or flag.numel() != 1:
+        raise TypeError(f"with_nonfinite(skip_if=...) returned {flag!r}; return a one-element "
+                        "device tensor (a bool, e.g. loss > 10), not a Python value: reading it "
+                        "on the host would wait for the device")
+    return flag.reshape(()).to(device=ctx.device, dtype=torch.bool)

@@ -1,15 +1,11 @@
-"""The transform protocol: the phases, the hooks a transform may declare, and their contexts.
+"""What a step is made of: transforms, user gradient transforms, and what they are handed.
 
-A transform is an immutable :class:`Transform` record: a name, the options it was built with,
-and a :class:`Hooks` mapping from phase to function. The phases are written down once, here,
-in the order the engine runs them (see :data:`PHASES`); a hook's phase is its key, so there is
-nothing to guess and nothing to misspell silently: an unknown key or a hook of the wrong
-arity is a ``TypeError`` when the transform is built.
-
-Per call, hooks receive contexts whose every field has one owner (written in its docstring):
-the engine, or the phase that may replace it. Hooks keep their state in the
-:class:`~accelfn.core.state.TrainState` (``ctx.state.slot(name, factory)``), never on the
-transform, so a transform is a value that can sit in any number of stacks.
+A [`Transform`][] is an immutable value: a name, the options it was built with, and its
+*part*: a built-in fills its one place of the update (see [`accelfn.core.places`][]); a
+[`GradientTransform`][] is the user's extension, run in stacking order between the reduction
+of the gradients and clipping. Transforms keep their state in the
+:class:`~accelfn.core.state.TrainState`, never on themselves, so a transform is a value that
+can sit in any number of stacks.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -29,153 +25,34 @@ from .state import TrainState
 if TYPE_CHECKING:
     from .engine import Step
 
-__all__ = [
-    "PHASES",
-    "CallContext",
-    "Decision",
-    "Hooks",
-    "Plan",
-    "Prepared",
-    "Sums",
-    "Transform",
-    "UpdateContext",
-]
+__all__ = ["CallContext", "GradientTransform", "Plan", "Prepared", "Transform",
+           "UpdateContext"]
 
-# ------------------------------------------------------------------------------------ phases
-#: Every phase, in the order the engine runs it, with the hook signature it takes.
-#: ``ordered`` phases run their hooks one after another, so two transforms filling the same
-#: one must both declare that they commute (see :attr:`Transform.commutes`); they then run in
-#: the order of their names, whatever the stacking order.
-PHASES: tuple[tuple[str, str, str], ...] = (
-    # (name, when, signature)
-    ("check", "check", "(state) -> None: refuse the state before any prepare phase changes it"),
-    ("convert", "prepare", "(prepared, state) -> Prepared: module swaps (float8 Linear layers)"),
-    ("islands", "prepare", "(prepared, state) -> Prepared: fp32 islands, compute dtype"),
-    ("checkpoint", "prepare", "(prepared, state) -> Prepared: activation checkpointing"),
-    ("shard", "prepare", "(prepared, state) -> Prepared: DDP/FSDP wrapping, process group"),
-    ("compile", "prepare", "(prepared, state) -> Prepared: torch.compile"),
-    ("average", "prepare", "(prepared, state) -> Prepared: EMA copies of the final weights"),
-    ("split", "call", "(ctx, batch) -> Plan: the micro-batches of this call"),
-    ("micro_context", "call", "(ctx, index, sync) -> context manager around fwd+bwd"),
-    ("forward_context", "call", "(ctx) -> context manager around each forward"),
-    ("scale_loss", "call", "(ctx, loss) -> Tensor to differentiate"),
-    ("unscale", "update", "(ctx) -> None: undo loss scaling"),
-    ("reduce", "update", "(ctx) -> None: cross-process weights (the engine divides after)"),
-    ("gradients", "update", "(ctx) -> None: user gradient transforms"),
-    ("clip", "update", "(ctx) -> None: clipping"),
-    ("decide", "update", "(ctx) -> Decision: skip the update or not"),
-    ("after_update", "update", "(ctx, skipped) -> None: after the optimizer step"),
-    ("flush", "other", "(ctx) -> Sums | None: the open window of a call-counting split"),
-    ("evaluate_context", "other", "(ctx, options) -> context manager around evaluate()"),
-    ("abort", "other", "(ctx) -> None: undo this call's partial work after an error"),
-)
-PREPARE_PHASES = tuple(name for name, when, _ in PHASES if when == "prepare")
-GRADIENT_PHASES = ("unscale", "reduce", "gradients", "clip")
-_ARITY = {"split": 2, "micro_context": 3, "scale_loss": 2, "after_update": 2,
-          "evaluate_context": 2, **{p: 2 for p in PREPARE_PHASES}}
-#: Phases a stack may fill once at most whatever it declares: two of them cannot both run.
-EXCLUSIVE = frozenset({"split", "flush", "decide", "scale_loss", "unscale", "shard", "compile"})
-#: Phases whose hooks each see to their own transform only (a check of the state before it is
-#: prepared; undoing a failed call's partial work): they run in the order of the transforms'
-#: names and need no ``commutes`` declaration.
-INDEPENDENT = frozenset({"abort", "check"})
-
-
-class Hooks(TypedDict, total=False):
-    """The hooks a transform implements, keyed by the phase each belongs to (see PHASES)."""
-
-    check: Callable[[TrainState], object]  # what it returns is ignored
-    convert: Callable[[Prepared, TrainState], Prepared]
-    islands: Callable[[Prepared, TrainState], Prepared]
-    checkpoint: Callable[[Prepared, TrainState], Prepared]
-    shard: Callable[[Prepared, TrainState], Prepared]
-    compile: Callable[[Prepared, TrainState], Prepared]
-    average: Callable[[Prepared, TrainState], Prepared]
-    split: Callable[[CallContext, Batch], Plan]
-    micro_context: Callable[[CallContext, int, bool], contextlib.AbstractContextManager[Any]]
-    forward_context: Callable[[CallContext], contextlib.AbstractContextManager[Any]]
-    scale_loss: Callable[[CallContext, Tensor], Tensor]
-    unscale: Callable[[UpdateContext], None]
-    reduce: Callable[[UpdateContext], None]
-    gradients: Callable[[UpdateContext], None]
-    clip: Callable[[UpdateContext], None]
-    decide: Callable[[UpdateContext], Decision]
-    after_update: Callable[[UpdateContext, Tensor], None]
-    flush: Callable[[CallContext], Sums | None]
-    evaluate_context: Callable[[CallContext, Mapping[str, Any]],
-                               contextlib.AbstractContextManager[Any]]
-    abort: Callable[[CallContext], None]
-
-
-_VALID = tuple(name for name, _, _ in PHASES)
-
-
-def _check_hooks(name: str, hooks: Mapping[str, Any]) -> None:
-    for key, hook in hooks.items():
-        if key not in _VALID:
-            raise TypeError(
-                f"transform {name!r} declares an unknown hook {key!r}; the hooks are "
-                f"{', '.join(_VALID)} (accelfn.core.protocol.PHASES says when each runs)")
-        if not callable(hook):
-            raise TypeError(f"transform {name!r}: hook {key!r} is {hook!r}, not a function")
-        want = _ARITY.get(key, 1)
-        try:
-            signature = inspect.signature(hook)
-        except (TypeError, ValueError):  # a builtin without a signature: trust it
-            continue
-        try:
-            signature.bind(*range(want))
-        except TypeError:
-            spec = next(s for n, _, s in PHASES if n == key)
-            raise TypeError(
-                f"transform {name!r}: hook {key!r} must take {want} positional argument(s) "
-                f"{spec.split(' ->')[0]}, but its signature is {signature}") from None
+#: (grads, params, state) -> the new state, or None to keep it (grads edited in place)
+GradientUpdate = Callable[[list[Tensor], list[Tensor], Any], Any]
 
 
 @dataclass(frozen=True, eq=True)
 class Transform:
-    """A transform: an immutable value naming its options and the hooks it implements.
+    """A transform: an immutable value naming its options and the part of the update it fills.
 
-    Apply it to a step function with ``transform(fn)`` (or ``accelfn.apply_transform``).
-    Two transforms are equal when their name, options and declarations are equal.
-
-    ``commutes`` is True when every hook of this transform commutes with any other
-    transform's hook in the same phase, or the names of the transforms it commutes with.
-    ``preserves_finite`` declares that its gradient hooks (unscale, reduce, gradients, clip)
-    only multiply gradients by finite factors, so a finiteness check made before them still
-    holds after them; otherwise the non-finite guard checks the gradients again.
-    ``evaluate_options`` are the keyword options of ``step.evaluate`` this transform takes.
+    Apply it to a step function with ``transform(fn)``. Two transforms are equal when their
+    name, options and label are equal (the part is made from the options). ``part`` is a
+    built-in's place in the update (one of [`accelfn.core.places`][]'s types) or a
+    [`GradientTransform`][].
     """
 
     name: str
-    hooks: Hooks = field(default_factory=lambda: Hooks(), compare=False)
+    part: Any = field(compare=False)  # its functions are closures of the options
     options: tuple[tuple[str, Any], ...] = ()
     label: str = ""
-    commutes: bool | frozenset[str] = False
-    preserves_finite: bool = False
-    evaluate_options: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.isidentifier():
             raise TypeError(f"a transform's name must be an identifier string, got {self.name!r}")
-        if not isinstance(self.hooks, Mapping):
-            raise TypeError(f"transform {self.name!r}: hooks must be an accelfn.Hooks mapping "
-                            f"of phase to function, got {type(self.hooks).__name__}")
-        _check_hooks(self.name, self.hooks)
-        if "evaluate_context" not in self.hooks and self.evaluate_options:
-            raise TypeError(f"transform {self.name!r} declares evaluate_options without an "
-                            "evaluate_context hook to receive them")
-        if not isinstance(self.commutes, bool):
-            object.__setattr__(self, "commutes", frozenset(self.commutes))
 
     def __repr__(self) -> str:
         return self.label or self.name
-
-    def commutes_with(self, other: Transform) -> bool:
-        """Whether this transform declares that it commutes with ``other``."""
-        if isinstance(self.commutes, bool):
-            return self.commutes
-        return other.name in self.commutes
 
     def __call__(self, fn: Callable[..., Any] | Step) -> Step:
         """The step ``fn`` with this transform added outermost."""
@@ -184,16 +61,88 @@ class Transform:
         return lift(fn).with_transform(self)
 
 
+def _check_arity(name: str, what: str, fn: Any, n: int, signature_text: str) -> None:
+    if not callable(fn):
+        raise TypeError(f"GradientTransform {name!r}: {what} must be a function "
+                        f"{signature_text}, got {fn!r}")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    try:
+        signature.bind(*range(n))
+    except TypeError:
+        raise TypeError(f"GradientTransform {name!r}: {what} must take {n} positional "
+                        f"argument(s) {signature_text}, but its signature is {signature}"
+                        ) from None
+
+
+@dataclass(frozen=True, eq=True)
+class GradientTransform:
+    """A user's edit of the gradients, run once per update, as optax's gradient transforms.
+
+    Three concepts: a ``name``; ``update(grads, params, state)``, which edits ``grads`` in
+    place (the gradients the optimizers will apply, each beside its parameter in ``params``)
+    and returns the new state (or None to keep it); and the state, made by ``init(params)``
+    at the first update (a dict of tensors and plain data, or an object with
+    ``state_dict``/``load_state_dict``; None without ``init``). The state lives in the
+    ``TrainState`` under ``"gradients.<name>"``: checkpointed and resumed with it.
+
+    It runs after loss-scale unscaling, micro-batch weighting and the reduction across
+    processes, before clipping and the non-finite decision, so it sees the true gradient of
+    the update. Several run in the order they were stacked: ``b(a(fn))`` runs ``a`` then
+    ``b`` (innermost first, as ``optax.chain(a, b)``). The new state is kept only when the
+    call succeeds and the update is not skipped on the host; do not write to the state you
+    are given (return a new one), so that a failed call leaves it as it was. ``label`` is
+    how the stack prints it (``describe``) and checkpoints name it: put its options in it.
+
+        def agc(grads, params, state):                 # adaptive gradient clipping
+            for g, p in zip(grads, params):
+                limit = 0.01 * p.detach().norm().clamp_min(1e-3)
+                g.mul_((limit / g.norm().clamp_min(1e-6)).clamp(max=1.0))
+
+        step = af.GradientTransform("agc", agc)(my_step)
+    """
+
+    name: str
+    update: GradientUpdate
+    init: Callable[[list[Tensor]], Any] | None = None
+    label: str = ""  # how the stack prints it, with its options: "noise(0.01)"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise TypeError("a GradientTransform's name must be an identifier string, got "
+                            f"{self.name!r}")
+        _check_arity(self.name, "update", self.update, 3, "(grads, params, state)")
+        if self.init is not None:
+            _check_arity(self.name, "init", self.init, 1, "(params)")
+
+    @property
+    def slot(self) -> str:
+        """The TrainState slot its state is kept under."""
+        return f"gradients.{self.name}"
+
+    def transform(self) -> Transform:
+        """This gradient transform as a stackable [`Transform`][]."""
+        return Transform(self.name, self, options=(("update", self.update),
+                                                   ("init", self.init)),
+                         label=self.label or self.name)
+
+    def __call__(self, fn: Callable[..., Any] | Step) -> Step:
+        """The step ``fn`` with this gradient transform added outermost."""
+        return self.transform()(fn)
+
+
 # ---------------------------------------------------------------------------------- contexts
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """What a [`TrainState`][] looks like to a step after preparation (immutable).
 
-    Each prepare phase returns a new one (``dataclasses.replace``). Fields and their owners:
-    ``model`` (what ``fn`` receives: every prepare phase may wrap it), ``optimizer_step``
-    (the ``compile`` phase may replace it), ``device`` (the engine), ``compute_dtype`` (the
-    ``islands`` phase: the autocast dtype of the forward, None in fp32), ``process_group``
-    (the ``shard`` phase: the group gradients are reduced over, None in one process),
+    Each preparing part returns a new one (``dataclasses.replace``). Fields and their owners:
+    ``model`` (what ``fn`` receives: every preparing part may wrap it), ``optimizer_step``
+    (compilation may replace it), ``device`` (the engine), ``compute_dtype`` (mixed
+    precision: the autocast dtype of the forward, None in fp32), ``process_group``
+    (sharding: the group gradients are reduced over, None in one process),
     ``skips_on_device`` (the engine: the optimizer honours a device ``found_inf`` flag).
     """
 
@@ -207,7 +156,7 @@ class Prepared:
 
 @dataclass(slots=True)
 class CallContext:
-    """Handed to per-call hooks: the state, its preparation, and whether this is training."""
+    """Handed to the parts of a call: the state, its preparation, and whether this is training."""
 
     state: TrainState
     prepared: Prepared
@@ -300,7 +249,7 @@ class Sums:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """The ``split`` phase's answer: how one call is computed.
+    """How one call is computed: the accumulation part's answer (one micro-batch without it).
 
     ``micros`` are run forward and backward in order. ``update`` says whether the call ends
     with an optimizer update. ``sums`` carries the running metric sums across calls (a
@@ -331,7 +280,7 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The ``decide`` phase's answer.
+    """The non-finite decision of an update.
 
     ``skip`` is the decision taken on the host; or None to leave it to the device: then
     ``flags`` is a device bool tensor and the optimizer skips on ``flags.any()`` through its
@@ -351,18 +300,16 @@ class Decision:
 
 
 class UpdateContext(CallContext):
-    """Handed to the update's hooks (``unscale`` to ``after_update``). Fields and owners:
+    """Handed to the update's parts (unscaling to after the update). Fields and owners:
 
     ``loss`` (the engine: the weighted mean loss of the update, a device scalar);
-    ``metrics`` (every hook may add device scalars; they are returned with the step's);
+    ``metrics`` (every part may add device scalars; they are returned with the step's);
     ``divisor`` (the engine sets the local weight total when micro-batches are weighted
-    absolutely; ``reduce`` hooks may replace it, the engine divides the gradients by it after
-    the ``reduce`` phase); ``weight_total`` (likewise: the weight summed over processes).
-    Facts about the gradients ([`report_overflow`][], [`report_norm`][]) are kept with
-    the gradients' version: any hook not declared ``preserves_finite`` makes them stale.
+    absolutely; the sharding part may replace it, the engine divides the gradients by it after
+    the reduction); ``weight_total`` (likewise: the weight summed over processes).
     """
 
-    __slots__ = ("_facts", "_version", "divisor", "loss", "metrics", "weight_total")
+    __slots__ = ("divisor", "loss", "metrics", "weight_total")
 
     def __init__(self, state: TrainState, prepared: Prepared, loss: Tensor) -> None:
         self.state = state  # CallContext's fields, without a call per update
@@ -372,13 +319,17 @@ class UpdateContext(CallContext):
         self.metrics: dict[str, Tensor] = {}
         self.divisor: Tensor | None = None
         self.weight_total: Tensor | None = None
-        self._version = 0
-        self._facts: dict[str, tuple[Tensor, int]] = {}
 
     def grads(self) -> list[Tensor]:
-        """The gradients the optimizer will apply (parameters without one are left out)."""
+        """The gradients the optimizers will apply (parameters without one are left out)."""
         return [p.grad for o in self.state.optimizers for g in o.param_groups
                 for p in g["params"] if p.grad is not None]
+
+    def params_with_grads(self) -> tuple[list[Tensor], list[Tensor]]:
+        """(gradients, parameters) of the parameters the optimizers will update, aligned."""
+        params = [p for o in self.state.optimizers for g in o.param_groups
+                  for p in g["params"] if p.grad is not None]
+        return [p.grad for p in params], params  # type: ignore[misc]
 
     def local_grads(self) -> list[Tensor]:
         """[`grads`][] as plain tensors: this process' shard of sharded (DTensor) ones."""
@@ -388,26 +339,6 @@ class UpdateContext(CallContext):
             out.append(to_local() if callable(to_local) else g)
         return out
 
-    def grads_written(self) -> None:
-        """Declare that the gradients changed in a way that may make them non-finite."""
-        self._version += 1
-
-    def report_overflow(self, found: Tensor) -> None:
-        """A device bool: unscaling found NaN/Inf in the gradients as they are now."""
-        self._facts["overflow"] = (found, self._version)
-
-    def report_norm(self, norm: Tensor) -> None:
-        """The total norm of the gradients as they are now (NaN/Inf if any is)."""
-        self._facts["norm"] = (norm, self._version)
-
-    def fact(self, kind: str, current: bool = True) -> Tensor | None:
-        """A reported fact (``"overflow"`` or ``"norm"``); with ``current``, only while no
-        hook wrote the gradients after it was reported."""
-        found = self._facts.get(kind)
-        if found is None or (current and found[1] != self._version):
-            return None
-        return found[0]
-
 
 @contextlib.contextmanager
 def entered(managers: Sequence[contextlib.AbstractContextManager[Any]]) -> Iterator[None]:
@@ -416,7 +347,6 @@ def entered(managers: Sequence[contextlib.AbstractContextManager[Any]]) -> Itera
         for manager in managers:
             stack.enter_context(manager)
         yield
-
 
 
 def configure(name: str, fn: Callable[..., Any] | Step | None,

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..core.protocol import Hooks, Transform, UpdateContext
+from ..core.protocol import GradientTransform, Transform
 from .findings import Finding, format_findings
 from .gradients import gradient_findings, group_norms, layer_groups
 from .initialisation import check_init
@@ -139,18 +139,17 @@ class Diagnostics:
     def transform(self) -> Transform:
         """This diagnostics as a step transform.
 
-        Its hook reads the gradients in the ``gradients`` phase: after loss-scale unscaling
-        and micro-batch weighting, before clipping, so the norms are the true, unclipped
-        gradients of the update. It only reads, so it commutes with any other hook there.
+        A gradient transform that only reads: after loss-scale unscaling and micro-batch
+        weighting, before clipping, so the norms are the true, unclipped gradients of the
+        update.
         """
 
-        def capture(ctx: UpdateContext) -> None:
+        def capture(grads: list[Tensor], params: list[Tensor], state: None) -> None:
             if self._armed:
                 self._capture_from_grads()
 
-        return Transform("diagnostics", Hooks(gradients=capture),
-                         label=f"diagnostics(every={self.every})", commutes=True,
-                         preserves_finite=True)
+        return Transform("diagnostics", GradientTransform("diagnostics", capture),
+                         label=f"diagnostics(every={self.every})")
 
     # -- sampling -----------------------------------------------------------------------------
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..core.batch import Batch, check_batch_dim, split_batch
-from ..core.protocol import CallContext, Hooks, Plan, Sums, Transform
+from ..core.places import Accumulation
+from ..core.protocol import CallContext, Plan, Sums, Transform
 
 __all__ = ["with_accumulation"]
 
@@ -55,17 +57,26 @@ class _Window:
         self.sums = sums if isinstance(sums, Sums) else Sums()
 
 
-def _split_mode(n: int, dim: int) -> Hooks:
+Splitter = Callable[[Batch, int], Sequence[Batch]]
+
+
+def _split_mode(n: int, dim: int, custom: Splitter | None) -> Accumulation:
     def split(ctx: CallContext, batch: Batch) -> Plan:
+        if custom is not None:
+            micros = custom(batch, n)
+            if not isinstance(micros, Sequence) or not micros:
+                raise ValueError(f"with_accumulation(split=...) returned {type(micros).__name__}"
+                                 "; return a non-empty list of micro-batches")
+            return Plan(tuple(micros), dim=dim)
         if n == 1:
             return Plan((batch,), dim=dim)
         micros, sizes = split_batch(batch, n, dim, with_sizes=True)
         return Plan(micros, dim=dim, sizes=sizes)
 
-    return Hooks(split=split)
+    return Accumulation(split)
 
 
-def _calls_mode(n: int, dim: int) -> Hooks:
+def _calls_mode(n: int, dim: int) -> Accumulation:
     def split(ctx: CallContext, batch: Batch) -> Plan:
         check_batch_dim(batch, dim)
         if not ctx.training:
@@ -86,10 +97,11 @@ def _calls_mode(n: int, dim: int) -> Hooks:
         if window is not None:
             window.close()  # a failed call discards the open window
 
-    return Hooks(split=split, flush=flush, abort=abort)
+    return Accumulation(split, flush=flush, abort=abort)
 
 
-def with_accumulation(n: int, *, mode: str = "split", dim: int = 0) -> Transform:
+def with_accumulation(n: int, *, mode: str = "split", dim: int = 0,
+                      split: Splitter | None = None) -> Transform:
     """Equivalent to one optimizer update on the whole batch, computed in ``n`` pieces.
 
     ``mode="split"`` splits each batch into ``n`` contiguous micro-batches (sizes may differ
@@ -112,6 +124,10 @@ def with_accumulation(n: int, *, mode: str = "split", dim: int = 0) -> Transform
     ``dim`` is the batch dimension: ``dim=1`` splits time-major ``(time, batch, ...)``
     tensors (a TensorDict with ``batch_size=[bptt, batch]``) along the batch, as truncated
     backpropagation through time needs; samples are counted along it.
+
+    ``split(batch, n)`` replaces the contiguous split (``mode="split"`` only): it returns the
+    micro-batches (any number, any sizes, e.g. grouped by sequence length), weighted by their
+    samples along ``dim`` (or their ``"weight"``) exactly as the built-in split's.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(
@@ -124,12 +140,12 @@ def with_accumulation(n: int, *, mode: str = "split", dim: int = 0) -> Transform
     if isinstance(dim, bool) or not isinstance(dim, int) or dim < 0:
         raise ValueError(f"with_accumulation(dim={dim!r}) must be an int >= 0 (the batch "
                          "dimension: 0, or 1 for time-major batches)")
+    if split is not None and (mode != "split" or not callable(split)):
+        raise ValueError("with_accumulation(split=...) takes a function split(batch, n) -> "
+                         "micro-batches, with mode='split'")
     label = f"with_accumulation({n}{', calls' if mode == 'calls' else ''}" \
-            f"{f', dim={dim}' if dim else ''})"
-    hooks = _split_mode(n, dim) if mode == "split" else _calls_mode(n, dim)
-    return Transform("with_accumulation", hooks, options=(("n", n), ("mode", mode), ("dim", dim)),
-                     label=label,
-                     # its abort hook only closes its own window (the engine clears the
-                     # gradients); with_amp's only makes the scaler forget the failed step,
-                     # distributed's only drops FSDP2's unreduced gradients
-                     commutes=frozenset({"with_amp"}))
+            f"{f', dim={dim}' if dim else ''}{', split' if split is not None else ''})"
+    part = _split_mode(n, dim, split) if mode == "split" else _calls_mode(n, dim)
+    return Transform("with_accumulation", part,
+                     options=(("n", n), ("mode", mode), ("dim", dim), ("split", split)),
+                     label=label)

@@ -21,7 +21,8 @@ from torch.utils.checkpoint import (
 
 from ..core.engine import LossFn, Step
 from ..core.modules import find_blocks, running_stat_modules, wrap_forward
-from ..core.protocol import Hooks, Prepared, Transform, configure
+from ..core.places import Checkpointing
+from ..core.protocol import Prepared, Transform, configure
 from ..core.state import TrainState
 
 __all__ = ["checkpointed"]
@@ -240,7 +241,7 @@ def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -
     if save is not None:
         parts.append(f"selective={len(save)} ops")
     return Transform(
-        _SLOT, Hooks(check=check, checkpoint=checkpoint),
+        _SLOT, Checkpointing(checkpoint, check=check),
         options=(("blocks", blocks), ("every", every), ("save", save)),
         label=f"checkpointed({', '.join(parts)})")
 

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from ..core import compat
 from ..core.engine import LossFn, Step
 from ..core.modules import wrap_forward
-from ..core.protocol import CallContext, Hooks, Prepared, Transform, UpdateContext, configure
+from ..core.places import Precision
+from ..core.protocol import CallContext, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
 
 __all__ = ["with_amp"]
@@ -97,10 +98,10 @@ def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: fl
         scaler = ctx.state.get_slot(_SLOT)
         return loss if scaler is None else scaler.scale(loss)
 
-    def unscale(ctx: UpdateContext) -> None:
+    def unscale(ctx: UpdateContext) -> Tensor | None:
         scaler = ctx.state.get_slot(_SLOT)
         if scaler is None:
-            return
+            return None
         ctx.metrics["loss_scale"] = compat.scaler_scale(scaler).detach().clone()
         found = []  # one scaler for all optimizers, as PyTorch's AMP recipe for several
         for optimizer in ctx.state.optimizers:
@@ -111,7 +112,7 @@ def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: fl
                     else torch.zeros((), dtype=torch.bool, device=ctx.device))
         if ctx.distributed is not None:
             overflow = _agree_overflow(overflow, found, ctx.distributed)
-        ctx.report_overflow(overflow)
+        return overflow
 
     def after_update(ctx: UpdateContext, skipped: Tensor) -> None:
         scaler = ctx.state.get_slot(_SLOT)
@@ -125,21 +126,18 @@ def _amp(dtype: torch.dtype | None, fp32: tuple[ModuleSpec, ...], init_scale: fl
 
     label = "auto" if dtype is None else _DTYPES[dtype]
     extra = f", fp32={len(fp32)} module spec(s)" if fp32 else ""
+    checked = check if fp32 else None
     if dtype == torch.bfloat16:  # no loss scaling: autocast only
-        hooks = Hooks(islands=islands, forward_context=forward_context)
+        part = Precision(islands, forward_context, check=checked)
     else:  # fp16, or a dtype chosen on the device: a loss scaler
-        hooks = Hooks(islands=islands, forward_context=forward_context, scale_loss=scale_loss,
-                      unscale=unscale, after_update=after_update, abort=abort)
-    if fp32:
-        hooks["check"] = check
+        part = Precision(islands, forward_context, check=checked, scale=scale_loss,
+                         unscale=unscale, update=after_update, forget=abort)
     return Transform(
         _SLOT,
-        hooks,
+        part,
         options=(("dtype", dtype), ("fp32", fp32), ("init_scale", init_scale),
                  ("growth_interval", growth_interval)),
         label=f"with_amp({label}{extra})",
-        commutes=True,  # its hooks touch only autocast and its own loss scaler
-        preserves_finite=True,  # unscaling divides by a finite scale and reports overflow
     )
 
 

@@ -8,26 +8,27 @@ from typing import overload
 import torch
 
 from ..core.engine import LossFn, Step
-from ..core.protocol import Hooks, Transform, UpdateContext, configure
+from ..core.places import Clipping
+from ..core.protocol import Transform, UpdateContext, configure
 
 __all__ = ["with_clipping"]
 
 
 def _clipping(max_norm: float | None, norm_type: float, max_value: float | None) -> Transform:
-    def clip(ctx: UpdateContext) -> None:
+    def clip(ctx: UpdateContext) -> torch.Tensor | None:
         # the model's parameter order, as clip_grad_norm_(model.parameters()) sums the norm
         params = [p for p in ctx.state.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)  # type: ignore[misc]
         full_tensor = getattr(norm, "full_tensor", None)
         if callable(full_tensor):  # FSDP2 shards: the norm over all processes
             norm = full_tensor()
+        ctx.metrics["grad_norm"] = norm.detach() if norm.requires_grad else norm
         if max_value is None:
             assert max_norm is not None
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-            ctx.report_norm(norm)  # scaled by a finite factor: still says if any is NaN/Inf
-        else:
-            torch.nn.utils.clip_grad_value_(params, max_value)
-        ctx.metrics["grad_norm"] = norm.detach() if norm.requires_grad else norm
+            return norm  # scaled by a finite factor: still says if any is NaN/Inf
+        torch.nn.utils.clip_grad_value_(params, max_value)
+        return None  # clamping turns Inf into max_value: the guard checks them as they are
 
     if max_value is not None:
         label = f"with_clipping(max_value={max_value:g})"
@@ -36,9 +37,9 @@ def _clipping(max_norm: float | None, norm_type: float, max_value: float | None)
         norm = "" if norm_type == 2.0 else f", norm_type={norm_type:g}"
         label = f"with_clipping(max_norm={max_norm:g}{norm})"
     return Transform(
-        "with_clipping", Hooks(clip=clip),
+        "with_clipping", Clipping(clip),
         options=(("max_norm", max_norm), ("norm_type", norm_type), ("max_value", max_value)),
-        label=label, preserves_finite=True)
+        label=label)
 
 
 @overload

@@ -14,8 +14,9 @@ from torch import nn
 from ..core import compat
 from ..core.engine import LossFn, Step
 from ..core.modules import find_blocks
+from ..core.places import Sharding
 from ..core.processes import init_distributed, world_size
-from ..core.protocol import CallContext, Hooks, Prepared, Transform, UpdateContext, configure
+from ..core.protocol import CallContext, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
 
 __all__ = ["distributed"]
@@ -215,9 +216,8 @@ def _distributed(strategy: str, static_graph: bool, compression: str | None,
         compat.fsdp_drop_unreduced_grads(root)
         root.set_requires_gradient_sync(True)
 
-    hooks = Hooks(shard=shard, micro_context=micro_context, reduce=reduce)
-    if strategy == "fsdp":  # DDP keeps nothing the engine's zero_grad does not clear
-        hooks["abort"] = abort
+    # DDP keeps nothing the engine's zero_grad does not clear
+    part = Sharding(shard, micro_context, reduce, abort=abort if strategy == "fsdp" else None)
 
     parts = [strategy]
     if compression:
@@ -227,12 +227,12 @@ def _distributed(strategy: str, static_graph: bool, compression: str | None,
     if sync_batchnorm:
         parts.append("sync_batchnorm")
     return Transform(
-        "distributed", hooks,
+        "distributed", part,
         options=(("strategy", strategy), ("static_graph", static_graph),
                  ("compression", compression), ("sync_batchnorm", sync_batchnorm),
                  ("bucket_cap_mb", bucket_cap_mb), ("fsdp_sync", fsdp_sync),
                  ("find_unused_parameters", find_unused_parameters)),
-        label=f"distributed({', '.join(parts)})", preserves_finite=True)
+        label=f"distributed({', '.join(parts)})")
 
 
 def _root(model: nn.Module) -> Any:

@@ -29,7 +29,8 @@ from torch import Tensor, nn
 
 from ..core import compat
 from ..core.engine import LossFn, Step
-from ..core.protocol import CallContext, Hooks, Prepared, Transform, UpdateContext, configure
+from ..core.places import Averaging
+from ..core.protocol import CallContext, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
 
 __all__ = ["ema_state_dict", "ema_weights", "with_ema"]
@@ -232,13 +233,8 @@ def _ema(schedule: _Schedule, options: tuple[tuple[str, Any], ...], label: str,
         return ema_weights(ctx.state) if weights == "ema" else contextlib.nullcontext()
 
     return Transform(
-        _SLOT, Hooks(average=average, after_update=after_update,
-                     evaluate_context=evaluate_context),
-        options=options, label=label,
-        # its after_update reads the weights, which these after_update hooks leave as they are
-        # (the scaler's update, float8's scale precompute, the compile cache's write)
-        commutes=frozenset({"with_amp", "with_float8", "compiled"}),
-        evaluate_options=("weights",))
+        _SLOT, Averaging(average, after_update, evaluate_context, evaluate_options=("weights",)),
+        options=options, label=label)
 
 
 @overload

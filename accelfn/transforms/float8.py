@@ -12,7 +12,8 @@ from torch import Tensor, nn
 
 from ..core import compat
 from ..core.engine import LossFn, Step
-from ..core.protocol import CallContext, Hooks, Prepared, Transform, UpdateContext, configure
+from ..core.places import Compilation, Float8
+from ..core.protocol import CallContext, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
 
 __all__ = ["with_float8"]
@@ -175,9 +176,9 @@ def _check_held(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
 
 def _is_compiled(ctx: CallContext) -> bool:
     """Whether this call's preparation compiled the model: a transform of the stack that
-    prepared it fills the ``compile`` phase, or the model is a ``torch.compile`` wrapper."""
+    prepared it compiles, or the model is a ``torch.compile`` wrapper."""
     for key, prepared, _ in ctx.state.preparations:
-        if prepared is ctx.prepared and any("compile" in t.hooks for t in key):
+        if prepared is ctx.prepared and any(isinstance(t.part, Compilation) for t in key):
             return True
     return compat.unwrap_compiled(ctx.model) is not ctx.model
 
@@ -204,9 +205,8 @@ def _float8(min_features: int, predicate: Predicate | None, recipe: str,
         # scale for the next all-gather (a no-op on weights FSDP2 did not shard).
         _torchao().precompute_float8_dynamic_scale_for_fsdp(ctx.state.model)
 
-    hooks = Hooks(convert=convert, forward_context=forward_context)
-    if fsdp_float8_all_gather:
-        hooks["after_update"] = after_update
+    part = Float8(convert, forward_context,
+                  after_update=after_update if fsdp_float8_all_gather else None)
     parts = [recipe]
     if min_features != 1024:
         parts.append(f"min_features={min_features}")
@@ -217,13 +217,10 @@ def _float8(min_features: int, predicate: Predicate | None, recipe: str,
     if emulate is not None:
         parts.append(f"emulate={emulate}")
     return Transform(
-        _SLOT, hooks,
+        _SLOT, part,
         options=(("min_features", min_features), ("predicate", predicate), ("recipe", recipe),
                  ("fsdp_float8_all_gather", fsdp_float8_all_gather), ("emulate", emulate)),
         label=f"with_float8({', '.join(parts)})",
-        # its forward_context enters nothing (a check); its after_update only reads weights
-        # (and sets float8 scales that the compile cache's write does not read)
-        commutes=frozenset({"with_amp", "with_ema", "compiled"}),
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import overload
 
 from ..core.engine import LossFn, Step
-from ..core.guard import POLICIES, nonfinite
+from ..core.guard import POLICIES, SkipIf, nonfinite
 from ..core.protocol import Transform, configure
 
 __all__ = ["with_nonfinite"]
@@ -14,9 +14,10 @@ __all__ = ["with_nonfinite"]
 @overload
 def with_nonfinite(fn: LossFn | Step, /) -> Step: ...
 @overload
-def with_nonfinite(*, policy: str = "skip", max_consecutive: int = 10) -> Transform: ...
+def with_nonfinite(*, policy: str = "skip", max_consecutive: int = 10,
+                   skip_if: SkipIf | None = None) -> Transform: ...
 def with_nonfinite(fn: LossFn | Step | None = None, /, *, policy: str = "skip",
-                   max_consecutive: int = 10) -> Step | Transform:
+                   max_consecutive: int = 10, skip_if: SkipIf | None = None) -> Step | Transform:
     """Equivalent to checking ``torch.isfinite`` of the loss and of every gradient the
     optimizer will apply, just before ``optimizer.step()``, and acting on the answer.
 
@@ -29,10 +30,18 @@ def with_nonfinite(fn: LossFn | Step | None = None, /, *, policy: str = "skip",
     running statistics, are as the forward left them. ``policy="off"`` removes the check and
     its host read; fp16 loss-scale overflows are still skipped, as ``GradScaler.step`` does, and
     never count towards the limit.
+
+    ``skip_if(loss, grads)`` adds a verdict of your own, taken on the device in the same read:
+    a one-element bool tensor, true to skip the update as a non-finite one is skipped
+    (counted, limited by ``max_consecutive``, raised under ``policy="raise"``), e.g. loss-spike
+    skipping: ``skip_if=lambda loss, grads: loss > 4 * expected``.
     """
     if policy not in POLICIES:
         raise ValueError(f"with_nonfinite(policy={policy!r}) is unknown; use one of {POLICIES}")
     if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) \
             or max_consecutive < 1:
         raise ValueError(f"with_nonfinite(max_consecutive={max_consecutive!r}) must be an int >= 1")
-    return configure("with_nonfinite", fn, nonfinite(policy, max_consecutive))
+    if skip_if is not None and not callable(skip_if):
+        raise TypeError(f"with_nonfinite(skip_if={skip_if!r}) takes a function "
+                        "skip_if(loss, grads) -> device bool tensor")
+    return configure("with_nonfinite", fn, nonfinite(policy, max_consecutive, skip_if))

@@ -22,16 +22,17 @@ from accelfn import checkpointing as ckpt
 from accelfn import data
 
 
-def _count_into_grads(ctx):
-    slot = ctx.state.slot("counter", lambda: {"count": torch.zeros(())})
-    for g in ctx.grads():
-        g.add_(slot["count"] * 1e-3)
-    slot["count"] += 1
+def _count_into_grads(grads, params, state):
+    for g in grads:
+        g.add_(state["count"] * 1e-3)
+    return {"count": state["count"] + 1}
 
 
-def counter() -> af.Transform:
-    """A user transform whose slot changes the update (so a lost slot is visible)."""
-    return af.Transform("counter", af.Hooks(gradients=_count_into_grads), label="counter")
+def counter() -> af.GradientTransform:
+    """A user gradient transform whose state changes the update (so a lost state is
+    visible)."""
+    return af.GradientTransform("counter", _count_into_grads,
+                                init=lambda params: {"count": torch.zeros(())})
 
 
 def dataset(n: int = 48) -> TensorDict:

@@ -56,8 +56,8 @@ STEPS = 16       # single process: 12 batches per epoch, so the run crosses an e
 SAVE_AT = 5      # mid-epoch
 DIST_STEPS = 10  # per rank: 6 batches per epoch
 DIST_SAVE_AT = 4
-MUTATIONS = ("optimizer", "scheduler", "slot:with_amp", "slot:gradient_noise", "rng.python",
-             "rng.numpy", "rng.torch", "data")
+MUTATIONS = ("optimizer", "scheduler", "slot:with_amp", "slot:gradients.gradient_noise",
+             "rng.python", "rng.numpy", "rng.torch", "data")
 
 
 def dataset() -> TensorDict:
@@ -80,19 +80,20 @@ def noisy_classify(model: torch.nn.Module, batch: Any) -> dict[str, torch.Tensor
     return {"loss": F.cross_entropy(logits, batch["y"]) * factor}
 
 
-def _add_noise(ctx: Any) -> None:
-    slot = ctx.state.slot("gradient_noise",
-                          lambda: {"count": torch.zeros((), dtype=torch.int64)})
-    g = torch.Generator().manual_seed(1000 + int(slot["count"]))
-    for grad in ctx.local_grads():
-        grad.add_(torch.randn(grad.shape, generator=g).to(grad.dtype) * 0.01)
-    slot["count"] += 1
+def _add_noise(grads: list[Any], params: list[Any], state: dict[str, Any]) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(1000 + int(state["count"]))
+    for grad in grads:
+        local = grad.to_local() if hasattr(grad, "to_local") else grad  # FSDP2's shard
+        local.add_(torch.randn(local.shape, generator=g).to(local.dtype) * 0.01)
+    return {"count": state["count"] + 1}
 
 
-def grad_noise() -> af.Transform:
-    """A user transform with checkpointable state: noise seeded by an update counter."""
-    return af.Transform("gradient_noise", af.Hooks(gradients=_add_noise),
-                        label="gradient_noise(0.01)")
+def grad_noise() -> af.GradientTransform:
+    """A user gradient transform with checkpointable state: noise seeded by an update
+    counter."""
+    return af.GradientTransform(
+        "gradient_noise", _add_noise,
+        init=lambda params: {"count": torch.zeros((), dtype=torch.int64)})
 
 
 def warmup_then_decay(update: int) -> float:

@@ -1,13 +1,14 @@
-"""The transform algebra's contract: values, declared hooks, phases, the guard, recovery.
+"""The transform algebra's contract: values, places, gradient transforms, the guard, recovery.
 
 Each test reproduces one way the contract used to leak (a stack mutating another, a
-misspelled hook passing, order mattering, the guard missing late writes, fp16 wedging, a
+malformed extension passing, order mattering, the guard missing late writes, fp16 wedging, a
 swapped model being ignored, clipping differing from clip_grad_norm_, accumulation and the
-guard not being transforms, erased types, no public contract kit).
+guard not being replaceable, erased types, no public contract kit).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -32,11 +33,11 @@ def _state(model=None, opt=torch.optim.SGD, **kwargs):
     return af.TrainState(model, opt(model.parameters(), **kwargs))
 
 
-def _poison_grads(value: float) -> af.Transform:
-    def poison(ctx):
-        ctx.grads()[0].fill_(value)
+def _poison_grads(value: float) -> af.GradientTransform:
+    def poison(grads, params, state):
+        grads[0].fill_(value)
 
-    return af.Transform("poison", af.Hooks(gradients=poison))
+    return af.GradientTransform("poison", poison)
 
 
 # ------------------------------------------------------------------- 1. steps are values
@@ -83,24 +84,32 @@ def test_stacks_sharing_a_state_share_equal_preparations_and_refuse_other_shardi
         log.append(1)
         return prepared
 
-    counted = af.Transform("counted", af.Hooks(checkpoint=count))
+    counted = af.Transform("counted", af.core.places.Checkpointing(count))
     counted(classify)(state, make_batch())
     af.with_clipping(counted(classify))(state, make_batch())  # equal preparation: shared
     assert log == [1]
     af.lift(classify)(state, make_batch())  # prepares nothing: its own, raw preparation
-    fsdp = af.Transform("fake_fsdp", af.Hooks(shard=count))
+    fsdp = af.Transform("fake_fsdp", af.core.places.Sharding(
+        count, lambda ctx, i, sync: contextlib.nullcontext(), lambda ctx: None))
     with pytest.raises(ValueError, match="shards the model differently"):
         fsdp(classify)(state, make_batch())
 
 
-# ---------------------------------------------------------------- 2. hooks are declared
-def test_an_unknown_hook_is_a_type_error_listing_the_valid_hooks():
-    with pytest.raises(TypeError, match=r"unknown hook 'on_grad'.*gradients"):
-        af.Transform("mine", af.Hooks(on_grad=lambda ctx: None))  # type: ignore[typeddict-unknown-key]
-    with pytest.raises(TypeError, match=r"'gradients' must take 1 positional"):
-        af.Transform("mine", af.Hooks(gradients=lambda: None))  # type: ignore[typeddict-item]
+# ------------------------------------------------- 2. extensions are checked when built
+def test_a_malformed_gradient_transform_is_a_type_error_saying_the_signature():
+    with pytest.raises(TypeError, match=r"update must take 3 positional argument\(s\) "
+                                        r"\(grads, params, state\)"):
+        af.GradientTransform("mine", lambda grads: None)
+    with pytest.raises(TypeError, match=r"init must take 1 positional"):
+        af.GradientTransform("mine", lambda g, p, s: None, init=lambda: {})
+    with pytest.raises(TypeError, match="update must be a function"):
+        af.GradientTransform("mine", None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="identifier"):
-        af.Transform("not a name")
+        af.GradientTransform("not a name", lambda g, p, s: None)
+    with pytest.raises(TypeError, match="identifier"):
+        af.Transform("not a name", None)
+    with pytest.raises(TypeError, match=r"fills no place of the update.*GradientTransform"):
+        af.Transform("mine", object())(classify)
 
 
 def test_only_transform_records_are_transforms():
@@ -113,45 +122,59 @@ def test_only_transform_records_are_transforms():
 
 
 # -------------------------------------------------- 3. the same transforms in any order
-def _scale(name: str, factor: float, commutes: bool) -> af.Transform:
-    def scale(ctx):
-        for g in ctx.grads():
+def _scale(name: str, factor: float) -> af.GradientTransform:
+    def scale(grads, params, state):
+        for g in grads:
             g.mul_(factor).add_(0.001)  # affine: the two orders do not commute mathematically
 
-    return af.Transform(name, af.Hooks(gradients=scale), commutes=commutes)
+    return af.GradientTransform(name, scale)
 
 
-def test_two_user_gradient_transforms_must_declare_that_they_commute():
-    a, b = _scale("first", 0.5, False), _scale("second", 2.0, False)
-    with pytest.raises(ValueError, match="first and second both have a 'gradients' hook"):
-        a(b(classify))
-    with pytest.raises(ValueError, match="first and second both have"):
-        b(a(classify))
+def _by_hand(edits, batches):
+    """The plain loop: the gradient edits in the order given, then clipping."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in batches:
+        classify(model, as_dict(batch))["loss"].backward()
+        for factor in edits:
+            for p in model.parameters():
+                p.grad.mul_(factor).add_(0.001)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
 
 
-def test_declared_commuting_transforms_give_the_same_parameters_in_every_order():
-    a, b = _scale("first", 0.5, True), _scale("second", 2.0, True)
-    results = []
-    for order in itertools.permutations([a, b, af.with_clipping(max_norm=0.05),
-                                         af.with_accumulation(2)]):
+def test_user_gradient_transforms_run_in_stacking_order_among_builtins_in_any_order():
+    """b(a(fn)) runs a then b (innermost first, as optax.chain(a, b)), whatever the
+    built-ins' order around and between them; the built-ins keep their places."""
+    a, b = _scale("first", 0.5), _scale("second", 2.0)
+    batches = [make_batch(seed=i) for i in range(2)]
+    expected = {("first", "second"): _by_hand([0.5, 2.0], batches),
+                ("second", "first"): _by_hand([2.0, 0.5], batches)}
+    assert not torch.equal(*(next(m.parameters()) for m in expected.values()))
+    for order in itertools.permutations([a, b, af.with_clipping(max_norm=0.05)]):
         step = classify
         for t in order:
             step = t(step)
         state = _state()
-        for i in range(2):
-            step(state, make_batch(seed=i))
-        results.append(state.model)
-    for model in results[1:]:
-        assert_params_equal(model, results[0])
+        for batch in batches:
+            step(state, batch)
+        users = tuple(t.name for t in order if t.name in ("first", "second"))
+        assert_params_equal(state.model, expected[users])
 
 
-def test_exclusive_phases_take_one_transform():
-    def split(ctx, batch):
-        return af.Plan((batch,))
-
-    mine = af.Transform("my_split", af.Hooks(split=split))
-    with pytest.raises(ValueError, match="both fill the 'split' phase"):
+def test_a_place_takes_one_transform_and_a_name_one_transform():
+    with pytest.raises(ValueError, match="with_accumulation is applied twice"):
+        af.with_accumulation(4)(af.with_accumulation(2)(classify))
+    mine = af.Transform("my_split", af.core.places.Accumulation(
+        lambda ctx, batch: af.core.protocol.Plan((batch,))))
+    with pytest.raises(ValueError, match="with_accumulation and my_split both fill the "
+                                         "'accumulation' place"):
         mine(af.with_accumulation(2)(classify))
+    with pytest.raises(ValueError, match="first is applied twice"):
+        _scale("first", 0.5)(_scale("first", 2.0)(classify))
 
 
 # -------------------------------------- 4. the guard decides on the gradients it applies
@@ -316,45 +339,40 @@ def test_value_clipping_equals_clip_grad_value_bitwise():
     assert_params_equal(a, b)
 
 
-# ------------------------------ 8. accumulation and the guard are ordinary transforms
-def test_accumulation_and_the_guard_are_transforms_users_can_replace():
-    assert isinstance(af.with_accumulation(2), af.Transform)
-    assert isinstance(af.with_nonfinite(), af.Transform)
-    assert "split" in af.with_accumulation(2).hooks and "decide" in af.with_nonfinite().hooks
+# -------------------- 8. the split and the non-finite decision are options users replace
+def test_a_custom_split_and_a_custom_skip_verdict_are_options_of_their_builtins():
+    def halves(batch, n):  # a user split: two uneven halves, weighted by samples
+        return [batch[:3], batch[3:]]
 
-    def halves(ctx, batch):  # a user split: two halves, weighted by samples
-        n = batch.batch_size[0]
-        return af.Plan((batch[: n // 2], batch[n // 2:]))
-
-    def never_skip(ctx):
-        return af.Decision(checked=False)
-
-    mine = af.Transform("halves", af.Hooks(split=halves))
-    lenient = af.Transform("lenient", af.Hooks(decide=never_skip))
     state = _state()
-    metrics = lenient(mine(classify))(state, make_batch(n=10))
-    ref_state = _state()
-    af.with_accumulation(2)(classify)(ref_state, make_batch(n=10))
-    assert_params_equal(state.model, ref_state.model)
-    assert "skipped" not in metrics.keys()  # nothing was checked
+    af.with_accumulation(2, split=halves)(classify)(state, make_batch(n=10))
+    ref = copy.deepcopy(_state().model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batch = as_dict(make_batch(n=10))
+    for lo, hi in ((0, 3), (3, 10)):
+        micro = {k: v[lo:hi] for k, v in batch.items()}
+        (classify(ref, micro)["loss"] * ((hi - lo) / 10)).backward()
+    opt.step()
+    assert_params_equal(state.model, ref)
+    with pytest.raises(ValueError, match="non-empty list of micro-batches"):
+        af.with_accumulation(2, split=lambda b, n: [])(classify)(_state(), make_batch())
+    with pytest.raises(ValueError, match=r"split=.*mode=.split."):
+        af.with_accumulation(2, mode="calls", split=halves)
 
-    def sized(ctx, batch):  # the same split, saying its sizes: the same update
-        n = batch.batch_size[0]
-        return af.Plan((batch[: n // 2], batch[n // 2:]), sizes=(n // 2, n - n // 2))
-
-    sized_state = _state()
-    af.Transform("sized", af.Hooks(split=sized))(classify)(sized_state, make_batch(n=10))
-    assert_params_equal(sized_state.model, ref_state.model)
-
-    def miscounted(ctx, batch):
-        return af.Plan((batch[:5], batch[5:]), sizes=(10,))
-
-    bad_state = _state()
-    before = [p.detach().clone() for p in bad_state.model.parameters()]
-    with pytest.raises(ValueError, match="2 micro-batches but 1 sizes"):
-        af.Transform("miscounted", af.Hooks(split=miscounted))(classify)(bad_state,
-                                                                         make_batch(n=10))
-    assert all(torch.equal(a, b) for a, b in zip(before, bad_state.model.parameters()))
+    # a loss-spike verdict of the user's, decided on the device with the non-finite checks
+    spiky = af.with_nonfinite(skip_if=lambda loss, grads: loss > 0.5)(classify)
+    state = _state()
+    before = [p.detach().clone() for p in state.model.parameters()]
+    metrics = spiky(state, make_batch())
+    assert metrics["skipped"] == 1 and state.get_slot("nonfinite").skipped == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, state.model.parameters()))
+    assert af.with_nonfinite(skip_if=lambda loss, grads: loss > 1e9)(classify)(
+        state, make_batch())["skipped"] == 0
+    with pytest.raises(af.NonFiniteError, match=r"skip_if\(loss, grads\) true at update"):
+        af.with_nonfinite(policy="raise", skip_if=lambda loss, grads: loss > 0.5)(classify)(
+            state, make_batch())
+    with pytest.raises(TypeError, match="one-element device tensor"):
+        af.with_nonfinite(skip_if=lambda loss, grads: True)(classify)(state, make_batch())
 
 
 # ---------------------------------------------------------------- 9. types are kept
@@ -371,7 +389,7 @@ def test_bare_and_configured_forms_are_real_overloads(name):
 
 # ----------------------------------------------------------- 10. the public contract kit
 def test_check_transform_passes_a_correct_user_transform():
-    halving = af.Transform("halve_grads", af.Hooks(gradients=halve), preserves_finite=True)
+    halving = af.GradientTransform("halve_grads", halve)
     report = check_transform(halving, reference=halved, loss_fn=loss_fn)
     assert report.passed == ["reference", "purity", "orders", "resume", "no host sync",
                              "bad input"]
@@ -379,14 +397,14 @@ def test_check_transform_passes_a_correct_user_transform():
 
 
 def test_check_transform_catches_a_wrong_reference_and_a_host_sync():
-    halving = af.Transform("halve_grads", af.Hooks(gradients=halve))
+    halving = af.GradientTransform("halve_grads", halve)
     with pytest.raises(AssertionError, match="against the reference"):
         check_transform(halving, reference=lambda m, o, b: plain_update(
             m, o, b, lambda mm, bb: F.cross_entropy(mm(bb["x"]), bb["y"])))
 
-    def peek(ctx):
-        if ctx.grads()[0].abs().sum() > 1e9:  # a data-dependent branch: a host sync
+    def peek(grads, params, state):
+        if grads[0].abs().sum() > 1e9:  # a data-dependent branch: a host sync
             pass
 
     with pytest.raises(AssertionError, match="host syncs"):
-        check_transform(af.Transform("peek", af.Hooks(gradients=peek), commutes=True))
+        check_transform(af.GradientTransform("peek", peek))

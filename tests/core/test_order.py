@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 
@@ -63,21 +64,29 @@ def test_stack_equals_hand_written_amp_accumulation_clipping_loop():
     assert_params_equal(model, ref)
 
 
-def spy(name, phase, log):
-    """A user transform recording when its prepare hook runs."""
+def spy(name, place, log):
+    """A transform filling a preparing place, recording when it runs."""
+    from accelfn.core import places
 
     def hook(prepared, state):
         log.append(name)
         return prepared
 
-    return af.Transform(name, af.Hooks(**{phase: hook}))
+    if place == "sharding":
+        part = places.Sharding(hook, lambda ctx, i, sync: contextlib.nullcontext(),
+                               lambda ctx: None)
+    elif place == "compilation":
+        part = places.Compilation(hook)
+    else:
+        part = places.Checkpointing(hook)
+    return af.Transform(name, part)
 
 
 @pytest.mark.parametrize("order", list(itertools.permutations([0, 1, 2])))
 def test_preparation_happens_once_in_canonical_order(order):
     log = []
-    spies = [spy("wrap", "checkpoint", log), spy("shard", "shard", log),
-             spy("compile", "compile", log)]
+    spies = [spy("wrap", "checkpointing", log), spy("shard", "sharding", log),
+             spy("compile", "compilation", log)]
     step = af.lift(classify)
     for i in order:
         step = step.with_transform(spies[i])
@@ -90,11 +99,10 @@ def test_preparation_happens_once_in_canonical_order(order):
     assert log == ["wrap", "shard", "compile"]
 
 
-def test_builtin_prepare_phases_are_islands_checkpoint_shard_compile_average():
-    phases = [name for name, when, _ in af.PHASES if when == "prepare"]
-    assert phases == ["convert", "islands", "checkpoint", "shard", "compile", "average"]
-    built = {t.name: t for t in (af.with_amp(), af.checkpointed(), af.distributed(),
-                                 af.compiled(), af.with_ema())}
-    filled = {name: [p for p in phases if p in t.hooks] for name, t in built.items()}
-    assert filled == {"with_amp": ["islands"], "checkpointed": ["checkpoint"],
-                      "distributed": ["shard"], "compiled": ["compile"], "with_ema": ["average"]}
+def test_each_preparing_builtin_fills_its_own_place():
+    built = {t.name: t for t in (af.with_float8(), af.with_amp(), af.checkpointed(),
+                                 af.distributed(), af.compiled(), af.with_ema())}
+    places = {name: type(t.part).__name__ for name, t in built.items()}
+    assert places == {"with_float8": "Float8", "with_amp": "Precision",
+                      "checkpointed": "Checkpointing", "distributed": "Sharding",
+                      "compiled": "Compilation", "with_ema": "Averaging"}

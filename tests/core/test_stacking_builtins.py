@@ -83,24 +83,10 @@ def test_refused_stacks_are_refused_when_built(tmp_path):
         af.compiled(af.compiled(cache=tmp_path / "c.bin")(_loss))
     with pytest.raises(ValueError, match="applied twice"):
         af.with_accumulation(2)(af.with_accumulation(2, mode="calls")(_loss))
-    # a user transform that declares nothing is still refused next to a built-in
-    mine = af.Transform("mine", af.Hooks(after_update=lambda ctx, skipped: None))
-    with pytest.raises(ValueError, match="commute"):
-        mine(af.compiled(cache=tmp_path / "c.bin")(_loss))
-    with pytest.raises(ValueError, match="commute"):
-        mine(af.with_ema(_loss))
-
-
-def test_a_user_abort_hook_stacks_with_the_builtins_abort_hooks_undeclared():
-    """abort hooks each undo their own transform's work: no commutes declaration needed."""
-    undone = []
-    mine = af.Transform("mine", af.Hooks(abort=lambda ctx: undone.append(ctx)))
-    for builtin in (af.distributed(strategy="fsdp"), af.with_amp(dtype=torch.float16),
-                    af.with_accumulation(2, mode="calls")):
+    # a user gradient transform stacks next to every built-in, in any order
+    mine = af.GradientTransform("mine", lambda grads, params, state: None)
+    for builtin in (af.compiled(cache=tmp_path / "c.bin"), af.with_ema(),
+                    af.distributed(strategy="fsdp"), af.with_amp(dtype=torch.float16),
+                    af.with_accumulation(2, mode="calls"), af.with_clipping(max_norm=1.0)):
         assert len(mine(builtin(_loss)).transforms) == 2
         assert len(builtin(mine(_loss)).transforms) == 2
-    # other phases still need the declaration
-    noisy = af.Transform("noisy", af.Hooks(abort=lambda ctx: None,
-                                           after_update=lambda ctx, skipped: None))
-    with pytest.raises(ValueError, match="'after_update' hook"):
-        noisy(af.with_ema(decay=0.9)(_loss))

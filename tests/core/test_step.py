@@ -114,22 +114,26 @@ def test_options_are_keyword_only_and_checked_at_build():
         af.with_nonfinite(policy="ignore")
 
 
-def grad_noise(std: float, seed: int = 0) -> af.Transform:
-    """A user transform: Gaussian gradient noise (the protocol's worked example)."""
+def grad_noise(std: float, seed: int = 0) -> af.GradientTransform:
+    """A user gradient transform: Gaussian gradient noise, its generator's state its state."""
 
-    def add_noise(ctx):
-        gen = ctx.state.slot("gradient_noise", lambda: torch.Generator().manual_seed(seed))
-        for g in ctx.grads():
+    def init(params):
+        return {"rng": torch.Generator().manual_seed(seed).get_state()}
+
+    def add_noise(grads, params, state):
+        gen = torch.Generator()
+        gen.set_state(state["rng"])
+        for g in grads:
             g.add_(torch.randn(g.shape, generator=gen) * std)
+        return {"rng": gen.get_state()}
 
-    return af.Transform("gradient_noise", af.Hooks(gradients=add_noise),
-                        options=(("std", std), ("seed", seed)), label=f"gradient_noise({std})")
+    return af.GradientTransform("gradient_noise", add_noise, init)
 
 
 def test_user_transform_composes_with_builtins(net):
     (m1, o1), (m2, o2) = clone_setup(net)
     step = af.with_clipping(max_norm=0.5)(grad_noise(0.01)(classify))
-    assert "gradient_noise(0.01)" in repr(step)
+    assert repr(step) == "with_clipping(max_norm=0.5) ∘ gradient_noise ∘ classify"
     state = af.TrainState(m1, o1)
     gen = torch.Generator().manual_seed(0)
     batch = make_batch()
@@ -143,7 +147,17 @@ def test_user_transform_composes_with_builtins(net):
     o2.step()
     o2.zero_grad(set_to_none=True)
     assert_params_equal(m1, m2)
-    assert isinstance(grad_noise(0.1), af.Transform)
+    assert isinstance(grad_noise(0.1).transform(), af.Transform)
+    # its state is the TrainState's: a second update draws on from where the first stopped
+    batch = make_batch(seed=1)
+    step(state, batch)
+    classify(m2, as_dict(batch))["loss"].backward()
+    for p in m2.parameters():
+        p.grad.add_(torch.randn(p.grad.shape, generator=gen) * 0.01)
+    torch.nn.utils.clip_grad_norm_(m2.parameters(), 0.5)
+    o2.step()
+    assert_params_equal(m1, m2)
+    assert set(state.state_dict()["slots"]["gradients.gradient_noise"]) == {"rng"}
 
 
 def test_not_a_transform_is_refused():

@@ -34,6 +34,7 @@ from torch.optim.lr_scheduler import (
 )
 
 import accelfn as af
+from accelfn.core.places import Compilation
 from accelfn.recipes.schedules import (
     WarmupPlateau,
     one_cycle,
@@ -325,7 +326,7 @@ def _tensor_lr(prepared, state):
 
 
 # What compiled(optimizer=True) does to the optimizer, without compiling.
-TensorLR = af.Transform("tensor_lr", af.Hooks(compile=_tensor_lr))
+TensorLR = af.Transform("tensor_lr", Compilation(_tensor_lr))
 
 
 @pytest.mark.parametrize("make", [

@@ -14,14 +14,14 @@ import accelfn as af
 
 
 class GradProbe:
-    """Records the fully accumulated gradients (a user transform in the gradients phase)."""
+    """Records the fully accumulated gradients (a user gradient transform)."""
 
     def __init__(self):
         self.grads = None
-        self.transform = af.Transform("grad_probe", af.Hooks(gradients=self.record))
+        self.transform = af.GradientTransform("grad_probe", self.record)
 
-    def record(self, ctx):
-        self.grads = [p.grad.detach().clone() for p in ctx.state.model.parameters()]
+    def record(self, grads, params, state):
+        self.grads = [g.detach().clone() for g in grads]
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from conftest import Net, assert_params_equal, classify, clone_setup, make_batch, roundtrip
 
 import accelfn as af
+from accelfn.core.protocol import Plan
 
 CALLS, ROWS = 4, 64
 
@@ -141,4 +142,4 @@ def test_without_loss_scaling_weights_are_not_rescaled(net):
 
 def test_a_plan_spanning_no_calls_is_refused():
     with pytest.raises(ValueError, match="calls"):
-        af.Plan((make_batch(),), calls=0)
+        Plan((make_batch(),), calls=0)

@@ -19,6 +19,8 @@ from torchao.float8.float8_linear import Float8Linear
 
 import accelfn as af
 from accelfn import with_float8
+from accelfn.core.places import Compilation
+from accelfn.core.protocol import CallContext
 from accelfn.testing import check_transform, plain_update
 from accelfn.transforms.float8 import eligible
 
@@ -359,11 +361,11 @@ def _context(step, state, device: str):
     moved = dataclasses.replace(prepared, device=torch.device(device))
     key = next(k for k, p, _ in state.preparations if p is prepared)
     state.add_preparation(key, moved, af.describe(step))
-    return af.CallContext(state, moved)
+    return CallContext(state, moved)
 
 
 def _hook(step):
-    return next(t for t in step.transforms if t.name == "with_float8").hooks["forward_context"]
+    return step.spec.float8.forward
 
 
 def test_cuda_without_compile_is_refused_with_the_fix():
@@ -380,7 +382,7 @@ def test_cuda_without_compile_is_refused_with_the_fix():
 
 
 def test_cuda_with_compile_in_the_stack_is_accepted():
-    regional = af.Transform("regional", af.Hooks(compile=lambda prepared, state: prepared))
+    regional = af.Transform("regional", Compilation(lambda prepared, state: prepared))
     for step in (af.compiled(with_float8(min_features=16)(ce)),  # wraps the model
                  regional(with_float8(min_features=16)(ce))):  # compiles inside it
         model = mlp()

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from ...core import compat
 from ...core.engine import LossFn, Step
-from ...core.protocol import Hooks, Prepared, Transform, UpdateContext, configure
+from ...core.places import Compilation
+from ...core.protocol import Prepared, Transform, UpdateContext, configure
 from ...core.state import TrainState
 from . import cache as cache_file
 from . import regional as regions
@@ -80,20 +81,17 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
         None if cache is None else "cache",
     ) if p]
     label = f"compiled({', '.join(parts)})" if parts else "compiled"
-    hooks = Hooks(compile=compile)
-    if regional is not False:
-        hooks["check"] = lambda s: regions.check(s, regional, backend, repr(kwargs), label)
-    if cache is not None:
-        hooks["after_update"] = after_update
+    part = Compilation(
+        compile,
+        check=None if regional is False else (
+            lambda s: regions.check(s, regional, backend, repr(kwargs), label)),
+        after_update=None if cache is None else after_update)
     return Transform(
-        "compiled", hooks,
+        "compiled", part,
         options=(("mode", mode), ("fullgraph", fullgraph), ("dynamic", dynamic),
                  ("backend", backend), ("optimizer", optimizer), ("options", options),
                  ("regional", regional), ("cache", None if cache is None else str(cache))),
-        label=label,
-        # its after_update (with cache=) only writes the compile cache's file; the scaler's
-        # update, the EMA average and float8's scale precompute neither compile nor read it
-        commutes=frozenset({"with_amp", "with_ema", "with_float8"}))
+        label=label)
 
 
 def _checked_options(options: Any, backend: str) -> dict[str, Any]:

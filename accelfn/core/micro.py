@@ -1,0 +1,147 @@
+"""Forward and backward of one call's micro-batches: the hot path of every step.
+
+Each micro-batch's loss is weighted by its share of the call's samples (or counted in
+samples or the step function's ``"weight"`` when weighted absolutely), scaled for fp16,
+and differentiated once; the weighted losses and metrics are collected in [`Sums`][]
+for the update. One loop, no call per micro-batch beyond the user's and the backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import compat, units
+from . import optimizers as optimizers_
+from .batch import Batch, batch_size
+from .carry import SLOT as CARRY
+from .carry import Carries, detached
+from .outputs import unpack
+from .places import Spec
+from .protocol import CallContext, Plan, Sums, entered
+
+__all__ = ["forward", "forward_and_backward"]
+
+
+def forward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext, micro: Batch,
+            index: int = 0, carried: dict[int, Any] | None = None) -> Any:
+    """``fn(model, micro)`` under autocast and float8's forward context, with the carry of
+    a step function that takes one (see accelfn.core.carry)."""
+    managers = [part.autocast(ctx) for part in (spec.precision,) if part is not None]
+    managers += [part.forward(ctx) for part in (spec.float8,) if part is not None]
+    model = ctx.prepared.model
+    if not carries:
+        if not managers:
+            return fn(model, micro)
+        if len(managers) == 1:  # autocast: no context stack
+            with managers[0]:
+                return fn(model, micro)
+        with entered(managers):
+            return fn(model, micro)
+    mode = "train" if ctx.training else "evaluate"
+    carry = ctx.state.slot(CARRY, Carries).get(mode, index)
+    with entered(managers):
+        out = fn(model, micro, carry=carry)
+    if not isinstance(out, Mapping) or "carry" not in out:
+        raise ValueError("a step function taking 'carry' returns a mapping with 'loss' and "
+                         "'carry' (None to carry nothing)")
+    assert carried is not None
+    rest = {k: v for k, v in out.items() if k != "carry"}
+    carried[index] = detached(out["carry"])
+    return rest
+
+
+def _coefficients(plan: Plan, absolute: bool) -> list[float | None]:
+    """A micro-batch's coefficient unless it returns a weight: its sample count when weighted
+    absolutely, its share of the call's samples, nothing when it is alone."""
+    micros = plan.micros
+    n = len(micros)
+    sizes = plan.sizes
+    if sizes is None and (n > 1 or absolute):
+        sizes = [batch_size(m, plan.dim) for m in micros]
+    elif sizes is not None and len(sizes) != n:
+        raise ValueError(f"the split's Plan has {n} micro-batches but {len(sizes)} sizes; give "
+                         "one size per micro-batch, or leave sizes out")
+    if absolute:
+        assert sizes is not None
+        return [float(size) for size in sizes]
+    if n > 1:
+        assert sizes is not None
+        total = sum(sizes)
+        return [size / total for size in sizes]
+    return [None]
+
+
+def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext,
+                         plan: Plan, sums: Sums, absolute: bool,
+                         carried: dict[int, Any]) -> bool:
+    """Forward and backward of every micro-batch of ``plan``, each loss weighted by its share
+    (gradients synchronised across processes on the update's last one only); returns whether
+    the micro-batches were weighted absolutely (gradients and metrics to be divided by the
+    total weight at the update)."""
+    micros = plan.micros
+    n = len(micros)
+    fixed = _coefficients(plan, absolute)
+    sharding, precision, float8 = spec.sharding, spec.precision, spec.float8
+    scale = precision.scale if precision is not None else None
+    plain = not carries and sharding is None
+    # autocast and nothing else: entered here, without a call
+    autocast = precision.autocast if plain and float8 is None and precision is not None else None
+    direct = plain and precision is None and float8 is None
+    model = ctx.prepared.model
+    check = sums.empty  # the first micro-batch of a window: check the output
+    losses, coefs = sums.loss_terms()
+    backward = compat.backward
+    inputs = optimizers_.backward_inputs(ctx.state)
+    weighted: bool | None = None
+    coef: Tensor | float | None
+    for i, micro in enumerate(micros):
+        if direct:
+            out = fn(model, micro)
+        elif autocast is not None:
+            with autocast(ctx):
+                out = fn(model, micro)
+        elif sharding is not None:
+            with sharding.micro(ctx, i, plan.update and i == n - 1):
+                out = forward(spec, fn, carries, ctx, micro, i, carried)
+        else:
+            out = forward(spec, fn, carries, ctx, micro, i, carried)
+        metrics = None
+        if type(out) is Tensor and (i or not check) and not weighted:  # a loss, as before
+            loss, coef = out, fixed[i]
+            weighted = False
+        else:
+            loss, weight, metrics = unpack(out, first=check and i == 0)
+            if weighted is not None and weighted != (weight is not None):
+                raise ValueError("the step function returned 'weight' for some "
+                                 "micro-batches but not others; return it always")
+            weighted = weight is not None
+            if weight is not None and (n > 1 or absolute):
+                coef = weight.detach().to(torch.float32)
+                absolute = True
+            else:
+                coef = fixed[i]
+        if absolute and scale is not None and coef is not None:  # see accelfn.core.units
+            coef = coef * units.inverse_unit(ctx, coef, n * plan.calls)
+        objective = loss if coef is None else loss * coef
+        if metrics:
+            sums.add(coef, metrics, {"loss": objective})
+        else:
+            losses.append(objective.detach())
+            if coef is not None:
+                coefs.append(coef)
+        if scale is not None:
+            objective = scale(ctx, objective)
+        try:
+            backward(objective, inputs)
+        except RuntimeError as error:
+            if "backward through the graph a second time" in str(error):
+                raise RuntimeError(
+                    "the step function called backward() itself: return the loss instead "
+                    "and let the step differentiate it (once, weighted and scaled as the "
+                    f"stack needs) ({error})") from error
+            raise
+    return absolute

@@ -1,0 +1,197 @@
+"""The built-ins' places in the update: one typed option per built-in, and a step's spec.
+
+The engine ([`accelfn.core.engine`][]) writes the update once, in order; each built-in
+transform fills its one place in it with the functions below, which the engine calls at a
+fixed line. A place holds one transform at most (the same built-in twice is refused), so
+the order the built-ins were stacked in cannot change what runs. Users extend the update
+with [`GradientTransform`][accelfn.GradientTransform]s, kept in the order they were stacked.
+
+Every function is handed the call's context (``CallContext`` or ``UpdateContext``) or, when
+preparing, the [`Prepared`][accelfn.core.protocol.Prepared] so far and the state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from torch import Tensor
+
+from .batch import Batch
+from .protocol import (
+    CallContext,
+    Decision,
+    GradientTransform,
+    Plan,
+    Prepared,
+    Sums,
+    Transform,
+    UpdateContext,
+)
+from .state import TrainState
+
+__all__ = ["Accumulation", "Averaging", "Checkpointing", "Clipping", "Compilation",
+           "Float8", "NonFinite", "Precision", "Sharding", "Spec", "spec_of"]
+
+Context = contextlib.AbstractContextManager[Any]
+Prepare = Callable[[Prepared, TrainState], Prepared]
+Check = Callable[[TrainState], object]
+AfterUpdate = Callable[[UpdateContext, Tensor], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Float8:
+    """``with_float8``: Linear layers converted first; their forward and scale precompute."""
+
+    convert: Prepare
+    forward: Callable[[CallContext], Context]
+    after_update: AfterUpdate | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """``with_amp``: fp32 islands and the compute dtype; autocast; fp16's loss scaling.
+
+    ``unscale`` returns the device flag "the scaled gradients overflowed"; ``update`` moves
+    the scale after the update; ``forget`` makes the scaler forget a failed call."""
+
+    islands: Prepare
+    autocast: Callable[[CallContext], Context]
+    check: Check | None = None
+    scale: Callable[[CallContext, Tensor], Tensor] | None = None
+    unscale: Callable[[UpdateContext], Tensor | None] | None = None
+    update: AfterUpdate | None = None
+    forget: Callable[[CallContext], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpointing:
+    """``checkpointed``: activation checkpointing of the blocks."""
+
+    wrap: Prepare
+    check: Check | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Sharding:
+    """``distributed``: DDP/FSDP wrapping, no sync but on an update's last micro-batch, the
+    cross-process weight, and dropping unreduced gradients after a failed call."""
+
+    shard: Prepare
+    micro: Callable[[CallContext, int, bool], Context]
+    reduce: Callable[[UpdateContext], None]
+    abort: Callable[[CallContext], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Compilation:
+    """``compiled``: torch.compile of the model (and optimizer step); the compile cache."""
+
+    compile: Prepare
+    check: Check | None = None
+    after_update: AfterUpdate | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Averaging:
+    """``with_ema``: averaged copies of the prepared model's weights, updated after each
+    update, swapped in by ``evaluate(weights=...)``."""
+
+    average: Prepare
+    update: AfterUpdate
+    evaluate: Callable[[CallContext, Mapping[str, Any]], Context]
+    evaluate_options: tuple[str, ...] = ("weights",)
+
+
+@dataclass(frozen=True, slots=True)
+class Accumulation:
+    """``with_accumulation``: the micro-batches of a call (and the calls of an update)."""
+
+    split: Callable[[CallContext, Batch], Plan]
+    flush: Callable[[CallContext], Sums | None] | None = None
+    abort: Callable[[CallContext], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Clipping:
+    """``with_clipping``: clips the gradients; returns their total norm before clipping when
+    it still tells whether a gradient is NaN/Inf (clipping by norm scales by a finite
+    factor), else None."""
+
+    clip: Callable[[UpdateContext], Tensor | None]
+
+
+@dataclass(frozen=True, slots=True)
+class NonFinite:
+    """``with_nonfinite``: the decision to skip an update. ``decide(ctx, overflow, norm)``
+    gets fp16's overflow flag and clipping's norm when they describe the gradients as the
+    optimizers will see them (None otherwise: the gradients are checked again)."""
+
+    decide: Callable[[UpdateContext, Tensor | None, Tensor | None, bool], Decision]
+
+
+_PLACES: dict[type, str] = {
+    Float8: "float8", Precision: "precision", Checkpointing: "checkpointing",
+    Sharding: "sharding", Compilation: "compilation", Averaging: "averaging",
+    Accumulation: "accumulation", Clipping: "clipping", NonFinite: "nonfinite",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """A step's update: one entry per built-in place (None: left out), and the user's
+    gradient transforms in the order they were stacked."""
+
+    float8: Float8 | None = None
+    precision: Precision | None = None
+    checkpointing: Checkpointing | None = None
+    sharding: Sharding | None = None
+    compilation: Compilation | None = None
+    averaging: Averaging | None = None
+    accumulation: Accumulation | None = None
+    clipping: Clipping | None = None
+    nonfinite: NonFinite | None = None
+    gradients: tuple[GradientTransform, ...] = ()
+
+    @property
+    def checks(self) -> list[Check]:
+        """The refusals a state is checked against before any preparation changes it."""
+        found = [getattr(getattr(self, f.name), "check", None) for f in fields(self)
+                 if f.name != "gradients"]
+        return [check for check in found if check is not None]
+
+    @property
+    def after_update(self) -> list[AfterUpdate]:
+        """What runs after the optimizer step, in the sequence's order."""
+        found = [self.precision and self.precision.update, self.float8 and self.float8.after_update,
+                 self.averaging and self.averaging.update,
+                 self.compilation and self.compilation.after_update]
+        return [f for f in found if f]
+
+
+def spec_of(transforms: tuple[Transform, ...], text: Callable[[], str]) -> Spec:
+    """The spec of ``transforms`` (innermost first); refuses a built-in twice, and two
+    gradient transforms of one name (their states would share a slot)."""
+    places: dict[str, Any] = {}
+    gradients: list[GradientTransform] = []
+    names: set[str] = set()
+    for t in transforms:
+        if t.name in names:
+            raise ValueError(f"{t.name} is applied twice in {text()}; apply each transform once")
+        names.add(t.name)
+        part = t.part
+        if isinstance(part, GradientTransform):
+            gradients.append(part)
+            continue
+        place = _PLACES.get(type(part))
+        if place is None:
+            raise TypeError(
+                f"transform {t.name!r} fills no place of the update ({type(part).__name__}); "
+                "extend the update with accelfn.GradientTransform(name, update, init)")
+        if place in places:
+            raise ValueError(f"{places[place][0]} and {t.name} both fill the {place!r} place "
+                             f"of the update; keep one of them in {text()}")
+        places[place] = (t.name, part)
+    return Spec(**{k: v for k, (_, v) in places.items()}, gradients=tuple(gradients))
