@@ -32,8 +32,7 @@ from . import optimizers as optimizers_
 from .batch import Batch, batch_size, check_batch
 from .carry import SLOT as CARRY
 from .carry import Carries, takes_carry
-from .guard import SLOT as GUARD_SLOT
-from .guard import Guard, NonFiniteError, nonfinite
+from .guard import NonFiniteError, nonfinite
 from .outputs import unpack
 from .places import Sharding, Spec, spec_of
 from .protocol import (
@@ -54,7 +53,7 @@ __all__ = ["LossFn", "NonFiniteError", "Step", "apply_transform", "describe", "l
 LossFn = Callable[..., "Tensor | Mapping[str, Tensor]"]  # fn(model, batch[, carry])
 _DEFAULT_GUARD = nonfinite().part
 _SCALAR = torch.Size([])
-_FIXED = frozenset({"fn", "transforms", "spec", "_key", "_after", "_decide", "_carry"})
+_FIXED = frozenset({"fn", "transforms", "spec", "_key", "_after", "_guard", "_carry"})
 _PREPARING = ("float8", "precision", "checkpointing", "sharding", "compilation", "averaging")
 
 
@@ -88,7 +87,7 @@ class Step:
         self._key = tuple(t for t in transforms if any(
             getattr(self.spec, place) is t.part for place in _PREPARING))
         self._after = tuple(self.spec.after_update)
-        self._decide = (self.spec.nonfinite or _DEFAULT_GUARD).decide
+        self._guard = self.spec.nonfinite or _DEFAULT_GUARD  # every update decides
         self._carry = takes_carry(fn)
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -214,7 +213,7 @@ class Step:
             states = chain.run(spec.gradients, uctx) if spec.gradients else []
             norm = spec.clipping.clip(uctx) if spec.clipping is not None else None
             # the decision, then the optimizer steps
-            decision = decided = self._decide(uctx, overflow, norm, not spec.gradients)
+            decision = decided = self._guard.decide(uctx, overflow, norm, not spec.gradients)
             rates = [optimizers_.rate(o) for o in optimizers]  # what this update uses
             on_device = self._apply(uctx, decision)  # the skip flag when decided on the device
         except BaseException as error:
@@ -283,11 +282,8 @@ class Step:
     def _abort(self, ctx: CallContext) -> None:
         """Undo a failed call: gradients cleared, every part's partial work undone."""
         optimizers_.clear_grads(ctx.state.optimizers)
-        guard = ctx.state.get_slot(GUARD_SLOT)
-        if isinstance(guard, Guard):  # a decision deferred by this call: no update to settle
-            guard.forget(ctx.state.step)
         spec = self.spec
-        for abort in (spec.accumulation and spec.accumulation.abort,
+        for abort in (self._guard.abort, spec.accumulation and spec.accumulation.abort,
                       spec.precision and spec.precision.forget,
                       spec.sharding and spec.sharding.abort):
             if abort:

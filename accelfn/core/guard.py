@@ -23,7 +23,7 @@ from torch import Tensor
 
 from . import compat
 from .places import NonFinite
-from .protocol import Decision, Transform, UpdateContext
+from .protocol import CallContext, Decision, Transform, UpdateContext
 from .state import TrainState
 from .syncs import GUARD_READ, deferred_read, labelled_read
 
@@ -260,8 +260,13 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10,
         label = f"with_nonfinite({policy}, max_consecutive={max_consecutive}{extra})"
     else:
         label = f"with_nonfinite({policy}{extra})"
+    def abort(ctx: CallContext) -> None:
+        guard = ctx.state.get_slot(SLOT)
+        if isinstance(guard, Guard):  # a decision deferred by this call: no update to settle
+            guard.forget(ctx.state.step)
+
     return Transform(
-        "with_nonfinite", NonFinite(decide),
+        "with_nonfinite", NonFinite(decide, abort),
         options=(("policy", policy), ("max_consecutive", max_consecutive),
                  ("skip_if", skip_if)), label=label)
 

@@ -125,11 +125,14 @@ class Clipping:
 
 @dataclass(frozen=True, slots=True)
 class NonFinite:
-    """``with_nonfinite``: the decision to skip an update. ``decide(ctx, overflow, norm)``
-    gets fp16's overflow flag and clipping's norm when they describe the gradients as the
-    optimizers will see them (None otherwise: the gradients are checked again)."""
+    """``with_nonfinite``: the decision to skip an update. ``decide(ctx, overflow, norm,
+    current)`` gets fp16's overflow flag (``current``: no gradient transform wrote the
+    gradients after it) and clipping's norm when it describes the gradients as the optimizers
+    will see them (None otherwise: the gradients are checked again). ``abort`` forgets a
+    decision deferred by a call that failed."""
 
     decide: Callable[[UpdateContext, Tensor | None, Tensor | None, bool], Decision]
+    abort: Callable[[CallContext], None] | None = None
 
 
 _PLACES: dict[type, str] = {

@@ -7,7 +7,7 @@ import copy
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -20,6 +20,28 @@ _STEPPED_FIRST = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.st
 
 
 _ALIVE: weakref.WeakSet[TrainState] = weakref.WeakSet()
+
+
+@runtime_checkable
+class Deferred(Protocol):
+    """A slot holding bookkeeping deferred to avoid a host sync (the non-finite guard's
+    decision read one update later): [`TrainState.sync`][] settles it."""
+
+    def settle(self, state: TrainState) -> None: ...
+
+
+@runtime_checkable
+class Window(Protocol):
+    """A slot holding an open accumulation window (calls whose gradients are not applied
+    yet): the state is not at an update boundary while ``open_calls`` > 0; a rollback copy
+    keeps the window (``rollback_state_dict``), loading a checkpoint discards it."""
+
+    @property
+    def open_calls(self) -> int: ...
+
+    def discard(self) -> None: ...
+
+    def rollback_state_dict(self) -> Any: ...
 
 
 class TrainState:
@@ -262,7 +284,8 @@ class TrainState:
         """Whether no accumulation window is open (``with_accumulation(n, mode="calls")``
         between its calls), so that the state can be saved. A host read of plain counters:
         no sync. Every process of a run shares it (they make the same calls)."""
-        return not any(_open_calls(obj) for obj in self._slots.values())
+        return not any(obj.open_calls for obj in self._slots.values()
+                       if isinstance(obj, Window))
 
     @property
     def device(self) -> torch.device:
@@ -276,9 +299,8 @@ class TrainState:
         the guard's counters. [`state_dict`][] calls it.
         """
         for obj in self._slots.values():
-            settle = getattr(obj, "settle", None)
-            if callable(settle):
-                settle(self)
+            if isinstance(obj, Deferred):
+                obj.settle(self)
 
     def state_dict(self) -> dict[str, Any]:
         """All training state as tensors and plain data (loadable with ``weights_only=True``)."""
@@ -325,9 +347,8 @@ class TrainState:
             raise
         if "pending" not in state_dict and was_open:  # a checkpoint: the window is gone
             for name, obj in self._slots.items():
-                discard = getattr(obj, "discard", None)
-                if name not in state_dict["slots"] and callable(discard):
-                    discard()
+                if name not in state_dict["slots"] and isinstance(obj, Window):
+                    obj.discard()
             self.model.zero_grad(set_to_none=True)
 
     def snapshot(self) -> dict[str, Any]:
@@ -419,13 +440,8 @@ class TrainState:
         )
 
 
-def _open_calls(obj: Any) -> int:
-    calls = getattr(obj, "open_calls", 0)
-    return calls if isinstance(calls, int) else 0
-
-
 def _save(obj: Any, rollback: bool = False) -> Any:
-    if rollback and hasattr(obj, "rollback_state_dict"):  # may hold what a checkpoint cannot
+    if rollback and isinstance(obj, Window):  # may hold what a checkpoint cannot
         return obj.rollback_state_dict()
     if hasattr(obj, "state_dict"):
         return obj.state_dict()
