@@ -176,16 +176,17 @@ class Step:
             absolute = micro.forward_and_backward(
                 self.spec, self.fn, self._carry, ctx, plan, sums,
                 plan.absolute or ctx.distributed is not None, carried)
-            if self._carry and not plan.update:  # no update to wait for: the call succeeded
-                state.slot(CARRY, Carries).commit("train", carried)
-        except BaseException as error:
+            if not plan.update:  # no update to wait for: the call succeeds with its metrics
+                running = TensorDict(sums.result(divide=True), batch_size=[])
+                if self._carry:
+                    state.slot(CARRY, Carries).commit("train", carried)
+                return running
+        except BaseException as error:  # any exit, at any line: no gradients left behind
             self._abort(ctx)
             if isinstance(error, torch.OutOfMemoryError):
                 raise checks.out_of_memory(describe(self), self.transforms, self.spec,
                                            error) from error
             raise
-        if not plan.update:
-            return TensorDict(sums.result(divide=True), batch_size=[])
         # the carry is committed with the update, if it is applied (see accelfn.core.carry)
         return self._update(ctx, sums, absolute, carried if self._carry else None)
 
@@ -193,14 +194,14 @@ class Step:
                 carried: dict[int, Any] | None = None) -> TensorDict:
         state, prepared, spec = ctx.state, ctx.prepared, self.spec
         optimizers = state.optimizers
-        metrics = sums.result(divide=absolute)
-        uctx = UpdateContext(state, prepared, metrics["loss"])
-        if absolute:
-            uctx.divisor = uctx.weight_total = torch.as_tensor(
-                sums.weight, dtype=torch.float32, device=prepared.device)
         fresh = [not optimizer.state for optimizer in optimizers]  # a failed first update
         decided: Decision | None = None  # leaves no optimizer state either
         try:
+            metrics = sums.result(divide=absolute)
+            uctx = UpdateContext(state, prepared, metrics["loss"])
+            if absolute:
+                uctx.divisor = uctx.weight_total = torch.as_tensor(
+                    sums.weight, dtype=torch.float32, device=prepared.device)
             # the gradients: unscaled, reduced, divided, the user's transforms, clipped
             precision = spec.precision
             overflow = precision.unscale(uctx) if precision and precision.unscale else None
@@ -221,7 +222,7 @@ class Step:
             for optimizer, first in zip(optimizers, fresh):
                 if optimizing and first:
                     optimizer.state.clear()  # half-built state would break the next update
-            self._abort(uctx)
+            self._abort(ctx)
             if optimizing:
                 if isinstance(error, torch.OutOfMemoryError):
                     raise checks.optimizer_out_of_memory(describe(self), error,

@@ -263,3 +263,50 @@ def test_skipped_first_update_on_the_device_leaves_zeros_for_no_carry():
     assert af.lift(lm_step)(state, _rnn_batch(1, poison=True))["skipped"] == 1
     kept = state.slots["carry"].values["train"][0]
     assert torch.equal(kept, torch.zeros(5, 6))  # what nn.RNNCell takes None for
+
+
+# ------------------------------------------- any exit between the backward and the update
+def test_losses_of_mismatched_shapes_leave_no_gradients_and_the_next_call_is_clean(net):
+    """A loss of shape [] in the first micro-batch and [1] in the next failed when the
+    metrics were summed, after the backwards: the gradients stayed in .grad and the next
+    update silently added them to its own."""
+    calls = {"n": 0}
+
+    def shapes(model, batch):
+        calls["n"] += 1
+        loss = classify(model, batch)["loss"]
+        return loss if calls["n"] % 2 else loss.reshape(1)
+
+    start = copy.deepcopy(net)
+    state = af.TrainState(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        af.with_accumulation(2)(shapes)(state, make_batch(seed=0))
+    assert _grads(net) == [] and state.step == 0 and not state.optimizer.state
+    af.lift(classify)(state, make_batch(seed=1))
+    assert_params_equal(net, _clean_update(start, make_batch(seed=1)))
+
+
+@pytest.mark.parametrize("window", ["split", "calls"])
+def test_an_interrupt_while_the_metrics_are_summed_leaves_no_gradients(net, monkeypatch,
+                                                                       window):
+    from accelfn.core import protocol
+
+    real = protocol.Sums.result
+    armed = {"on": True}
+
+    def interrupted(self, divide):
+        if armed["on"]:
+            armed["on"] = False
+            raise KeyboardInterrupt
+        return real(self, divide)
+
+    monkeypatch.setattr(protocol.Sums, "result", interrupted)
+    start = copy.deepcopy(net)
+    state = af.TrainState(net, torch.optim.Adam(net.parameters(), lr=1e-2))
+    step = af.with_accumulation(2, mode=window)(classify)
+    with pytest.raises(KeyboardInterrupt):
+        step(state, make_batch(seed=0))
+    assert _grads(net) == [] and state.step == 0 and state.at_update_boundary
+    step = af.lift(classify)
+    step(state, make_batch(seed=1))
+    assert_params_equal(net, _clean_update(start, make_batch(seed=1)))
