@@ -116,9 +116,9 @@ class Accumulation:
 
 @dataclass(frozen=True, slots=True)
 class Clipping:
-    """``with_clipping``: clips the gradients; returns their total norm before clipping when
-    it still tells whether a gradient is NaN/Inf (clipping by norm scales by a finite
-    factor), else None."""
+    """``with_clipping``: clips the gradients; returns their total norm before clipping,
+    NaN/Inf when any gradient was (clipping by value would turn an Inf into ``max_value``),
+    which the non-finite decision reads."""
 
     clip: Callable[[UpdateContext], Tensor | None]
 

@@ -26,9 +26,9 @@ def _clipping(max_norm: float | None, norm_type: float, max_value: float | None)
         if max_value is None:
             assert max_norm is not None
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-            return norm  # scaled by a finite factor: still says if any is NaN/Inf
-        torch.nn.utils.clip_grad_value_(params, max_value)
-        return None  # clamping turns Inf into max_value: the guard checks them as they are
+        else:  # clamping turns an Inf gradient into max_value: the norm before it tells
+            torch.nn.utils.clip_grad_value_(params, max_value)
+        return norm  # NaN/Inf when any gradient was: the non-finite decision reads it
 
     if max_value is not None:
         label = f"with_clipping(max_value={max_value:g})"

@@ -408,3 +408,35 @@ def test_check_transform_catches_a_wrong_reference_and_a_host_sync():
 
     with pytest.raises(AssertionError, match="host syncs"):
         check_transform(af.GradientTransform("peek", peek))
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+@pytest.mark.parametrize("fp16", [False, True])
+def test_value_clipping_does_not_hide_an_infinite_gradient_from_the_guard(value, fp16):
+    """clip_grad_value_ turns an Inf gradient into max_value: the update went through."""
+
+    class Poison(torch.autograd.Function):  # identity forward, a bad gradient backward
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            return torch.full_like(grad, value)
+
+    def poisoned(model, batch):  # a finite loss; the head's weight gradient all Inf or NaN
+        h = model.inp(batch["x"])
+        for block in model.blocks:
+            h = block(h)
+        logits = F.linear(h, Poison.apply(model.head.weight), model.head.bias)
+        return F.cross_entropy(logits, batch["y"])
+
+    step = af.with_clipping(max_value=0.1)(poisoned)
+    if fp16:
+        step = af.with_amp(dtype=torch.float16)(step)
+    state = _state()
+    before = [p.detach().clone() for p in state.model.parameters()]
+    metrics = step(state, make_batch())
+    assert torch.isfinite(metrics["loss"])
+    assert metrics["skipped"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, state.model.parameters()))
