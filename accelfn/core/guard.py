@@ -232,11 +232,12 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10,
             guard.settle(ctx.state)  # the previous update's deferred decision
         if policy == "off" and overflow is None and skip_if is None:
             return _UNCHECKED
-        zero = torch.zeros((), dtype=torch.bool, device=ctx.device)
-        evidence = _evidence(ctx, overflow if overflow is not None or policy != "off" else zero,
-                             norm, current, check=policy != "off")
+        if overflow is None and policy == "off":  # only skip_if decides
+            overflow = torch.zeros((), dtype=torch.bool, device=ctx.device)
+        evidence = _evidence(ctx, overflow, norm, current, check=policy != "off")
         if skip_if is not None:  # the user's verdict, a device bool, at a place of its own
-            evidence += [(zero, True)] * (3 - len(evidence))
+            if len(evidence) < 3:
+                evidence.append((torch.zeros((), dtype=torch.bool, device=ctx.device), True))
             evidence.append((_verdict(skip_if, ctx), True))
         on_device = ctx.prepared.skips_on_device and policy != "raise"
         if ctx.distributed is None and not on_device:  # judged on the host: one read
