@@ -215,7 +215,7 @@ class Step:
             norm = spec.clipping.clip(uctx) if spec.clipping is not None else None
             # the decision, then the optimizer steps
             decision = decided = self._guard.decide(uctx, overflow, norm, not spec.gradients)
-            rates = [optimizers_.rate(o) for o in optimizers]  # what this update uses
+            rates = optimizers_.rates(optimizers)  # what this update uses
             on_device = self._apply(uctx, decision)  # the skip flag when decided on the device
         except BaseException as error:
             optimizing = decided is not None  # the optimizer step itself raised
@@ -232,7 +232,7 @@ class Step:
         # from here on the update is applied (or skipped): it cannot be undone
         counted = False
         try:
-            if decision.skip is not True:
+            if states and decision.skip is not True:
                 chain.commit(states)
             if decision.skip is False:
                 state.step_scheduler()

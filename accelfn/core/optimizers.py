@@ -15,7 +15,7 @@ from torch import Tensor
 from . import compat
 from .state import TrainState
 
-__all__ = ["backward_inputs", "clear_grads", "rate", "rate_metrics", "step_unless", "stepper"]
+__all__ = ["backward_inputs", "clear_grads", "rate_metrics", "rates", "step_unless", "stepper"]
 
 
 def stepper(optimizers: tuple[torch.optim.Optimizer, ...]) -> Callable[[], object]:
@@ -64,11 +64,14 @@ def backward_inputs(state: TrainState) -> tuple[Tensor, ...]:
     return state.backward_inputs()
 
 
-def rate(optimizer: torch.optim.Optimizer) -> Any:
-    lr = optimizer.param_groups[0]["lr"]
-    if isinstance(lr, Tensor):  # schedulers update a tensor learning rate in place
-        lr = lr.detach().clone()
-    return lr
+def rates(optimizers: tuple[torch.optim.Optimizer, ...]) -> list[Any]:
+    """Each optimizer's first group's learning rate now (a copy of a tensor rate, which
+    schedulers update in place)."""
+    out = []
+    for optimizer in optimizers:
+        lr = optimizer.param_groups[0]["lr"]
+        out.append(lr.detach().clone() if isinstance(lr, Tensor) else lr)
+    return out
 
 
 def rate_metrics(metrics: dict[str, Tensor], rates: list[Any],

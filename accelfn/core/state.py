@@ -19,7 +19,11 @@ __all__ = ["TrainState"]
 _STEPPED_FIRST = r"Detected call of `lr_scheduler.step\(\)` before `optimizer.step\(\)`"
 
 
-_ALIVE: weakref.WeakSet[TrainState] = weakref.WeakSet()
+_ALIVE = [0]  # TrainStates alive in this process (a count read per call: no WeakSet walk)
+
+
+def _gone() -> None:
+    _ALIVE[0] -= 1
 
 
 @runtime_checkable
@@ -89,13 +93,14 @@ class TrainState:
         self._scheduler_marks: list[Any] = [getattr(s, "last_epoch", None) for s in schedulers]
         self._warned: set[str] = set()
         self._lent: dict[int, torch.Tensor] = {}  # id(model tensor) -> its own value, held
-        _ALIVE.add(self)
+        _ALIVE[0] += 1
+        weakref.finalize(self, _gone)
 
     @staticmethod
     def several_alive() -> bool:
         """Whether more than one TrainState lives in this process (several models: a GAN,
         distillation), when a step's backward must reach its own parameters only."""
-        return len(_ALIVE) > 1
+        return _ALIVE[0] > 1
 
     def backward_inputs(self) -> tuple[torch.Tensor, ...]:
         """The trainable parameters the optimizers hold, for ``backward(inputs=...)``; ``()``
