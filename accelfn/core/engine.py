@@ -20,6 +20,7 @@ A call that fails at any line leaves no gradients and no half-applied state (``_
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -167,6 +168,22 @@ class Step:
     def __call__(self, state: TrainState, batch: Batch) -> TensorDict:
         check_batch(batch)
         ctx = CallContext(state, self.prepare(state))
+        done = self._forward_backward(ctx, batch)
+        while done is None:  # out of memory, undone: again, split finer (adaptive)
+            _release_memory(ctx.device)
+            done = self._forward_backward(ctx, batch)
+        if isinstance(done, TensorDict):  # no update: the running metrics of the window
+            return done
+        sums, absolute, carried = done
+        # the carry is committed with the update, if it is applied (see accelfn.core.carry)
+        return self._update(ctx, sums, absolute, carried if self._carry else None)
+
+    def _forward_backward(self, ctx: CallContext, batch: Batch
+                          ) -> tuple[Sums, bool, dict[int, Any]] | TensorDict | None:
+        """The call's forward and backward passes: what the update needs, the running
+        metrics of a call that does not update, or None to run the call again (it ran out
+        of memory, was undone, and the accumulation splits finer next time)."""
+        state = ctx.state
         try:
             plan = self._plan(ctx, batch)
             sums = Sums() if plan.sums is None else plan.sums
@@ -181,14 +198,16 @@ class Step:
                 if self._carry:
                     state.slot(CARRY, Carries).commit("train", carried)
                 return running
+            return sums, absolute, carried
         except BaseException as error:  # any exit, at any line: no gradients left behind
             self._abort(ctx)
             if isinstance(error, torch.OutOfMemoryError):
+                part = self.spec.accumulation
+                if part is not None and part.retry is not None and part.retry(ctx, error):
+                    return None  # leaves the handler: the failed pass's tensors can go
                 raise checks.out_of_memory(describe(self), self.transforms, self.spec,
                                            error) from error
             raise
-        # the carry is committed with the update, if it is applied (see accelfn.core.carry)
-        return self._update(ctx, sums, absolute, carried if self._carry else None)
 
     def _update(self, ctx: CallContext, sums: Sums, absolute: bool,
                 carried: dict[int, Any] | None = None) -> TensorDict:
@@ -198,6 +217,8 @@ class Step:
         decided: Decision | None = None  # leaves no optimizer state either
         try:
             metrics = sums.result(divide=absolute)
+            if spec.accumulation is not None and spec.accumulation.metrics is not None:
+                metrics.update(spec.accumulation.metrics(ctx))
             uctx = UpdateContext(state, prepared, metrics["loss"])
             if absolute:
                 uctx.divisor = uctx.weight_total = torch.as_tensor(
@@ -336,6 +357,14 @@ class Step:
         if self._carry:
             state.slot(CARRY, Carries).commit("evaluate", carried)
         return TensorDict(sums.result(divide=n > 1), batch_size=[])
+
+
+def _release_memory(device: torch.device) -> None:
+    """Free what a failed pass left: reference cycles (``gc.collect``) and, on CUDA, the
+    caching allocator's unused blocks. After an out-of-memory error only: milliseconds."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _sharding(key: tuple[Transform, ...]) -> tuple[Transform, ...]:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..core.batch import Batch, check_batch_dim, split_batch
+import torch
+
+from ..core.batch import Batch, batch_size, check_batch_dim, split_batch
 from ..core.places import Accumulation
 from ..core.protocol import CallContext, Plan, Sums, Transform
 
@@ -57,22 +59,64 @@ class _Window:
         self.sums = sums if isinstance(sums, Sums) else Sums()
 
 
+class _Count:
+    """State of ``adaptive=True``: the micro-batch count that fits (checkpointed)."""
+
+    def __init__(self, n: int) -> None:
+        self.count = n
+        self.tried = 0  # the batch size the current call is split for (0: none yet)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"count": self.count}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        count = saved["count"]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"the checkpointed micro-batch count is {count!r}, not an int >= 1")
+        self.count = count
+
+
 Splitter = Callable[[Batch, int], Sequence[Batch]]
 
 
-def _split_mode(n: int, dim: int, custom: Splitter | None) -> Accumulation:
+def _split_mode(n: int, dim: int, custom: Splitter | None, adaptive: bool) -> Accumulation:
     def split(ctx: CallContext, batch: Batch) -> Plan:
+        if adaptive:
+            count = ctx.state.slot(_SLOT, lambda: _Count(n))
+            count.tried = batch_size(batch, dim)
+            parts = min(count.count, count.tried)
+            micros, sizes = split_batch(batch, parts, dim, with_sizes=True)
+            return Plan(micros, dim=dim, sizes=sizes)
         if custom is not None:
-            micros = custom(batch, n)
-            if not isinstance(micros, Sequence) or not micros:
-                raise ValueError(f"with_accumulation(split=...) returned {type(micros).__name__}"
+            chosen = custom(batch, n)
+            if not isinstance(chosen, Sequence) or not chosen:
+                raise ValueError(f"with_accumulation(split=...) returned {type(chosen).__name__}"
                                  "; return a non-empty list of micro-batches")
-            return Plan(tuple(micros), dim=dim)
+            return Plan(tuple(chosen), dim=dim)
         if n == 1:
             return Plan((batch,), dim=dim)
         micros, sizes = split_batch(batch, n, dim, with_sizes=True)
         return Plan(micros, dim=dim, sizes=sizes)
 
+    def retry(ctx: CallContext, error: BaseException) -> bool:
+        """After an out-of-memory error in a forward or backward (the call undone): twice as
+        many micro-batches next time, up to one sample each; False when there is no smaller
+        split to try."""
+        count = ctx.state.get_slot(_SLOT)
+        if count is None or not count.tried or count.count >= count.tried:
+            return False
+        if ctx.distributed is not None:
+            return False  # the processes would have to agree first (not yet offered)
+        count.count = min(2 * count.count, count.tried)
+        return True
+
+    def report(ctx: CallContext) -> dict[str, torch.Tensor]:
+        count = ctx.state.get_slot(_SLOT)
+        value = n if count is None else min(count.count, count.tried or count.count)
+        return {"micro_batches": torch.scalar_tensor(float(value), device=ctx.device)}
+
+    if adaptive:
+        return Accumulation(split, retry=retry, metrics=report)
     return Accumulation(split)
 
 
@@ -101,7 +145,7 @@ def _calls_mode(n: int, dim: int) -> Accumulation:
 
 
 def with_accumulation(n: int, *, mode: str = "split", dim: int = 0,
-                      split: Splitter | None = None) -> Transform:
+                      split: Splitter | None = None, adaptive: bool = False) -> Transform:
     """Equivalent to one optimizer update on the whole batch, computed in ``n`` pieces.
 
     ``mode="split"`` splits each batch into ``n`` contiguous micro-batches (sizes may differ
@@ -128,6 +172,15 @@ def with_accumulation(n: int, *, mode: str = "split", dim: int = 0,
     ``split(batch, n)`` replaces the contiguous split (``mode="split"`` only): it returns the
     micro-batches (any number, any sizes, e.g. grouped by sequence length), weighted by their
     samples along ``dim`` (or their ``"weight"``) exactly as the built-in split's.
+
+    ``adaptive=True`` (``mode="split"``, one process): when a micro-batch's forward or
+    backward raises ``torch.OutOfMemoryError``, the call is undone (no gradients, no state
+    change), the memory released, and the same batch retried with twice as many
+    micro-batches, up to one sample each. The count that worked is kept in the TrainState
+    (checkpointed, resumed) and used by later calls; metric ``micro_batches`` reports it. The
+    update is the same maths whatever the count, so choosing it at run time changes nothing
+    but memory: bitwise equal to a run with that count from the start when the micro-batches'
+    shares of the batch are powers of two.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(
@@ -143,9 +196,15 @@ def with_accumulation(n: int, *, mode: str = "split", dim: int = 0,
     if split is not None and (mode != "split" or not callable(split)):
         raise ValueError("with_accumulation(split=...) takes a function split(batch, n) -> "
                          "micro-batches, with mode='split'")
+    if not isinstance(adaptive, bool):
+        raise TypeError(f"with_accumulation(adaptive={adaptive!r}) takes True or False")
+    if adaptive and (mode != "split" or split is not None):
+        raise ValueError("with_accumulation(adaptive=True) chooses the count of the built-in "
+                         "split: use it with mode='split' and without split=")
     label = f"with_accumulation({n}{', calls' if mode == 'calls' else ''}" \
-            f"{f', dim={dim}' if dim else ''}{', split' if split is not None else ''})"
-    part = _split_mode(n, dim, split) if mode == "split" else _calls_mode(n, dim)
+            f"{f', dim={dim}' if dim else ''}{', split' if split is not None else ''}" \
+            f"{', adaptive' if adaptive else ''})"
+    part = _split_mode(n, dim, split, adaptive) if mode == "split" else _calls_mode(n, dim)
     return Transform("with_accumulation", part,
-                     options=(("n", n), ("mode", mode), ("dim", dim), ("split", split)),
-                     label=label)
+                     options=(("n", n), ("mode", mode), ("dim", dim), ("split", split),
+                              ("adaptive", adaptive)), label=label)
