@@ -82,6 +82,12 @@ Splitter = Callable[[Batch, int], Sequence[Batch]]
 def _split_mode(n: int, dim: int, custom: Splitter | None, adaptive: bool) -> Accumulation:
     def split(ctx: CallContext, batch: Batch) -> Plan:
         if adaptive:
+            if ctx.distributed is not None:
+                raise ValueError(
+                    "with_accumulation(adaptive=True) runs in one process for now: the "
+                    "processes of a run would have to agree on a retry before any gradient is "
+                    "reduced. Under torchrun, set the micro-batch count with "
+                    "with_accumulation(n), or find it with adaptive=True in one process")
             count = ctx.state.slot(_SLOT, lambda: _Count(n))
             count.tried = batch_size(batch, dim)
             parts = min(count.count, count.tried)
@@ -105,8 +111,6 @@ def _split_mode(n: int, dim: int, custom: Splitter | None, adaptive: bool) -> Ac
         count = ctx.state.get_slot(_SLOT)
         if count is None or not count.tried or count.count >= count.tried:
             return False
-        if ctx.distributed is not None:
-            return False  # the processes would have to agree first (not yet offered)
         count.count = min(2 * count.count, count.tried)
         return True
 

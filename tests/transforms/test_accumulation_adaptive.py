@@ -141,3 +141,22 @@ def test_cross_entropy_of_a_limited_net_is_the_plain_one():
     x = make_batch(n=4)["x"]
     assert torch.equal(model(x), model.net(x))
     assert F.cross_entropy(model(x), make_batch(n=4)["y"]).isfinite()
+
+
+def test_several_processes_are_refused_before_anything_changes():
+    """Under torchrun the processes would have to agree on a retry: refused, clearly, at the
+    first call (a sharding part that reports a process group stands in for distributed)."""
+    import contextlib
+    import dataclasses
+
+    from accelfn.core.places import Sharding
+
+    grouped = af.Transform("distributed", Sharding(
+        lambda prepared, state: dataclasses.replace(prepared, process_group="group"),
+        lambda ctx, i, sync: contextlib.nullcontext(), lambda ctx: None))
+    model = Limited(limit=100)
+    state = _state(model)
+    before = copy.deepcopy(state.state_dict())
+    with pytest.raises(ValueError, match="adaptive=True.*one process"):
+        grouped(af.with_accumulation(2, adaptive=True)(classify))(state, make_batch(n=16))
+    assert str(state.state_dict()["model"]) == str(before["model"]) and state.step == 0
