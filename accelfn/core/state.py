@@ -48,6 +48,12 @@ class Window(Protocol):
     def rollback_state_dict(self) -> Any: ...
 
 
+def _per_update(scheduler: Any) -> bool:
+    """Whether ``scheduler`` is told the update count (timm's ``step_update(num_updates)``,
+    and ``step(epoch)`` after each epoch) instead of being stepped once per update."""
+    return callable(getattr(scheduler, "step_update", None))
+
+
 class TrainState:
     """Everything a training run updates: model, optimizers, schedulers, transform state.
 
@@ -87,6 +93,7 @@ class TrainState:
         self.epoch = 0  # epochs ended with end_epoch()
         self.scheduler_every = scheduler_every
         self._real_updates = 0  # updates applied since the scheduler last stepped
+        self._updates = 0  # updates applied in all (timm schedulers' num_updates)
         self._slots: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._preparations: list[tuple[Any, Any, str]] = []
@@ -181,7 +188,13 @@ class TrainState:
         step already steps it, so a loop that also calls ``scheduler.step()`` moves the
         schedule twice as fast.
         """
-        if not self.has_scheduler or self.scheduler_every == "epoch":
+        if not self.has_scheduler:
+            return
+        self._updates += 1
+        for scheduler in self._schedulers:  # timm's: told the count of updates, each update
+            if scheduler is not None and _per_update(scheduler):
+                scheduler.step_update(num_updates=self._updates)
+        if self.scheduler_every == "epoch":
             return
         self._real_updates += 1
         if self._real_updates < int(self.scheduler_every):
@@ -191,8 +204,13 @@ class TrainState:
 
     def end_epoch(self) -> None:
         """Mark the end of an epoch: counts ``state.epoch`` and, with
-        ``scheduler_every="epoch"``, steps the schedulers (a per-epoch ``StepLR``, say)."""
+        ``scheduler_every="epoch"``, steps the schedulers (a per-epoch ``StepLR``, say).
+        A timm scheduler is stepped with the epoch count, as timm's loop does after each
+        epoch (``scheduler.step(epoch + 1)``)."""
         self.epoch += 1
+        for scheduler in self._schedulers:
+            if scheduler is not None and _per_update(scheduler):
+                scheduler.step(self.epoch)
         if self.has_scheduler and self.scheduler_every == "epoch":
             with warnings.catch_warnings():
                 if self.step:  # updates ran, maybe in the process that saved this state
@@ -202,7 +220,7 @@ class TrainState:
     def _advance(self) -> None:
         marks = self._scheduler_marks
         for i, scheduler in enumerate(self._schedulers):
-            if scheduler is None:
+            if scheduler is None or _per_update(scheduler):
                 continue
             mark = getattr(scheduler, "last_epoch", None)
             if mark is not None and marks[i] is not None and mark != marks[i]:
@@ -318,7 +336,7 @@ class TrainState:
             "step": self.step,
             "slots": slots,
             "schedule": {"epoch": self.epoch, "real_updates": self._real_updates,
-                         "every": self.scheduler_every},
+                         "every": self.scheduler_every, "updates": self._updates},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -370,7 +388,7 @@ class TrainState:
             "slots": {name: _save(obj, rollback=True) for name, obj in self._slots.items()},
             "pending": dict(self._pending),
             "schedule": {"epoch": self.epoch, "real_updates": self._real_updates,
-                         "every": self.scheduler_every},
+                         "every": self.scheduler_every, "updates": self._updates},
         }
         if not self.at_update_boundary:  # the open window's gradients
             snap["grads"] = [None if p.grad is None else p.grad.detach()
@@ -420,6 +438,7 @@ class TrainState:
         schedule = state_dict.get("schedule", {})
         self.epoch = int(schedule.get("epoch", 0))
         self._real_updates = int(schedule.get("real_updates", 0))
+        self._updates = int(schedule.get("updates", self.step))
         if "pending" in state_dict:  # a rollback
             self._pending = dict(state_dict["pending"])
         for name, saved in state_dict["slots"].items():
