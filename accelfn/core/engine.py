@@ -255,7 +255,8 @@ class Step:
         try:
             if states and decision.skip is not True:
                 chain.commit(states)
-            if decision.skip is False:
+            advance = self._guard.advance_skipped  # as loops stepping them unconditionally
+            if decision.skip is False or advance:
                 state.step_scheduler()
             if carried is not None:
                 state.slot(CARRY, Carries).commit_update(carried, decision.skip, on_device)
@@ -276,6 +277,8 @@ class Step:
             if after:
                 assert skip_value is not None
                 skipped = on_device if on_device is not None else skip_value.bool()
+                if advance:  # the EMA averages a skipped update's (unchanged) weights too
+                    skipped = torch.zeros_like(skipped)
                 for update in after:
                     update(uctx, skipped)
         except BaseException as error:

@@ -62,7 +62,8 @@ class Guard:
             return False
         return self._account(*_unpack_flags(flags), update, policy, limit)
 
-    def defer(self, flags: Tensor, update: int, policy: str, limit: int) -> None:
+    def defer(self, flags: Tensor, update: int, policy: str, limit: int,
+              advance: bool = False) -> None:
         event = None
         if flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
@@ -71,7 +72,7 @@ class Guard:
             event.record()
         else:
             host = flags
-        self._pending = (host, event, update, policy, limit)
+        self._pending = (host, event, update, policy, limit, advance)
 
     def forget(self, update: int) -> None:
         """Drop a decision deferred by ``update`` when that update failed (it applied
@@ -83,14 +84,14 @@ class Guard:
         """Apply a deferred decision: count it, step the scheduler if the update was real."""
         if self._pending is None:
             return
-        host, event, update, policy, limit = self._pending
+        host, event, update, policy, limit, advance = self._pending
         self._pending = None
         with deferred_read():  # copied to pinned memory one update ago: no device wait
             if event is not None:
                 event.synchronize()
             values = host.tolist()
         skipped = self._account(*_unpack_flags(values), update, policy, limit, done=True)
-        if not skipped:
+        if not skipped and not advance:  # advance: the engine stepped it with the update
             try:
                 state.step_scheduler()
             except BaseException as error:
@@ -222,7 +223,7 @@ SkipIf = Callable[[Tensor, list[Tensor]], Tensor]
 
 
 def nonfinite(policy: str = "skip", max_consecutive: int = 10,
-              skip_if: SkipIf | None = None) -> Transform:
+              skip_if: SkipIf | None = None, advance: bool = False) -> Transform:
     """The guard as a transform (see the module docstring); options checked by the caller."""
 
     def decide(ctx: UpdateContext, overflow: Tensor | None, norm: Tensor | None,
@@ -250,13 +251,13 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10,
             dist.all_reduce(reduced, dist.ReduceOp.MAX, group=ctx.distributed)
             device_flags = reduced.bool()
         if on_device:
-            guard.defer(device_flags, ctx.state.step, policy, max_consecutive)
+            guard.defer(device_flags, ctx.state.step, policy, max_consecutive, advance)
             return Decision(None, flags=device_flags)
         with labelled_read(GUARD_READ):
             flags = device_flags.tolist()
         return _SKIP if guard.decide(flags, ctx.state.step, policy, max_consecutive) else _PROCEED
 
-    extra = ", skip_if" if skip_if is not None else ""
+    extra = (", skip_if" if skip_if is not None else "") + (", skipped=advance" if advance else "")
     if policy == "skip":
         label = f"with_nonfinite({policy}, max_consecutive={max_consecutive}{extra})"
     else:
@@ -267,9 +268,9 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10,
             guard.forget(ctx.state.step)
 
     return Transform(
-        "with_nonfinite", NonFinite(decide, abort),
+        "with_nonfinite", NonFinite(decide, abort, advance_skipped=advance),
         options=(("policy", policy), ("max_consecutive", max_consecutive),
-                 ("skip_if", skip_if)), label=label)
+                 ("skip_if", skip_if), ("advance", advance)), label=label)
 
 
 def _verdict(skip_if: SkipIf, ctx: UpdateContext) -> Tensor:

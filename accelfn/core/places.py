@@ -138,6 +138,7 @@ class NonFinite:
 
     decide: Callable[[UpdateContext, Tensor | None, Tensor | None, bool], Decision]
     abort: Callable[[CallContext], None] | None = None
+    advance_skipped: bool = False  # a skipped update still advances schedules and the EMA
 
 
 _PLACES: dict[type, str] = {

@@ -15,9 +15,10 @@ __all__ = ["with_nonfinite"]
 def with_nonfinite(fn: LossFn | Step, /) -> Step: ...
 @overload
 def with_nonfinite(*, policy: str = "skip", max_consecutive: int = 10,
-                   skip_if: SkipIf | None = None) -> Transform: ...
+                   skip_if: SkipIf | None = None, skipped: str = "hold") -> Transform: ...
 def with_nonfinite(fn: LossFn | Step | None = None, /, *, policy: str = "skip",
-                   max_consecutive: int = 10, skip_if: SkipIf | None = None) -> Step | Transform:
+                   max_consecutive: int = 10, skip_if: SkipIf | None = None,
+                   skipped: str = "hold") -> Step | Transform:
     """Equivalent to checking ``torch.isfinite`` of the loss and of every gradient the
     optimizer will apply, just before ``optimizer.step()``, and acting on the answer.
 
@@ -35,6 +36,11 @@ def with_nonfinite(fn: LossFn | Step | None = None, /, *, policy: str = "skip",
     a one-element bool tensor, true to skip the update as a non-finite one is skipped
     (counted, limited by ``max_consecutive``, raised under ``policy="raise"``), e.g. loss-spike
     skipping: ``skip_if=lambda loss, grads: loss > 4 * expected``.
+
+    ``skipped="advance"`` makes a skipped update still step the schedulers and average the
+    EMA (of the unchanged weights), as a loop that calls ``scheduler.step()`` and
+    ``ema.update()`` after ``scaler.step(optimizer)`` unconditionally does (timm's); the
+    default ``"hold"`` leaves them for the next applied update.
     """
     if policy not in POLICIES:
         raise ValueError(f"with_nonfinite(policy={policy!r}) is unknown; use one of {POLICIES}")
@@ -44,4 +50,8 @@ def with_nonfinite(fn: LossFn | Step | None = None, /, *, policy: str = "skip",
     if skip_if is not None and not callable(skip_if):
         raise TypeError(f"with_nonfinite(skip_if={skip_if!r}) takes a function "
                         "skip_if(loss, grads) -> device bool tensor")
-    return configure("with_nonfinite", fn, nonfinite(policy, max_consecutive, skip_if))
+    if skipped not in ("hold", "advance"):
+        raise ValueError(f"with_nonfinite(skipped={skipped!r}) is unknown; use 'hold' (a "
+                         "skipped update leaves schedules and EMA) or 'advance'")
+    return configure("with_nonfinite", fn, nonfinite(policy, max_consecutive, skip_if,
+                                                     advance=skipped == "advance"))

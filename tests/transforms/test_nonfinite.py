@@ -387,3 +387,67 @@ def test_refusal_at_max_consecutive_counts_the_skips_only():
         assert (guard.skipped, guard.consecutive) == (2, 2)
     assert step(state, make_batch(seed=3))["skipped"] == 0
     assert (guard.skipped, guard.consecutive) == (2, 0)
+
+
+# ------------------------------------ skipped updates that still advance schedules and EMA
+def _timm_like_loop(base, batches, poisoned):
+    """A loop that steps the scheduler and counts EMA updates after ``scaler.step``
+    unconditionally (timm's NativeScaler loop): a skipped update advances them too."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    lrs, ema_updates = [], 0
+    for i, batch in enumerate(batches):
+        lrs.append(opt.param_groups[0]["lr"])
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = classify(model, as_dict(batch))["loss"]
+        if i == poisoned:
+            loss = loss * float("nan")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        ema_updates += 1
+    return model, lrs, ema_updates
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("skipped", ["hold", "advance"])
+def test_skipped_updates_advance_the_schedule_and_ema_only_when_asked(skipped, fused):
+    """Decided on the host, or on the device by a fused optimizer (read one update later)."""
+    from conftest import poisonable
+
+    torch.manual_seed(0)
+    base = Net()
+    batches = [make_batch(seed=i) for i in range(6)]
+    fn, poison = poisonable()
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    state = af.TrainState(model, opt, scheduler=sched)
+    step = af.with_ema(decay=0.9)(af.with_nonfinite(skipped=skipped)(
+        af.with_amp(dtype=torch.float16, init_scale=2.0**8)(fn)))
+    lrs, flags = [], []
+    for i, batch in enumerate(batches):
+        poison["on"] = i == 2
+        metrics = step(state, batch)
+        lrs.append(float(metrics["lr"]))
+        flags.append(float(metrics["skipped"]))
+    state.sync()
+    assert flags == [0, 0, 1, 0, 0, 0]
+    ema_updates = int(state.get_slot("with_ema").updates)
+    if skipped == "advance":
+        ref, ref_lrs, ref_ema = _timm_like_loop(base, batches, poisoned=2)
+        assert lrs == [torch.tensor(x).item() for x in ref_lrs]
+        assert ema_updates == ref_ema == 6
+        assert_params_equal(model, ref)
+    else:  # the schedule waits for the next applied update
+        assert lrs[3] == lrs[2] and ema_updates == 5
+    assert "skipped=advance" in repr(step) or skipped == "hold"
+
+
+def test_an_unknown_skipped_option_is_refused():
+    with pytest.raises(ValueError, match="skipped='later'"):
+        af.with_nonfinite(skipped="later")
