@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -251,3 +253,44 @@ def test_auto_dtype_on_the_cpu_is_bf16_only_where_computed_natively(net, monkeyp
     assert ref["losses"]
     assert_params_equal(m1, m2)
     assert "with_amp" not in state.slots  # no loss scaler either way
+
+
+# ------------------------------------------------- a module called twice in one forward
+def _twice(model, batch):
+    """A discriminator on real, then on fake: the same Linear twice in one step."""
+    return {"loss": model(batch["real"]).mean() - model(batch["fake"]).mean()}
+
+
+def _two_regions(model, batch):
+    """The plain loop's other way: one autocast region per call."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        real = model(batch["real"]).mean()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fake = model(batch["fake"]).mean()
+    return real - fake
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_module_called_twice_sums_its_weight_gradients_in_fp32_without_the_cache(cache):
+    torch.manual_seed(0)
+    base = nn.Linear(64, 64)
+    g = torch.Generator().manual_seed(1)
+    batch = {"real": torch.randn(32, 64, generator=g), "fake": torch.randn(32, 64, generator=g)}
+    grads = {}
+    step = af.with_amp(dtype=torch.bfloat16, cache=cache)(_twice)
+    probe = af.GradientTransform("probe", lambda gs, ps, s: grads.update(ours=gs[0].clone()))
+    model = copy.deepcopy(base)
+    probe(step)(af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.0)), batch)
+    plain = copy.deepcopy(base)
+    _two_regions(plain, batch).backward()
+    same = torch.equal(grads["ours"], plain.weight.grad)
+    assert same == (not cache)  # the cache sums the two in bf16: not the fp32 sum
+    if cache:
+        rel = ((grads["ours"] - plain.weight.grad).norm() / plain.weight.grad.norm()).item()
+        assert 0 < rel < 1e-2
+    assert ("cache=False" in repr(step)) == (not cache)
+
+
+def test_cache_takes_a_bool():
+    with pytest.raises(TypeError, match="cache"):
+        af.with_amp(cache="no")  # type: ignore[arg-type]
