@@ -168,15 +168,19 @@ class Step:
     def __call__(self, state: TrainState, batch: Batch) -> TensorDict:
         check_batch(batch)
         ctx = CallContext(state, self.prepare(state))
-        done = self._forward_backward(ctx, batch)
-        while done is None:  # out of memory, undone: again, split finer (adaptive)
-            _release_memory(ctx.device)
+        try:  # every exit, at any line, leaves no gradients (undoing twice changes nothing)
             done = self._forward_backward(ctx, batch)
-        if isinstance(done, TensorDict):  # no update: the running metrics of the window
-            return done
-        sums, absolute, carried = done
-        # the carry is committed with the update, if it is applied (see accelfn.core.carry)
-        return self._update(ctx, sums, absolute, carried if self._carry else None)
+            while done is None:  # out of memory, undone: again, split finer (adaptive)
+                _release_memory(ctx.device)
+                done = self._forward_backward(ctx, batch)
+            if isinstance(done, TensorDict):  # no update: the running metrics of the window
+                return done
+            sums, absolute, carried = done
+            # the carry is committed with the update, if it is applied (accelfn.core.carry)
+            return self._update(ctx, sums, absolute, carried if self._carry else None)
+        except BaseException:
+            self._abort(ctx)
+            raise
 
     def _forward_backward(self, ctx: CallContext, batch: Batch
                           ) -> tuple[Sums, bool, dict[int, Any]] | TensorDict | None:
@@ -214,7 +218,9 @@ class Step:
         state, prepared, spec = ctx.state, ctx.prepared, self.spec
         optimizers = state.optimizers
         fresh = [not optimizer.state for optimizer in optimizers]  # a failed first update
-        decided: Decision | None = None  # leaves no optimizer state either
+        decision: Decision | None = None  # leaves no optimizer state either
+        applied = [False]  # set in the line of the optimizer step: nothing runs between
+        counted = False
         try:
             metrics = sums.result(divide=absolute)
             if spec.accumulation is not None and spec.accumulation.metrics is not None:
@@ -235,24 +241,10 @@ class Step:
             states = chain.run(spec.gradients, uctx) if spec.gradients else []
             norm = spec.clipping.clip(uctx) if spec.clipping is not None else None
             # the decision, then the optimizer steps
-            decision = decided = self._guard.decide(uctx, overflow, norm, not spec.gradients)
+            decision = self._guard.decide(uctx, overflow, norm, not spec.gradients)
             rates = optimizers_.rates(optimizers)  # what this update uses
-            on_device = self._apply(uctx, decision)  # the skip flag when decided on the device
-        except BaseException as error:
-            optimizing = decided is not None  # the optimizer step itself raised
-            for optimizer, first in zip(optimizers, fresh):
-                if optimizing and first:
-                    optimizer.state.clear()  # half-built state would break the next update
-            self._abort(ctx)
-            if optimizing:
-                if isinstance(error, torch.OutOfMemoryError):
-                    raise checks.optimizer_out_of_memory(describe(self), error,
-                                                         all(fresh)) from error
-                error.add_note(checks.optimizer_failed(all(fresh)))
-            raise
-        # from here on the update is applied (or skipped): it cannot be undone
-        counted = False
-        try:
+            on_device = self._apply(uctx, decision, applied)  # a device flag: decided there
+            # from here on the update is applied (or skipped): it cannot be undone
             if states and decision.skip is not True:
                 chain.commit(states)
             advance = self._guard.advance_skipped  # as loops stepping them unconditionally
@@ -272,8 +264,7 @@ class Step:
                 assert skip_value is not None
                 metrics["skipped"] = skip_value
             optimizers_.clear_grads(optimizers)
-            state.step += 1
-            counted = True
+            state.step += 1; counted = True  # noqa: E702  (one line: counted as it counts)
             if after:
                 assert skip_value is not None
                 skipped = on_device if on_device is not None else skip_value.bool()
@@ -281,27 +272,44 @@ class Step:
                     skipped = torch.zeros_like(skipped)
                 for update in after:
                     update(uctx, skipped)
+            if uctx.metrics:
+                metrics.update(uctx.metrics)
+            return compat.tensordict_unchecked(metrics, _SCALAR, None)  # type: ignore[no-any-return]
         except BaseException as error:
-            if not counted:
-                state.step += 1
-            self._abort(uctx)
-            error.add_note(checks.after_update_failed(state.step, decision.skip))
+            if applied[0]:  # after the optimizer steps (or a skip): the update counts
+                if not counted:
+                    state.step += 1
+                self._abort(ctx)
+                error.add_note(checks.after_update_failed(
+                    state.step, None if decision is None else decision.skip))
+                raise
+            stepping = decision is not None  # the optimizer step itself raised
+            for optimizer, first in zip(optimizers, fresh):
+                if stepping and first:
+                    optimizer.state.clear()  # half-built state would break the next update
+            self._abort(ctx)
+            if stepping:
+                if isinstance(error, torch.OutOfMemoryError):
+                    raise checks.optimizer_out_of_memory(describe(self), error,
+                                                         all(fresh)) from error
+                error.add_note(checks.optimizer_failed(all(fresh)))
             raise
-        if uctx.metrics:
-            metrics.update(uctx.metrics)
-        return compat.tensordict_unchecked(metrics, _SCALAR, None)  # type: ignore[no-any-return]
 
-    def _apply(self, ctx: UpdateContext, decision: Decision) -> Tensor | None:
+    def _apply(self, ctx: UpdateContext, decision: Decision, applied: list[bool]
+               ) -> Tensor | None:
         """Run the optimizer steps as decided (the schedulers step after them, in
-        ``_update``); returns the device flag 'skipped' when the decision was taken on the
-        device (None: decided on the host)."""
+        ``_update``) and mark ``applied`` in the same line; returns the device flag 'skipped'
+        when the decision was taken on the device (None: decided on the host)."""
         if decision.skip is None:  # decided on the device by fused optimizers
             assert decision.flags is not None
             skip = decision.flags.any()
-            optimizers_.step_unless(ctx.prepared.optimizer_step, ctx.state.optimizers, skip)
+            step, optimizers = ctx.prepared.optimizer_step, ctx.state.optimizers
+            optimizers_.step_unless(step, optimizers, skip); applied[0] = True  # noqa: E702
             return skip  # the scheduler steps when the guard settles the decision
-        if not decision.skip:
-            ctx.prepared.optimizer_step()
+        if decision.skip:
+            applied[0] = True  # nothing to apply: the skip is the update
+        else:
+            ctx.prepared.optimizer_step(); applied[0] = True  # noqa: E702
         return None
 
     def _abort(self, ctx: CallContext) -> None:

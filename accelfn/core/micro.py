@@ -25,6 +25,11 @@ from .protocol import CallContext, Plan, Sums, entered
 
 __all__ = ["forward", "forward_and_backward"]
 
+# A ``with`` statement written on one line: its body has no line event of its own, where an
+# interrupt (a signal, a tracing injector) would arrive after the manager is entered but
+# before the statement protects the body, and never exit it (leaving autocast on for the
+# rest of the thread). The interpreter's exit itself runs no line of ours.
+
 
 def forward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext, micro: Batch,
             index: int = 0, carried: dict[int, Any] | None = None) -> Any:
@@ -37,14 +42,11 @@ def forward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext,
         if not managers:
             return fn(model, micro)
         if len(managers) == 1:  # autocast: no context stack
-            with managers[0]:
-                return fn(model, micro)
-        with entered(managers):
-            return fn(model, micro)
+            with managers[0]: return fn(model, micro)  # noqa: E701  (one line: see above)
+        with entered(managers): return fn(model, micro)  # noqa: E701
     mode = "train" if ctx.training else "evaluate"
     carry = ctx.state.slot(CARRY, Carries).get(mode, index)
-    with entered(managers):
-        out = fn(model, micro, carry=carry)
+    with entered(managers): out = fn(model, micro, carry=carry)  # noqa: E701
     if not isinstance(out, Mapping) or "carry" not in out:
         raise ValueError("a step function taking 'carry' returns a mapping with 'loss' and "
                          "'carry' (None to carry nothing)")
@@ -102,11 +104,11 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
         if direct:
             out = fn(model, micro)
         elif autocast is not None:
-            with autocast(ctx):
-                out = fn(model, micro)
+            with autocast(ctx): out = fn(model, micro)  # noqa: E701  (one line: see above)
         elif sharding is not None:
-            with sharding.micro(ctx, i, plan.update and i == n - 1):
-                out = forward(spec, fn, carries, ctx, micro, i, carried)
+            sync = plan.update and i == n - 1
+            with sharding.micro(ctx, i, sync): out = forward(  # noqa: E701
+                spec, fn, carries, ctx, micro, i, carried)
         else:
             out = forward(spec, fn, carries, ctx, micro, i, carried)
         metrics = None
