@@ -190,6 +190,7 @@ def test_image_example_from_an_image_folder_and_resume(tmp_path):
 TINY_GPT = ["--text-bytes", "30000", "--batch-size", "8", "--seq-len", "32", "--dim", "32",
             "--depth", "2", "--quiet"]
 TINY_IMAGES = ["--size", "16", "--batch-size", "8", "--quiet"]
+TINY_MUON = ["--batch-size", "8", "--seq-len", "16"]
 # name: (the 2-process run, the 1-process resume of it, the updates the resume ends at)
 TORCHRUN_CASES = {
     "classify_digits": (["--steps", "6", "--stop-at", "3", "--quiet"], ["--steps", "6", "--quiet"],
@@ -200,12 +201,24 @@ TORCHRUN_CASES = {
                         ["--steps", "4", *TINY_IMAGES], 4),
     "gpt": (["--steps", "4", "--stop-at", "2", "--fsdp", *TINY_GPT],
             ["--steps", "4", "--fsdp", *TINY_GPT], 4),
+    "gan": (["--steps", "4"], ["--steps", "6"], 6),  # two states, each model in its own DDP
+    "distill": (["--steps", "4", "--teacher-steps", "10"],
+                ["--steps", "6", "--teacher-steps", "10"], 6),
+    "muon_adamw": (["--steps", "6", "--stop-at", "3", *TINY_MUON], ["--steps", "6", *TINY_MUON],
+                   6),
 }
+# accelfn.checkpointing reads state.optimizer, which a TrainState with several optimizers
+# refuses: muon_adamw trains, then fails at its save (tests/test_example_muon_adamw.py)
+SEVERAL_OPTIMIZERS_UNSAVED = pytest.mark.xfail(
+    strict=True, reason="accelfn.checkpointing reads state.optimizer, refused with several "
+                        "optimizers")
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", list(TORCHRUN_CASES))
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=SEVERAL_OPTIMIZERS_UNSAVED) if n == "muon_adamw" else n
+    for n in TORCHRUN_CASES])
 def test_examples_run_under_torchrun_and_resume_in_one_process(name, tmp_path, capsys):
     from conftest import free_port
 
@@ -418,7 +431,15 @@ BAD_ARGUMENTS = [  # (example, arguments, what its one-line error says)
     ("custom_transform", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
     ("hand_written_loop", ["--epochs", "0"], "argument --epochs: must be >= 1, got 0"),
     ("hand_written_loop", ["--log-every", "0"], "argument --log-every: must be >= 1, got 0"),
+    ("gan", ["--steps", "0"], "argument --steps: must be >= 1, got 0"),
+    ("gan", ["--batch-size", "5000"],
+     "--batch-size 5000 is larger than the 1797 training samples of each of the 1 process(es)"),
+    ("distill", ["--alpha", "2"], "argument --alpha: must be in [0, 1], got 2"),
+    ("distill", ["--temperature", "0"], "argument --temperature: must be > 0, got 0"),
+    ("muon_adamw", ["--accumulation", "9", "--batch-size", "8"],
+     "--accumulation 9 cannot split a batch of 8 samples into 9 micro-batches"),
 ]
+NO_QUIET = ("custom_transform", "hand_written_loop", "gan", "distill", "muon_adamw")
 
 
 @pytest.mark.parametrize(("name", "args", "message"), BAD_ARGUMENTS,
@@ -429,7 +450,7 @@ def test_bad_arguments_are_usage_errors_that_say_what_to_pass(name, args, messag
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as refused:
         load_example(name).main([*args, "--out", str(tmp_path / "run"), "--quiet"]
-                                if name not in ("custom_transform", "hand_written_loop")
+                                if name not in NO_QUIET
                                 else [*args, "--out", str(tmp_path / "run")])
     assert refused.value.code == 2
     err = capsys.readouterr().err
