@@ -157,6 +157,6 @@ def test_several_processes_are_refused_before_anything_changes():
     model = Limited(limit=100)
     state = _state(model)
     before = copy.deepcopy(state.state_dict())
-    with pytest.raises(ValueError, match="adaptive=True.*one process"):
+    with pytest.raises(ValueError, match=r"adaptive=True.*one process"):
         grouped(af.with_accumulation(2, adaptive=True)(classify))(state, make_batch(n=16))
     assert str(state.state_dict()["model"]) == str(before["model"]) and state.step == 0
