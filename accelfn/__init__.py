@@ -46,6 +46,8 @@ from .observe.sync_probe import SyncProbe
 
 # recipes
 from .recipes.early_stopping import EarlyStopping
+from .recipes.hyperparameters import Schedule, schedule
+from .recipes.losses import linear_cross_entropy
 from .recipes.memory_format import channels_last, is_channels_last
 from .recipes.param_groups import (
     NO_DECAY_TYPES,
@@ -61,6 +63,7 @@ from .recipes.schedules import (
     warmup_cosine,
     warmup_linear,
     warmup_plateau,
+    warmup_stable_decay,
 )
 
 # transforms
@@ -69,7 +72,7 @@ from .transforms.activation_checkpointing import checkpointed
 from .transforms.amp import with_amp
 from .transforms.clipping import with_clipping
 from .transforms.compile import compiled
-from .transforms.data_parallel import distributed
+from .transforms.distributed import distributed
 from .transforms.ema import ema_state_dict, ema_weights, with_ema
 from .transforms.float8 import with_float8
 from .transforms.nonfinite import with_nonfinite
@@ -89,6 +92,7 @@ __all__ = [
     "NonFiniteError",
     "PreemptionGuard",
     "Profiler",
+    "Schedule",
     "Step",
     "SyncProbe",
     "TrainState",
@@ -113,17 +117,20 @@ __all__ = [
     "is_main_process",
     "is_norm_layer",
     "lift",
+    "linear_cross_entropy",
     "no_decay_names",
     "one_cycle",
     "param_groups",
     "profiled",
     "reduce_metrics",
     "scale_lr",
+    "schedule",
     "training_flops",
     "unfreeze",
     "warmup_cosine",
     "warmup_linear",
     "warmup_plateau",
+    "warmup_stable_decay",
     "with_accumulation",
     "with_amp",
     "with_clipping",

@@ -100,14 +100,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def torchrun(*args, timeout: float = 300, **run):
-    """``args`` (a script and its arguments) under torchrun: 2 processes meeting on
+def torchrun(*args, timeout: float = 300, nproc: int = 2, **run):
+    """``args`` (a script and its arguments) under torchrun: ``nproc`` processes meeting on
     127.0.0.1, one intra-op thread each; asserts that they succeeded."""
     import os
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **run.pop("env", {})}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **run)
@@ -115,11 +115,11 @@ def torchrun(*args, timeout: float = 300, **run):
     return proc
 
 
-def torchrun_results(worker, out, timeout: float = 300) -> list:
-    """Run ``worker out`` under [`torchrun`][] and load what each rank saved with
-    [`save_rank_results`][] (``out/rank<r>.pt``), rank 0 first."""
-    torchrun(worker, out, timeout=timeout)
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+def torchrun_results(worker, out, timeout: float = 300, nproc: int = 2) -> list:
+    """Run ``worker out`` under [`torchrun`][] (``nproc`` processes) and load what each rank
+    saved with [`save_rank_results`][] (``out/rank<r>.pt``), rank 0 first."""
+    torchrun(worker, out, timeout=timeout, nproc=nproc)
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
 
 
 def save_rank_results(out_dir, results) -> None:

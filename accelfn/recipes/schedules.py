@@ -19,6 +19,8 @@ it ended on, as nanoGPT's schedule does:
 * [`warmup_cosine`][]: ``min_lr`` from update ``total_steps`` on (torch's
   ``CosineAnnealingLR`` climbs back up towards ``lr``, a cosine of period ``2 * T_max``);
 * [`warmup_linear`][]: ``lr * end_factor`` (as torch's ``LinearLR`` does);
+* [`warmup_stable_decay`][]: ``lr * end_factor`` from update ``total_steps`` on (nanochat's
+  formula would go on decaying below it);
 * [`one_cycle`][]: its final rate ``max_lr / div_factor / final_div_factor`` and final
   momentum (torch's ``OneCycleLR`` overshoots by one update, then raises ``ValueError``);
 * [`warmup_plateau`][]: has no end; after warmup only [`WarmupPlateau.observe`][] changes
@@ -38,6 +40,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import (
     CosineAnnealingLR,
+    LambdaLR,
     LinearLR,
     LRScheduler,
     OneCycleLR,
@@ -45,7 +48,8 @@ from torch.optim.lr_scheduler import (
     SequentialLR,
 )
 
-__all__ = ["WarmupPlateau", "one_cycle", "warmup_cosine", "warmup_linear", "warmup_plateau"]
+__all__ = ["WarmupPlateau", "one_cycle", "warmup_cosine", "warmup_linear", "warmup_plateau",
+           "warmup_stable_decay"]
 
 
 class _HeldCosine(CosineAnnealingLR):
@@ -193,6 +197,76 @@ def warmup_linear(
     decay = LinearLR(optimizer, start_factor=1.0, end_factor=float(end_factor),
                      total_iters=decay_steps)
     return SequentialLR(optimizer, [warmup, decay], milestones=[warmup_steps])
+
+
+def _count(fn: str, name: str, value: Any, least: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{fn}({name}={value!r}) must be an int >= {least} (optimizer updates)")
+    return value
+
+
+def warmup_stable_decay(
+    optimizer: Optimizer,
+    *,
+    warmup_steps: int,
+    decay_steps: int,
+    total_steps: int,
+    end_factor: float = 0.0,
+    anneal_strategy: Literal["linear", "cos"] = "linear",
+) -> LRScheduler:
+    """Equivalent to ``LambdaLR(optimizer, get_lr_multiplier)`` with nanochat's warmup,
+    constant, warmdown multiplier, held at ``end_factor`` after ``total_steps``.
+
+    The learning rate of update ``t`` (counting from 0) for a group of base rate ``lr`` is
+    ``lr * m(t)`` (``lr`` times the multiplier, as nanochat's
+    ``group["initial_lr"] * lrm``), with ``W = warmup_steps``, ``D = decay_steps``,
+    ``T = total_steps``:
+
+        t <  W:       m = (t + 1) / W
+        t <= T - D:   m = 1.0
+        t <= T:       p = (T - t) / D;  m = p * 1.0 + (1 - p) * end_factor     ("linear")
+                      q = (t - (T - D)) / D;
+                      m = end_factor + (1 - end_factor) * (1 + cos(pi * q)) / 2  ("cos")
+        t >  T:       m = end_factor
+
+    nanochat's ``warmup_ratio``, ``warmdown_ratio`` and ``final_lr_frac`` are
+    ``warmup_steps=round(warmup_ratio * T)``, ``decay_steps=round(warmdown_ratio * T)`` and
+    ``end_factor``. ``end_factor`` is relative to each group's rate (as in ``LinearLR``).
+    Refused, before the optimizer changes: ``warmup_steps + decay_steps > total_steps``,
+    ``decay_steps < 1`` (give ``warmup_linear``'s or a constant rate instead) and an
+    ``end_factor`` outside [0, 1].
+    """
+    fn = "warmup_stable_decay"
+    _check_optimizer(fn, optimizer)
+    warmup = _count(fn, "warmup_steps", warmup_steps, 0)
+    decay = _count(fn, "decay_steps", decay_steps, 1)
+    total = _count(fn, "total_steps", total_steps, 1)
+    if warmup + decay > total:
+        raise ValueError(f"{fn}(warmup_steps={warmup}, decay_steps={decay}) take more than "
+                         f"total_steps={total} updates; give warmup_steps + decay_steps <= "
+                         "total_steps")
+    if not _is_number(end_factor) or not 0.0 <= end_factor <= 1.0:
+        raise ValueError(f"{fn}(end_factor={end_factor!r}) must be in [0, 1]: the final "
+                         "learning rate as a fraction of the base one")
+    if anneal_strategy not in ("linear", "cos"):
+        raise ValueError(f"{fn}(anneal_strategy={anneal_strategy!r}) must be 'linear' or 'cos'")
+    end = float(end_factor)
+    cosine = anneal_strategy == "cos"
+
+    def multiplier(t: int) -> float:
+        if t < warmup:
+            return (t + 1) / warmup
+        if t <= total - decay:
+            return 1.0
+        if t > total:
+            return end
+        if cosine:
+            q = (t - (total - decay)) / decay
+            return end + (1 - end) * (1 + math.cos(math.pi * q)) / 2
+        progress = (total - t) / decay
+        return progress * 1.0 + (1 - progress) * end
+
+    return LambdaLR(optimizer, multiplier)
 
 
 def _has_momentum(optimizer: Optimizer) -> bool:

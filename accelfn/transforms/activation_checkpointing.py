@@ -1,4 +1,5 @@
-"""checkpointed: activation checkpointing per block, optionally selective (op-level)."""
+"""checkpointed: activation checkpointing per block, optionally selective (op-level), or
+activation offload to the host (``offload="cpu"``: kept, not recomputed)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Iterable
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ __all__ = ["checkpointed"]
 _SLOT = "checkpointed"
 
 BlockSpec = str | tuple[type, ...] | type | Callable[[str, nn.Module], bool]
+Offload = Literal["cpu"]
 
 _aten = torch.ops.aten
 # Ops whose outputs selective checkpointing keeps ("compute"): recomputing them costs most.
@@ -189,12 +191,46 @@ class _Scoped(nn.Module):
             return getattr(self._modules["module"], name)
 
 
+def _is_parameter(tensor: torch.Tensor) -> bool:
+    """A parameter or a view of one (a Linear saves ``weight.t()``): on the device anyway."""
+    return isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter)
+
+
+def _offloaded(module: nn.Module, forward: Callable[..., Any], *args: Any,
+               **kwargs: Any) -> Any:
+    """``forward`` under ``torch.autograd.graph.save_on_cpu``: what its ops save for the
+    backward is copied to the host (pinned, asynchronously, from an accelerator) and back in
+    the backward. Parameters are kept as they are: they stay on the device anyway."""
+    device = next((a.device for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)),
+                  None)
+    if device is None:
+        device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    # pin_memory=True on every device: on an accelerator the copies are asynchronous (an
+    # unpinned one is a host sync); on the CPU (device_type "cuda": pinned only where CUDA is)
+    # the same copies are made, so CPU tests run the accelerator's code
+    hooks = torch.autograd.graph.save_on_cpu(
+        pin_memory=True, device_type="cuda" if device.type == "cpu" else device.type)
+    pack, unpack = hooks.pack_hook, hooks.unpack_hook
+
+    def pack_activation(tensor: torch.Tensor) -> tuple[bool, Any]:
+        return (True, tensor) if _is_parameter(tensor) else (False, pack(tensor))
+
+    def unpack_activation(packed: tuple[bool, Any]) -> torch.Tensor:
+        kept, value = packed
+        return value if kept else unpack(value)  # type: ignore[no-any-return]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack_activation, unpack_activation):
+        return forward(*args, **kwargs)
+
+
 def _run_checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any,
                       **kwargs: Any) -> Any:
     # the settings of the running step's preparation (None: it does not checkpoint here)
     settings = module.__dict__["_accelfn_ckpt"].get(_RUNNING.key)
     if settings is None or not torch.is_grad_enabled():
         return forward(*args, **kwargs)
+    if settings[2] is not None:  # offload: nothing recomputed, running statistics once
+        return _offloaded(module, forward, *args, **kwargs)
     save: tuple[Any, ...] | None = settings[0]
     # Under torch.compile the recompute is the partitioner's, inside the graph, which applies
     # buffer mutations once; context_fn must there be a pair of TorchDispatchModes.
@@ -213,7 +249,8 @@ def _run_checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any
                             context_fn=context_fn)
 
 
-def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -> Transform:
+def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None,
+                  offload: Offload | None) -> Transform:
     def check(state: TrainState) -> list[tuple[str, nn.Module]]:
         chosen = _select(state.model, blocks)
         if not chosen:
@@ -227,10 +264,10 @@ def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -
         chosen = check(state)
         # Each preparation's settings are kept on the blocks under its options' key: steps of
         # other checkpointed(...) options (or none) on the same state keep theirs.
-        key = _key((blocks, every, save))
+        key = _key((blocks, every, save, offload))
         for _, module in chosen[::every]:
             module.__dict__.setdefault("_accelfn_ckpt", {})[key] = (
-                save, running_stat_modules(module))
+                save, running_stat_modules(module), offload)
             wrap_forward(module, "checkpoint", _run_checkpointed)
         state.slot(_SLOT, lambda: {"blocks": len(chosen[::every])})
         return dataclasses.replace(prepared, model=_Scoped(prepared.model, key))
@@ -240,9 +277,11 @@ def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -
         parts.append(f"every={every}")
     if save is not None:
         parts.append(f"selective={len(save)} ops")
+    if offload is not None:
+        parts.append(f"offload={offload}")
     return Transform(
         _SLOT, Checkpointing(checkpoint, check=check),
-        options=(("blocks", blocks), ("every", every), ("save", save)),
+        options=(("blocks", blocks), ("every", every), ("save", save), ("offload", offload)),
         label=f"checkpointed({', '.join(parts)})")
 
 
@@ -250,7 +289,8 @@ def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None) -
 def checkpointed(fn: LossFn | Step, /) -> Step: ...
 @overload
 def checkpointed(*, blocks: BlockSpec = "auto", every: int = 1,
-                 selective: bool | Iterable[Any] = False) -> Transform: ...
+                 selective: bool | Iterable[Any] = False,
+                 offload: Offload | None = None) -> Transform: ...
 def checkpointed(
     fn: LossFn | Step | None = None,
     /,
@@ -258,6 +298,7 @@ def checkpointed(
     blocks: BlockSpec = "auto",
     every: int = 1,
     selective: bool | Iterable[Any] = False,
+    offload: Offload | None = None,
 ) -> Step | Transform:
     """Equivalent to replacing each chosen block's ``forward(x)`` by
     ``torch.utils.checkpoint.checkpoint(block.forward, x, use_reentrant=False)``.
@@ -271,6 +312,15 @@ def checkpointed(
     The wrap keeps parameter names, so ``state_dict`` keys do not change. Running statistics
     (BatchNorm ``running_mean``/``running_var``/``num_batches_tracked``) update once per
     forward, as without checkpointing: the recompute's second update is undone.
+
+    ``offload="cpu"`` instead runs each chosen block under
+    ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: the activations the block saves
+    for the backward are copied to (pinned) host memory and back, not recomputed, so each
+    block's forward runs once and the results are the plain model's bitwise; parameters (and
+    views of them) are saved as they are, on the device.
+    It costs two host-device copies of the blocks' activations per step instead of one extra
+    forward. With ``every=k`` every k-th block is offloaded and the others keep their
+    activations; ``selective`` (what a recompute keeps) does not combine with it.
     """
     if not (blocks == "auto" or isinstance(blocks, (type, tuple)) or callable(blocks)):
         raise ValueError(
@@ -284,10 +334,17 @@ def checkpointed(
         raise TypeError("checkpointed(blocks=(...)) takes one or more module classes")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"checkpointed(every={every!r}) must be an int >= 1")
+    if offload is not None and offload != "cpu":
+        raise ValueError(f"checkpointed(offload={offload!r}) takes 'cpu' (the activations of "
+                         "the blocks kept in host memory) or None (recomputed)")
+    if offload is not None and selective is not False:
+        raise ValueError("checkpointed(offload='cpu') keeps every activation of the blocks on "
+                         "the host and recomputes none, while selective= chooses what a "
+                         "recompute keeps; pass one of them")
     if selective is True:
         save: tuple[Any, ...] | None = COMPUTE_INTENSIVE_OPS
     elif selective is False:
         save = None
     else:
         save = _ops(selective)
-    return configure("checkpointed", fn, _checkpointed(blocks, every, save))
+    return configure("checkpointed", fn, _checkpointed(blocks, every, save, offload))

@@ -14,20 +14,45 @@ from ..core.protocol import Transform, UpdateContext, configure
 __all__ = ["with_clipping"]
 
 
+def _global(norm: torch.Tensor) -> torch.Tensor:
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else norm  # FSDP2 shards: over all processes
+
+
+def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` grouped by the mesh their gradients are sharded over (one group without
+    DTensors, or under DDP, FSDP2 and HSDP). Tensor-parallel layers live on the (dp, tp)
+    mesh and the rest on dp only: a DTensor operation cannot take both at once."""
+    meshes: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        meshes.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    return list(meshes.values())
+
+
+def _total_norm(groups: list[list[torch.Tensor]], norm_type: float) -> torch.Tensor:
+    """``get_total_norm`` of the groups' gradients, over all processes: each mesh's norm,
+    then their norm (the plain call, bitwise, for one group)."""
+    norms = [_global(torch.nn.utils.get_total_norm(
+        [p.grad for p in group if p.grad is not None], norm_type)) for group in groups]
+    if len(norms) == 1:
+        return norms[0]
+    stacked = torch.stack(norms)
+    return stacked.amax() if math.isinf(norm_type) else torch.linalg.vector_norm(
+        stacked, norm_type)
+
+
 def _clipping(max_norm: float | None, norm_type: float, max_value: float | None) -> Transform:
     def clip(ctx: UpdateContext) -> torch.Tensor | None:
         # the model's parameter order, as clip_grad_norm_(model.parameters()) sums the norm
-        params = [p for p in ctx.state.model.parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)  # type: ignore[misc]
-        full_tensor = getattr(norm, "full_tensor", None)
-        if callable(full_tensor):  # FSDP2 shards: the norm over all processes
-            norm = full_tensor()
+        groups = _by_mesh([p for p in ctx.state.model.parameters() if p.grad is not None])
+        norm = _total_norm(groups, norm_type)
         ctx.metrics["grad_norm"] = norm.detach() if norm.requires_grad else norm
-        if max_value is None:
-            assert max_norm is not None
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-        else:  # clamping turns an Inf gradient into max_value: the norm before it tells
-            torch.nn.utils.clip_grad_value_(params, max_value)
+        for params in groups:
+            if max_value is None:
+                assert max_norm is not None
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            else:  # clamping turns an Inf gradient into max_value: the norm before it tells
+                torch.nn.utils.clip_grad_value_(params, max_value)
         return norm  # NaN/Inf when any gradient was: the non-finite decision reads it
 
     if max_value is not None:

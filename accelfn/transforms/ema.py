@@ -10,6 +10,9 @@
     af.with_ema(decay=0.99998, every=32, updates_per_epoch=len(loader), warmup_epochs=5,
                 adjust=world_size * batch_size * 32 / epochs, formula="weighted_sum")
 
+    # timm's ModelEmaV3(model, decay=0.9998, use_warmup=True) updated with step=num_updates
+    af.with_ema(decay=0.9998, warmup="power", buffers="average_floats")
+
 The average lives on the model's device, is updated with device-side weights and flags (no
 host sync, skipped updates leave it untouched), by one foreach ``lerp`` per device and dtype
 (or per-tensor ops for ``formula="weighted_sum"``; integer buffers by a truncated weighted
@@ -20,7 +23,8 @@ sum, as ``AveragedModel`` does), and is saved in the state's ``with_ema`` slot b
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, overload
 
@@ -36,8 +40,9 @@ from ..core.state import TrainState
 __all__ = ["ema_state_dict", "ema_weights", "with_ema"]
 
 _SLOT = "with_ema"
-_BUFFERS = ("average", "copy")
+_BUFFERS = ("average", "copy", "average_floats")
 _FORMULAS = ("lerp", "weighted_sum")
+DecayFn = Callable[[int], float]
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,37 @@ class _Schedule:
 
     decay: float
     every: int = 1
-    warmup: bool = False
+    warmup: bool | str = False
     updates_per_epoch: int | None = None
     warmup_epochs: int = 0
     formula: str = "lerp"
+    decay_fn: DecayFn | None = None
+    warmup_gamma: float = 1.0
+    warmup_power: float = 2 / 3
+
+    @property
+    def per_update(self) -> bool:
+        """Whether the decay is computed on the host for each update (it varies)."""
+        return self.decay_fn is not None or self.warmup == "power"
+
+    def host_decay(self, index: int) -> float:
+        """The decay of the average after the update of 0-based ``index`` (host maths):
+        ``decay_fn(index + 1)``; timm's ``ModelEmaV3.get_decay(index + 1)`` with warmup,
+        ``min(decay, 1 - (1 + index / gamma) ** -power)`` (0.0, a copy, for index 0); else
+        the decay."""
+        if self.decay_fn is not None:
+            value: Any = self.decay_fn(index + 1)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    0.0 <= value <= 1.0):
+                raise ValueError(f"with_ema(decay=<function>) returned {value!r} for update "
+                                 f"{index + 1}: give a Python number in [0, 1] (no tensor)")
+            return float(value)
+        if self.warmup == "power":
+            if index <= 0:
+                return 0.0
+            warm: float = 1 - (1 + index / self.warmup_gamma) ** -self.warmup_power
+            return max(min(warm, self.decay), 0.0)
+        return self.decay
 
     def position(self, index: int) -> tuple[bool, bool]:
         """(due, in a warm-up epoch) for the update of 0-based ``index`` in the run."""
@@ -61,18 +93,19 @@ class _Schedule:
 class _EmaWeights:
     """Slot of ``with_ema``: EMA copies of the parameters (and buffers) and device counters."""
 
-    def __init__(self, model: nn.Module, average_buffers: bool, formula: str = "lerp") -> None:
+    def __init__(self, model: nn.Module, buffers: str, formula: str = "lerp") -> None:
         params = list(model.named_parameters())
         if not params:
             raise ValueError("with_ema: the model has no parameters to average")
         self.names = [n for n, _ in params]
         self.values = [p.detach().clone() for _, p in params]
-        self.average_buffers = average_buffers
+        self.buffers = buffers
+        average_buffers = self.average_buffers = buffers != "copy"
         self.buffer_names: list[str] = []
         if average_buffers:
-            buffers = list(model.named_buffers())
-            self.buffer_names = [n for n, _ in buffers]
-            self.values += [b.detach().clone() for _, b in buffers]
+            named = list(model.named_buffers())
+            self.buffer_names = [n for n, _ in named]
+            self.values += [b.detach().clone() for _, b in named]
         device = self.values[0].device
         self.n_averaged = torch.zeros((), dtype=torch.int64, device=device)
         self.updates = torch.zeros((), dtype=torch.int64, device=device)
@@ -88,6 +121,8 @@ class _EmaWeights:
             else:
                 self.truncated.append(i)
         self._constants: dict[float, Tensor] = {}
+        # the lerp weight of a decay computed on the host per update, filled in place
+        self._weight = torch.zeros((), dtype=torch.float32, device=device)
 
     # ----------------------------------------------------------------- model side
     def sources(self, model: nn.Module) -> list[Tensor]:
@@ -127,25 +162,37 @@ class _EmaWeights:
             due = real & (self.updates % schedule.every == 0)
         n = self.n_averaged
         decay: Tensor | float = schedule.decay
-        if schedule.warmup:  # decay_t = min(decay, (1 + n) / (10 + n)), n = averages so far
+        if schedule.per_update:  # a function of the update count, on the host
+            decay = schedule.host_decay(index)
+        elif schedule.warmup:  # decay_t = min(decay, (1 + n) / (10 + n)), n = averages so far
             nf = n.to(torch.float32)
             decay = torch.clamp((1.0 + nf) / (10.0 + nf), max=schedule.decay)
         sources = self.sources(model)
         if schedule.formula == "lerp":
-            self._lerp(sources, decay, due)
+            self._lerp(sources, decay, due, schedule.per_update)
         else:
             self._weighted_sum(sources, decay, due)
-        self._truncated(sources, decay, due)
+        if self.buffers == "average_floats":
+            self._copied(sources, due)
+        else:
+            self._truncated(sources, decay, due)
         self.n_averaged += due
         if warm_epoch:  # torchvision's n_averaged.fill_(0): the next average copies too
             self.n_averaged.zero_()
 
-    def _lerp(self, sources: list[Tensor], decay: Tensor | float, due: Tensor) -> None:
+    def _lerp(self, sources: list[Tensor], decay: Tensor | float, due: Tensor,
+              varying: bool = False) -> None:
         """swa_utils' get_ema_multi_avg_fn: ``ema.lerp_(w, 1 - decay)``, one foreach call per
-        device and dtype; the first average copies (weight 1), a skipped one has weight 0."""
+        device and dtype; the first average copies (weight 1), a skipped one has weight 0.
+        ``1 - decay`` is rounded from the host's double to float32 as torch rounds a Python
+        scalar weight (timm's ``_foreach_lerp_(ema, model, weight=1. - decay)``)."""
         n = self.n_averaged
-        step_weight = (1.0 - decay if isinstance(decay, Tensor)
-                       else self._constant(1.0 - decay))
+        if isinstance(decay, Tensor):
+            step_weight = 1.0 - decay
+        elif varying:  # a new value each update: one tensor filled in place, no cache growth
+            step_weight = self._weight.fill_(1.0 - decay)
+        else:
+            step_weight = self._constant(1.0 - decay)
         weight = torch.where(n == 0, self._constant(1.0), step_weight) * due
         for (device, _), index in self.groups.items():
             w = weight.to(device)
@@ -178,6 +225,13 @@ class _EmaWeights:
             new = (v * d + src * (1 - d)).to(v.dtype)  # the truncation AveragedModel's copy_ makes
             v.copy_(torch.where(due.to(v.device), torch.where(first.to(v.device), src, new), v))
 
+    def _copied(self, sources: list[Tensor], due: Tensor) -> None:
+        """``buffers="average_floats"``: integer buffers are the model's, copied at each
+        average (timm's ``ModelEmaV3``); a skipped one leaves them as they were."""
+        for i in self.truncated:
+            v, src = self.values[i], sources[i].detach()
+            v.copy_(torch.where(due.to(v.device), src, v))
+
     # ----------------------------------------------------------------- checkpoint
     def named_values(self) -> dict[str, Tensor]:
         names = self.names + [f"buffer:{n}" for n in self.buffer_names]
@@ -206,9 +260,9 @@ class _EmaWeights:
 def _ema(schedule: _Schedule, options: tuple[tuple[str, Any], ...], label: str,
          buffers: str) -> Transform:
     def slot(state: TrainState) -> _EmaWeights:
-        weights = state.slot(_SLOT, lambda: _EmaWeights(state.model, buffers == "average",
+        weights = state.slot(_SLOT, lambda: _EmaWeights(state.model, buffers,
                                                         schedule.formula))
-        if weights.average_buffers != (buffers == "average"):
+        if weights.buffers != buffers:
             raise ValueError("the state's EMA was built with another buffers= option than "
                              "this step's with_ema")
         if weights.formula != schedule.formula:
@@ -240,22 +294,25 @@ def _ema(schedule: _Schedule, options: tuple[tuple[str, Any], ...], label: str,
 @overload
 def with_ema(fn: LossFn | Step, /) -> Step: ...
 @overload
-def with_ema(*, decay: float = 0.999, every: int = 1, warmup: bool = False,
+def with_ema(*, decay: float | DecayFn = 0.999, every: int = 1, warmup: bool | str = False,
              buffers: str = "average", updates_per_epoch: int | None = None,
              warmup_epochs: int = 0, adjust: float | None = None,
-             formula: str = "lerp") -> Transform: ...
+             formula: str = "lerp", warmup_gamma: float = 1.0,
+             warmup_power: float = 2 / 3) -> Transform: ...
 def with_ema(
     fn: LossFn | Step | None = None,
     /,
     *,
-    decay: float = 0.999,
+    decay: float | DecayFn = 0.999,
     every: int = 1,
-    warmup: bool = False,
+    warmup: bool | str = False,
     buffers: str = "average",
     updates_per_epoch: int | None = None,
     warmup_epochs: int = 0,
     adjust: float | None = None,
     formula: str = "lerp",
+    warmup_gamma: float = 1.0,
+    warmup_power: float = 2 / 3,
 ) -> Step | Transform:
     """Equivalent to ``ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(decay),
     use_buffers=True)`` and ``ema.update_parameters(model)`` after every real optimizer update.
@@ -271,7 +328,30 @@ def with_ema(
     ``use_buffers=False``). Averaged, every tensor of ``AveragedModel.module.state_dict()``
     is reproduced bitwise, integer buffers included: ``num_batches_tracked`` is averaged in
     floating point and truncated back to an integer, as ``AveragedModel`` does (BatchNorm
-    reads it only with ``momentum=None``).
+    reads it only with ``momentum=None``). ``buffers="average_floats"`` averages the
+    floating-point buffers and copies the others (``num_batches_tracked`` is then the
+    model's), as timm's ``ModelEmaV3`` does.
+
+    timm's ``ModelEmaV3`` (its ``update(model, step=num_updates)`` after each update, with
+    ``num_updates`` counting updates from 1) is these options:
+
+    - ``warmup="power"``: the decay of the average after the update of 0-based index ``s``
+      (``state.step - 1``: updates attempted before it, skipped ones included) is
+      ``min(decay, 1 - (1 + s / warmup_gamma) ** -warmup_power)``, computed on the host in
+      double precision as timm's ``get_decay(s + 1)`` (``use_warmup=True``; ``warmup_gamma``
+      and ``warmup_power`` are its own, default 1 and 2/3); ``s = 0`` gives 0, a copy.
+    - ``decay=<function>``: ``decay(updates)`` gives the decay of the average after update
+      number ``updates`` (1 for the first, ``state.step``: timm's ``num_updates``), a Python
+      number in [0, 1]; e.g. ``decay=lambda n: timm_ema.get_decay(n)``. Not with ``warmup``
+      or ``adjust``.
+    - ``buffers="average_floats"`` (timm's default) or ``"copy"`` (``exclude_buffers=True``:
+      the EMA evaluates with the model's buffers, which timm copies at each update).
+
+    A host decay becomes the ``lerp`` weight ``1 - decay`` rounded to float32, as torch
+    rounds timm's Python scalar ``weight=1. - decay``: the average equals timm's bitwise.
+    Unlike timm, an update skipped by AMP overflow or the non-finite guard is not averaged
+    (timm averages the unchanged weights), though it is counted. The first average always
+    copies the weights (timm's ``get_decay`` gives 0 there too).
 
     torchvision's classification recipe (``--model-ema``) is these options:
 
@@ -291,13 +371,30 @@ def with_ema(
     [`ema_state_dict`][]. Memory: one copy of the weights on their device. State: slot
     ``with_ema``.
     """
-    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 <= decay < 1.0:
-        raise ValueError(f"with_ema(decay={decay!r}) must be in [0, 1), e.g. 0.999")
+    decay_fn: DecayFn | None = None
+    if callable(decay):
+        decay_fn, decay = decay, 0.0
+        if warmup is not False or adjust is not None:
+            raise ValueError("with_ema(decay=<function>) gives the decay of every update: "
+                             "drop warmup= and adjust= (put them in the function)")
+    elif (isinstance(decay, bool) or not isinstance(decay, (int, float))
+          or not 0.0 <= decay < 1.0):
+        raise ValueError(f"with_ema(decay={decay!r}) must be in [0, 1), e.g. 0.999, or a "
+                         "function of the update count")
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         raise ValueError(f"with_ema(every={every!r}) must be an int >= 1 (optimizer updates "
                          "between averages)")
-    if not isinstance(warmup, bool):
-        raise TypeError(f"with_ema(warmup={warmup!r}) takes True or False")
+    if not (isinstance(warmup, bool) or warmup == "power"):
+        raise TypeError(f"with_ema(warmup={warmup!r}) takes True or False (TensorFlow's ramp "
+                        "(1 + n) / (10 + n)) or 'power' (timm's ModelEmaV3 warmup)")
+    for name, value, default in (("warmup_gamma", warmup_gamma, 1.0),
+                                 ("warmup_power", warmup_power, 2 / 3)):
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or value <= 0):
+            raise ValueError(f"with_ema({name}={value!r}) must be a finite number > 0")
+        if value != default and warmup != "power":
+            raise ValueError(f"with_ema({name}=...) shapes warmup='power' only; add "
+                             "warmup='power'")
     if buffers not in _BUFFERS:
         raise ValueError(f"with_ema(buffers={buffers!r}) must be one of {_BUFFERS}")
     if updates_per_epoch is not None and (isinstance(updates_per_epoch, bool) or not isinstance(
@@ -318,20 +415,26 @@ def with_ema(
     used = float(decay)
     if adjust is not None:  # torchvision: alpha = min(1.0, (1.0 - decay) * adjust)
         used = 1.0 - min(1.0, (1.0 - used) * adjust)
-    schedule = _Schedule(used, every, warmup, updates_per_epoch, warmup_epochs, formula)
+    schedule = _Schedule(used, every, warmup, updates_per_epoch, warmup_epochs, formula,
+                         decay_fn, float(warmup_gamma), float(warmup_power))
     extra = "".join([
         f", every={every}" if every != 1 else "",
         f", updates_per_epoch={updates_per_epoch}" if updates_per_epoch is not None else "",
         f", warmup_epochs={warmup_epochs}" if warmup_epochs else "",
         f", adjust={adjust:g}" if adjust is not None else "",
-        ", warmup" if warmup else "",
-        ", buffers='copy'" if buffers != "average" else "",
+        ", warmup" if warmup is True else "",
+        "" if warmup != "power" else (
+            f", warmup='power', warmup_gamma={warmup_gamma:g}, warmup_power={warmup_power:g}"),
+        f", buffers={buffers!r}" if buffers != "average" else "",
         f", formula={formula!r}" if formula != "lerp" else "",
     ])
-    options = (("decay", float(decay)), ("every", every), ("warmup", warmup),
+    options = (("decay", decay_fn or float(decay)), ("every", every), ("warmup", warmup),
                ("buffers", buffers), ("updates_per_epoch", updates_per_epoch),
-               ("warmup_epochs", warmup_epochs), ("adjust", adjust), ("formula", formula))
-    return configure("with_ema", fn, _ema(schedule, options, f"with_ema({decay:g}{extra})",
+               ("warmup_epochs", warmup_epochs), ("adjust", adjust), ("formula", formula),
+               ("warmup_gamma", float(warmup_gamma)), ("warmup_power", float(warmup_power)))
+    shown = (f"decay={getattr(decay_fn, '__name__', 'function')}" if decay_fn is not None
+             else f"{decay:g}")
+    return configure("with_ema", fn, _ema(schedule, options, f"with_ema({shown}{extra})",
                                           buffers))
 
 

@@ -8,6 +8,7 @@ Run as a script under torchrun, this file is the 2-process worker of
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import subprocess
@@ -23,6 +24,7 @@ from conftest import (
     clone_setup,
     make_batch,
     poisonable,
+    roundtrip,
 )
 from reference import reference_update
 from torch.optim.lr_scheduler import (
@@ -41,6 +43,7 @@ from accelfn.recipes.schedules import (
     warmup_cosine,
     warmup_linear,
     warmup_plateau,
+    warmup_stable_decay,
 )
 
 
@@ -334,6 +337,7 @@ TensorLR = af.Transform("tensor_lr", Compilation(_tensor_lr))
     lambda o: warmup_linear(o, warmup_steps=2, total_steps=6),
     lambda o: one_cycle(o, total_steps=6),
     lambda o: warmup_plateau(o, warmup_steps=2),
+    lambda o: warmup_stable_decay(o, warmup_steps=2, decay_steps=2, total_steps=6),
 ])
 def test_tensor_learning_rates_are_updated_in_place(net, make):
     opt_f = torch.optim.SGD(Net().parameters(), lr=0.1)
@@ -379,6 +383,16 @@ def test_schedules_built_on_tensor_learning_rates():
     (lambda o: warmup_plateau(o, warmup_steps=1, factor=1.0), "lr \\* factor"),
     (lambda o: warmup_plateau(o, warmup_steps=1, mode="lowest"), "'min' or 'max'"),
     (lambda o: warmup_cosine(o.param_groups, warmup_steps=1, total_steps=5), "Optimizer"),
+    (lambda o: warmup_stable_decay(o, warmup_steps=3, decay_steps=3, total_steps=5),
+     "warmup_steps \\+ decay_steps <= total_steps"),
+    (lambda o: warmup_stable_decay(o, warmup_steps=1, decay_steps=0, total_steps=5), ">= 1"),
+    (lambda o: warmup_stable_decay(o, warmup_steps=-1, decay_steps=1, total_steps=5), ">= 0"),
+    (lambda o: warmup_stable_decay(o, warmup_steps=1, decay_steps=2, total_steps=5,
+                                   end_factor=1.5), r"\[0, 1\]"),
+    (lambda o: warmup_stable_decay(o, warmup_steps=1, decay_steps=2, total_steps=5,
+                                   end_factor=-0.1), r"\[0, 1\]"),
+    (lambda o: warmup_stable_decay(o, warmup_steps=1, decay_steps=2, total_steps=5,
+                                   anneal_strategy="cosine"), "'linear' or 'cos'"),
 ])
 def test_bad_arguments_say_how_to_fix_them(call, match):
     opt = torch.optim.SGD(Net().parameters(), lr=0.1)
@@ -486,3 +500,89 @@ def test_one_cycle_with_a_two_update_rise_starts_low_and_peaks():
     opt = torch.optim.SGD(Net().parameters(), lr=1.0)
     got = [row[0] for row in lrs_over(opt, one_cycle(opt, total_steps=10, warmup_steps=2), 3)]
     assert got[:2] == pytest.approx([1.0 / 25, 1.0])
+
+
+# ----------------------------------------------------------------- warmup-stable-decay
+def nanochat_get_lr_multiplier(it, num_iterations, warmup_iters, warmdown_iters,
+                               final_lr_frac):
+    """nanochat's scripts/base_train.py, as written there."""
+    if it < warmup_iters:
+        return (it + 1) / warmup_iters
+    elif it <= num_iterations - warmdown_iters:
+        return 1.0
+    else:
+        progress = (num_iterations - it) / warmdown_iters
+        return progress * 1.0 + (1 - progress) * final_lr_frac
+
+
+@pytest.mark.parametrize("warmup,decay,total,final", [
+    (5, 8, 40, 0.0), (0, 10, 30, 0.05), (4, 6, 10, 0.1), (1, 1, 2, 1.0), (3, 20, 37, 0.3),
+])
+def test_warmup_stable_decay_is_nanochats_multiplier_bitwise(warmup, decay, total, final):
+    opt = two_groups()  # two base rates: the multiplier applies to each
+    sched = warmup_stable_decay(opt, warmup_steps=warmup, decay_steps=decay, total_steps=total,
+                                end_factor=final)
+    got = lrs_over(opt, sched, total + 10)
+    for t, lrs in enumerate(got):  # nanochat: group["lr"] = group["initial_lr"] * lrm
+        m = nanochat_get_lr_multiplier(min(t, total), total, warmup, decay, final)
+        assert lrs == [0.1 * m, 0.02 * m], t  # exactly, held after total_steps
+    assert got[-1] == [0.1 * final, 0.02 * final]
+
+
+def test_warmup_stable_decay_cosine_warmdown():
+    opt = two_groups()
+    sched = warmup_stable_decay(opt, warmup_steps=2, decay_steps=8, total_steps=20,
+                                end_factor=0.1, anneal_strategy="cos")
+    got = [row[0] for row in lrs_over(opt, sched, 25)]
+    assert got[:13] == [0.05] + [0.1] * 12  # warmup (t + 1) / 2, then the plateau to t = 12
+    for t in range(12, 21):
+        q = (t - 12) / 8
+        assert got[t] == 0.1 * (0.1 + 0.9 * (1 + math.cos(math.pi * q)) / 2), t
+    assert all(a > b for a, b in itertools.pairwise(got[12:21]))
+    assert got[20:] == [0.1 * 0.1] * 5
+
+
+def nanochat_loop(model, optimizer, batches, lrm):
+    """nanochat's update: the rate of update ``step`` set from initial_lr, then the step."""
+    for group in optimizer.param_groups:
+        group.setdefault("initial_lr", group["lr"])
+    for step, batch in enumerate(batches):
+        for group in optimizer.param_groups:
+            group["lr"] = group["initial_lr"] * lrm(step)
+        reference_update(model, optimizer, batch, classify)
+
+
+def test_warmup_stable_decay_trains_as_nanochat_through_a_checkpoint():
+    total, warmup, decay, final, resume_at = 30, 4, 9, 0.05, 17
+    torch.manual_seed(0)
+    net = Net()
+    (m1, o1), (m2, o2) = clone_setup(net, torch.optim.AdamW, lr=3e-3)
+
+    def build(model, optimizer):
+        return af.TrainState(model, optimizer, scheduler=warmup_stable_decay(
+            optimizer, warmup_steps=warmup, decay_steps=decay, total_steps=total,
+            end_factor=final))
+
+    state, step = build(m1, o1), af.lift(classify)
+    batches = [make_batch(seed=i) for i in range(total)]
+    for i, batch in enumerate(batches):
+        if i == resume_at:  # a new process: model, optimizer and schedule rebuilt, then loaded
+            saved = roundtrip(state.state_dict())
+            model = Net()
+            state = build(model, torch.optim.AdamW(model.parameters(), lr=3e-3))
+            state.load_state_dict(saved)
+        step(state, batch)
+    nanochat_loop(m2, o2, [as_dict(b) for b in batches],
+                  lambda t: nanochat_get_lr_multiplier(t, total, warmup, decay, final))
+    assert_params_equal(state.model, m2)  # bitwise
+    # the rate set for the next update, as nanochat would set it
+    assert state.optimizer.param_groups[0]["lr"] == 3e-3 * nanochat_get_lr_multiplier(
+        total, total, warmup, decay, final)
+
+
+def test_warmup_stable_decay_refuses_before_changing_the_optimizer():
+    opt = two_groups()
+    before = [dict(g) for g in opt.param_groups]
+    with pytest.raises(ValueError):
+        warmup_stable_decay(opt, warmup_steps=6, decay_steps=5, total_steps=10)
+    assert [dict(g) for g in opt.param_groups] == before  # no initial_lr, no rate changed

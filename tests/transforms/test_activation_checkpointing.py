@@ -45,6 +45,7 @@ def _assert_equals_plain_loop(net, step, updates: int) -> None:
 @pytest.mark.parametrize("options", [
     {}, {"every": 2}, {"blocks": (Block,)}, {"blocks": lambda n, m: n == "blocks.1"},
     {"selective": True}, {"selective": [torch.ops.aten.addmm.default]},
+    {"offload": "cpu"}, {"offload": "cpu", "every": 2},
 ])
 def test_gradients_identical_to_no_checkpointing(options):
     torch.manual_seed(0)
@@ -138,6 +139,12 @@ def test_bad_options():
         af.checkpointed(blocks=())
     with pytest.raises(TypeError, match="module instance"):
         af.checkpointed(blocks=Net().blocks)  # callable, but not a predicate
+    for offload in ("gpu", True, "cuda"):
+        with pytest.raises(ValueError, match="offload"):
+            af.checkpointed(offload=offload)
+    for selective in (True, [torch.ops.aten.mm.default]):
+        with pytest.raises(ValueError, match="one of them"):
+            af.checkpointed(offload="cpu", selective=selective)
 
 
 def test_selective_with_an_op_packet_keeps_its_overloads():
@@ -185,9 +192,10 @@ class KwNet(nn.Module):
         return self.head(h) + aux
 
 
-def test_blocks_keyword_arguments_reach_the_block_with_dropout_as_the_plain_loop():
+@pytest.mark.parametrize("options", [{}, {"offload": "cpu"}])
+def test_blocks_keyword_arguments_reach_the_block_with_dropout_as_the_plain_loop(options):
     torch.manual_seed(0)
-    _assert_equals_plain_loop(KwNet(), af.checkpointed(classify), updates=2)
+    _assert_equals_plain_loop(KwNet(), af.checkpointed(**options)(classify), updates=2)
 
 
 class ResBlock(nn.Module):
@@ -237,6 +245,7 @@ def assert_state_equal(m1, m2):
 @pytest.mark.parametrize("options", [
     {}, {"every": 2}, {"blocks": (ResBlock,)}, {"blocks": lambda n, m: n == "blocks.1"},
     {"selective": True}, {"selective": [torch.ops.aten.convolution.default]},
+    {"offload": "cpu"},
 ])
 def test_batchnorm_statistics_updated_once_as_without_checkpointing(options, momentum):
     torch.manual_seed(0)
@@ -312,3 +321,116 @@ def test_backward_twice_through_a_kept_graph_restores_statistics_each_time():
     assert model.blocks[0].bn1.num_batches_tracked == 1
     for (name, b1), (_, b2) in zip(model.named_buffers(), plain.named_buffers()):
         assert torch.equal(b1, b2), name
+
+
+# ------------------------------------------------------------------------ offload="cpu"
+PACKED: list[int] = []  # the bytes of each tensor CountingSaveOnCpu's pack hook received
+
+
+class CountingSaveOnCpu(torch.autograd.graph.save_on_cpu):
+    """torch's save_on_cpu, recording in PACKED the tensors its pack hook receives."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        pack = self.pack_hook
+
+        def counting(tensor):
+            PACKED.append(tensor.numel() * tensor.element_size())
+            return pack(tensor)
+
+        self.pack_hook = counting
+
+
+def saved_in_blocks(model, every: int = 1) -> list[int]:
+    """The bytes of each tensor the plain model's blocks (every ``every``-th) save for the
+    backward, less the parameters (and views of them), in one forward of a batch."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes: list[int] = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in params:
+            sizes.append(t.numel() * t.element_size())
+        return t
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    handles = [h for _, block in af.find_blocks(model)[::every] for h in (
+        block.register_forward_pre_hook(lambda m, a: hooks.__enter__()),
+        block.register_forward_hook(lambda m, a, o: hooks.__exit__()))]
+    classify(model, as_dict(make_batch(n=64)))
+    for h in handles:
+        h.remove()
+    return sizes
+
+
+def block_calls(model) -> list[int]:
+    """A counter of the forwards of each block's first Linear, kept up to date."""
+    calls = [0]
+    for _, block in af.find_blocks(model):
+        block.fc1.register_forward_hook(lambda m, a, o: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def test_offload_packs_the_blocks_activations_on_the_host_and_recomputes_nothing(monkeypatch):
+    torch.manual_seed(0)
+    model = Net(dim=64, depth=4)
+    expected = saved_in_blocks(model)
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
+    PACKED.clear()
+    calls = block_calls(model)
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    af.checkpointed(offload="cpu")(classify)(state, make_batch(n=64))
+    # every activation the blocks save went through save_on_cpu's pack hook, parameters not
+    assert sorted(PACKED) == sorted(expected) and sum(expected) > 0
+    assert calls[0] == 4  # one forward per block: nothing recomputed in the backward
+    # checkpointing instead recomputes each block's forward and packs nothing
+    torch.manual_seed(0)
+    model = Net(dim=64, depth=4)
+    calls = block_calls(model)
+    PACKED.clear()
+    af.checkpointed(classify)(af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1)),
+                              make_batch(n=64))
+    assert calls[0] == 8 and PACKED == []
+
+
+def test_offload_every_other_block_and_its_label(monkeypatch):
+    torch.manual_seed(0)
+    model = Net(dim=16, depth=4)
+    expected = saved_in_blocks(model, every=2)  # blocks 0 and 2
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
+    PACKED.clear()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = af.checkpointed(offload="cpu", every=2)(classify)
+    assert "checkpointed(blocks=auto, every=2, offload=cpu)" in af.describe(step)
+    step(state, make_batch(n=64))
+    assert state.slots["checkpointed"]["blocks"] == 2
+    assert sorted(PACKED) == sorted(expected) and sum(expected) > 0
+
+
+def test_offload_passes_the_contract_kit():
+    from accelfn.testing import check_transform, plain_update
+
+    def loss_fn(model, batch):
+        return {"loss": F.cross_entropy(model(batch["x"]), batch["y"])}
+
+    report = check_transform(af.checkpointed(offload="cpu"), loss_fn=loss_fn, steps=2,
+                             reference=lambda m, o, b: plain_update(m, o, b, loss_fn),
+                             builtins=[af.with_amp(dtype=torch.bfloat16),
+                                       af.with_accumulation(2)])
+    assert report.passed == ["reference", "purity", "orders", "resume", "no host sync",
+                             "bad input"]
+    assert report.orders == 6  # with bf16 autocast and accumulation, in every order
+
+
+@pytest.mark.compile
+def test_offload_under_compiled_graph_breaks_at_each_block_and_still_offloads(monkeypatch):
+    torch.manual_seed(0)
+    (m1, o1), (m2, o2) = clone_setup(Net())
+    monkeypatch.setattr(torch.autograd.graph, "save_on_cpu", CountingSaveOnCpu)
+    PACKED.clear()
+    step = af.compiled(backend="aot_eager")(af.checkpointed(offload="cpu")(classify))
+    state = af.TrainState(m1, o1)
+    for i in range(2):
+        step(state, make_batch(seed=i))
+        reference_update(m2, o2, as_dict(make_batch(seed=i)), classify)
+    assert_params_equal(m1, m2)
+    assert PACKED

@@ -1,0 +1,10 @@
+"""distributed: DDP, FSDP2, HSDP, or FSDP2 with tensor parallelism under torchrun; a no-op in a
+single process.
+
+Modules: ``transform`` (the transform and its place in the update), ``mesh`` (the process
+layout and its checks), ``plans`` (tensor-parallel plans), ``ddp`` and ``fsdp`` (wrapping).
+"""
+
+from .transform import distributed
+
+__all__ = ["distributed"]

@@ -1,0 +1,85 @@
+"""FSDP2: ``fully_shard`` per block and on the root, over a 1-D mesh (FSDP), a 2-D one (HSDP)
+or the data-parallel part of a mesh whose innermost dimension is tensor parallel; and the
+optimizers that sharded parameters cannot be trained by."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...core.modules import find_blocks
+from ...core.state import TrainState
+
+__all__ = ["check_optimizers", "parameter_names", "repoint_optimizers", "shard_fsdp"]
+
+
+def shard_fsdp(model: nn.Module, mesh: Any, param_dtype: torch.dtype | None,
+               offload: str | None, reshard_after_forward: bool | int | None) -> None:
+    """``fully_shard`` each repeated block, then the root, over ``mesh`` (None: the world),
+    in place: reductions in float32, ``param_dtype`` for the forward (``with_amp``'s)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)}
+    if mesh is not None:
+        kwargs["mesh"] = mesh
+    if offload == "cpu":  # pinned host memory only where there is a device to copy to
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if reshard_after_forward is not None:
+        kwargs["reshard_after_forward"] = reshard_after_forward
+    for _, block in find_blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's name by its id: what to point the optimizers at after sharding."""
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def repoint_optimizers(state: TrainState, model: nn.Module, before: dict[int, str]) -> None:
+    """``parallelize_module`` and ``fully_shard`` swap parameters for DTensor ones: point the
+    optimizers' groups at them (``before``: the names taken before the swap)."""
+    after = dict(model.named_parameters())
+    for optimizer in state.optimizers:
+        for group in optimizer.param_groups:
+            group["params"] = [after[before[id(p)]] for p in group["params"]]
+
+
+def check_optimizers(optimizers: tuple[torch.optim.Optimizer, ...], strategy: str,
+                     tp: int) -> None:
+    """Refuse what the strategy cannot train correctly, before anything changes: an optimizer
+    with state, Muon and ``ZeroRedundancyOptimizer`` when parameters are sharded (FSDP2,
+    HSDP, tensor parallel), and ZeRO's ``overlap_with_ddp`` (its step runs inside a DDP hook
+    that ``distributed`` does not register)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    sharded = strategy != "ddp" or tp > 1
+    how = f"distributed(strategy={strategy!r}{f', tp={tp}' if tp > 1 else ''})"
+    muon = getattr(torch.optim, "Muon", None)
+    for optimizer in optimizers:
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            if sharded:
+                raise ValueError(
+                    f"ZeroRedundancyOptimizer cannot train the parameters that {how} shards: "
+                    "FSDP2 shards the optimizer state already. Pass the plain optimizer "
+                    "(torch.optim.AdamW(...)) with FSDP2/HSDP, or keep ZeroRedundancyOptimizer "
+                    "with distributed(strategy='ddp') (ZeRO-1)")
+            if getattr(optimizer, "_overlap_with_ddp", False):
+                raise ValueError(
+                    "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside a DDP comm "
+                    "hook that distributed(...) does not register; build it with "
+                    "overlap_with_ddp=False (the default): the step then calls its step()")
+        if not sharded:
+            continue
+        if optimizer.state:
+            raise ValueError(f"{how} must shard the model before the optimizer has state; "
+                             "build the step before loading a checkpoint")
+        if muon is not None and isinstance(optimizer, muon):
+            raise ValueError(
+                f"torch.optim.Muon cannot train FSDP2-sharded parameters ({how}): its "
+                "Newton-Schulz orthogonalisation needs each whole matrix, and each process "
+                "holds a shard of it. Use distributed(strategy='ddp') with Muon (whole "
+                "matrices on every process), or AdamW for sharded training")

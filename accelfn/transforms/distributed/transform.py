@@ -1,0 +1,317 @@
+"""distributed: DDP, FSDP2, HSDP or FSDP2 with tensor parallelism under torchrun; a no-op in a
+single process."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import weakref
+from collections.abc import Mapping
+from typing import Any, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...core import compat
+from ...core.engine import LossFn, Step
+from ...core.places import Sharding
+from ...core.processes import init_distributed, world_size
+from ...core.protocol import CallContext, Prepared, Transform, UpdateContext, configure
+from ...core.state import TrainState
+from .ddp import all_reduce_grads, wrap_ddp
+from .fsdp import check_optimizers, parameter_names, repoint_optimizers, shard_fsdp
+from .mesh import build_mesh, data_mesh, layout
+from .plans import apply_plan, check_plan, resolve_plan
+
+__all__ = ["distributed"]
+
+_STRATEGIES = ("ddp", "fsdp", "hsdp")
+_COMPRESSION = (None, "fp16", "bf16", "powersgd")
+_OFFLOAD = (None, "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    strategy: str
+    static_graph: bool
+    compression: str | None
+    sync_batchnorm: bool
+    bucket_cap_mb: float | None
+    fsdp_sync: str
+    find_unused_parameters: bool
+    replicate: int | None
+    tp: int
+    plan: dict[str, Any] | None
+    offload: str | None
+    reshard_after_forward: bool | int | None
+
+
+def _check_device(device: torch.device) -> None:
+    expected = torch.device("cuda", torch.cuda.current_device()) \
+        if torch.cuda.is_available() else torch.device("cpu")
+    if device.type != expected.type or (device.type == "cuda" and device != expected):
+        raise ValueError(
+            f"the model is on {device} but this process trains on {expected}; move it "
+            "with model.to(accelfn.init_distributed()) before building the TrainState")
+
+
+def _sync_batchnorm(model: nn.Module, device: torch.device) -> None:
+    if device.type != "cuda":
+        raise ValueError(
+            "distributed(sync_batchnorm=True) needs CUDA devices: SyncBatchNorm has no "
+            "CPU implementation; leave it off when training on CPUs")
+    converted = nn.SyncBatchNorm.convert_sync_batchnorm(model)  # type: ignore[no-untyped-call]
+    if converted is not model:
+        raise ValueError("sync_batchnorm cannot convert a model that is itself a BatchNorm")
+
+
+def _distributed(o: _Options) -> Transform:
+    fsdp = o.strategy != "ddp"
+    # models whose last backward ran without gradient synchronisation (no_sync): an update
+    # that follows it without a synced backward (step.flush) must reduce them itself
+    unsynced: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+    def shard(prepared: Prepared, state: TrainState) -> Prepared:
+        init_distributed()
+        model = prepared.model
+        # every refusal first, so that a refused call changes nothing; a plan naming no
+        # module is refused in one process too
+        resolved = None if o.plan is None else resolve_plan(model, o.plan, o.tp)
+        world = world_size()
+        if world == 1:
+            return prepared
+        device = prepared.device
+        _check_device(device)
+        grid = layout(o.strategy, world, replicate=o.replicate, tp=o.tp,
+                      local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        check_optimizers(state.optimizers, o.strategy, o.tp)
+        if o.sync_batchnorm:
+            _sync_batchnorm(model, device)
+        if not fsdp:
+            model = wrap_ddp(model, device, o.static_graph, o.compression, o.bucket_cap_mb,
+                             o.find_unused_parameters)
+        else:  # the islands phase (with_amp) set the compute dtype: FSDP's parameter dtype
+            before = parameter_names(model)
+            mesh = build_mesh(grid, device.type) if o.strategy == "hsdp" or o.tp > 1 else None
+            if resolved is not None:  # tensor parallel first, then FSDP2 over the rest
+                assert mesh is not None
+                apply_plan(model, mesh["tp"], resolved)
+            shard_fsdp(model, None if mesh is None else data_mesh(mesh, grid),
+                       prepared.compute_dtype, o.offload, o.reshard_after_forward)
+            repoint_optimizers(state, model, before)
+        return dataclasses.replace(prepared, model=model, process_group=dist.group.WORLD)
+
+    def micro_context(ctx: CallContext, index: int,
+                      sync: bool) -> contextlib.AbstractContextManager[Any]:
+        model = ctx.model
+        if sync or ctx.distributed is None:
+            if fsdp and ctx.distributed is not None:
+                _root(model).set_requires_gradient_sync(True)
+            unsynced.pop(model, None)
+            return contextlib.nullcontext()
+        if not fsdp:
+            if o.static_graph:  # torch's static graph breaks under no_sync (an internal
+                # assert, then gradients never reduced): all-reduce every micro-batch, exact
+                # too (what is reduced already is equal on every process)
+                return contextlib.nullcontext()
+            unsynced[model] = True
+            no_sync: contextlib.AbstractContextManager[Any] = getattr(model, "no_sync")()  # noqa: B009
+            return no_sync
+        if o.fsdp_sync == "once":  # HSDP: neither reduce-scatter nor all-reduce until then
+            unsynced[model] = True
+            _root(model).set_requires_gradient_sync(False)
+        return contextlib.nullcontext()
+
+    def reduce(ctx: UpdateContext) -> None:
+        # Processes averaged sum(coef * grad) over the data-parallel processes; the engine
+        # divides by the local weight. Make the divisor global weight / data-parallel size,
+        # so the result is the exact full-batch gradient over all processes' samples (or
+        # tokens). The weights are summed over the world: the tp processes of a
+        # tensor-parallel group hold the same batch, so the sum is tp times the data's.
+        if ctx.distributed is None:
+            return
+        if unsynced.pop(ctx.model, False):  # step.flush of a window's unsynced gradients
+            if fsdp:
+                raise ValueError(
+                    f"step.flush(state) cannot apply this window: distributed(strategy="
+                    f"{o.strategy!r}, fsdp_sync='once') left its gradients unsharded and "
+                    "unreduced. Use fsdp_sync='every' with with_accumulation(n, mode='calls')")
+            all_reduce_grads(ctx.state.model, ctx.distributed)
+        if ctx.divisor is None:
+            return
+        total = ctx.divisor.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.distributed)
+        world = world_size()
+        ctx.weight_total = total / o.tp if o.tp > 1 else total
+        divisor = total / world
+        if o.offload == "cpu" and divisor.device.type != "cpu":
+            divisor = divisor.cpu()  # the gradients are on the host, where the step runs
+        ctx.divisor = divisor
+
+    def abort(ctx: CallContext) -> None:
+        # A failed call: the engine cleared the gradients the optimizer holds. FSDP2 also
+        # keeps the unreduced gradients of micro-batches that skipped reduce-scatter
+        # (fsdp_sync='once') on its unsharded parameters: drop them too, or they would join
+        # the next update. Failure path only: nothing on the hot path, no host read.
+        if ctx.distributed is None:
+            return
+        unsynced.pop(ctx.model, None)
+        root = _root(ctx.model)
+        compat.fsdp_drop_unreduced_grads(root)
+        root.set_requires_gradient_sync(True)
+
+    # DDP keeps nothing the engine's zero_grad does not clear
+    part = Sharding(shard, micro_context, reduce, abort=abort if fsdp else None)
+    return Transform("distributed", part, options=_option_values(o), label=_label(o))
+
+
+def _style_text(style: Any) -> str:
+    """A ParallelStyle as comparable text: its class and settings (two equal plans built
+    apart give equal transforms, so steps built alike share one preparation)."""
+    return f"{type(style).__qualname__}{sorted(vars(style).items())!r}"
+
+
+def _option_values(o: _Options) -> tuple[tuple[str, Any], ...]:
+    plan = None if o.plan is None else tuple(
+        (pattern, _style_text(style)) for pattern, style in o.plan.items())
+    values = [(f.name, getattr(o, f.name)) for f in dataclasses.fields(o) if f.name != "plan"]
+    return (*values, ("tensor_parallel", plan))
+
+
+def _label(o: _Options) -> str:
+    parts = [o.strategy]
+    for name, value, default in (("replicate", o.replicate, None), ("tp", o.tp, 1),
+                                 ("offload", o.offload, None),
+                                 ("reshard_after_forward", o.reshard_after_forward, None),
+                                 ("compression", o.compression, None)):
+        if value != default:
+            parts.append(f"{name}={value}")
+    for name, flag in (("static_graph", o.static_graph), ("sync_batchnorm", o.sync_batchnorm)):
+        if flag:
+            parts.append(name)
+    return f"distributed({', '.join(parts)})"
+
+
+def _root(model: nn.Module) -> Any:
+    return compat.unwrap_compiled(model)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"distributed({name}={value!r}) must be an int >= 1")
+    return value
+
+
+def _check(o: _Options) -> None:
+    """Every refusal that needs no process group, when the transform is built."""
+    if o.strategy not in _STRATEGIES:
+        zero = str(o.strategy).lower().startswith("zero")
+        raise ValueError(f"distributed(strategy={o.strategy!r}) is unknown; use one of "
+                         f"{_STRATEGIES}" + (
+                             ": ZeRO-1 is strategy='ddp' with torch's ZeroRedundancyOptimizer "
+                             "as the optimizer, ZeRO-3 is strategy='fsdp'" if zero else ""))
+    if o.compression not in _COMPRESSION:
+        raise ValueError(f"distributed(compression={o.compression!r}) is unknown; use one of "
+                         f"{_COMPRESSION}")
+    if o.fsdp_sync not in ("every", "once"):
+        raise ValueError(f"distributed(fsdp_sync={o.fsdp_sync!r}) must be 'every' or 'once'")
+    if o.offload not in _OFFLOAD:
+        raise ValueError(f"distributed(offload={o.offload!r}) must be None or 'cpu'")
+    _positive_int("tp", o.tp)
+    if o.replicate is not None:
+        _positive_int("replicate", o.replicate)
+        if o.strategy != "hsdp":
+            raise ValueError(f"distributed(replicate={o.replicate}) is the number of model "
+                             "copies of HSDP: pass strategy='hsdp' with it")
+    rsf = o.reshard_after_forward
+    if rsf is not None and not isinstance(rsf, bool) and (not isinstance(rsf, int) or rsf < 2):
+        raise ValueError(f"distributed(reshard_after_forward={rsf!r}) must be True, False or "
+                         "an int >= 2 (the group size to reshard to, as in fully_shard)")
+    if o.strategy != "ddp":
+        given = [name for name, value in (
+            ("compression", o.compression), ("static_graph", o.static_graph),
+            ("bucket_cap_mb", o.bucket_cap_mb),
+            ("find_unused_parameters", o.find_unused_parameters)) if value]
+        if given:
+            raise ValueError(f"{', '.join(given)}: DDP options, which FSDP2 does not take; "
+                             f"leave them out with strategy={o.strategy!r}")
+    else:
+        given = [name for name, value in (
+            ("fsdp_sync", o.fsdp_sync != "every"), ("offload", o.offload),
+            ("reshard_after_forward", o.reshard_after_forward is not None),
+            ("tp", o.tp > 1), ("tensor_parallel", o.plan is not None)) if value]
+        if given:
+            raise ValueError(
+                f"distributed({', '.join(given)}=...): FSDP2 option(s); pass strategy='fsdp' "
+                "(or 'hsdp') with them (DDP replicates whole parameters and synchronises once "
+                "per update)")
+    if o.tp > 1 and o.plan is None:
+        raise ValueError(
+            f"distributed(tp={o.tp}) needs tensor_parallel=plan, the layers to shard: "
+            "{'blocks.*.up': ColwiseParallel(), 'blocks.*.down': RowwiseParallel()} "
+            "(torch.distributed.tensor.parallel)")
+    if o.plan is not None and o.tp == 1:
+        raise ValueError("distributed(tensor_parallel=...) needs tp=k > 1, the number of "
+                         "processes each layer of the plan is sharded over")
+    if o.bucket_cap_mb is not None and o.bucket_cap_mb <= 0:
+        raise ValueError("distributed(bucket_cap_mb=...) must be > 0")
+
+
+@overload
+def distributed(fn: LossFn | Step, /) -> Step: ...
+@overload
+def distributed(*, strategy: str = "ddp", static_graph: bool = False,
+                compression: str | None = None, sync_batchnorm: bool = False,
+                bucket_cap_mb: float | None = None, fsdp_sync: str = "every",
+                find_unused_parameters: bool = False, replicate: int | None = None,
+                tp: int = 1, tensor_parallel: Mapping[str, Any] | None = None,
+                offload: str | None = None,
+                reshard_after_forward: bool | int | None = None) -> Transform: ...
+def distributed(
+    fn: LossFn | Step | None = None,
+    /,
+    *,
+    strategy: str = "ddp",
+    static_graph: bool = False,
+    compression: str | None = None,
+    sync_batchnorm: bool = False,
+    bucket_cap_mb: float | None = None,
+    fsdp_sync: str = "every",
+    find_unused_parameters: bool = False,
+    replicate: int | None = None,
+    tp: int = 1,
+    tensor_parallel: Mapping[str, Any] | None = None,
+    offload: str | None = None,
+    reshard_after_forward: bool | int | None = None,
+) -> Step | Transform:
+    """Equivalent to ``DistributedDataParallel(model, gradient_as_bucket_view=True)`` (or
+    FSDP2 ``fully_shard`` on each repeated block and on the root) under torchrun, with
+    ``no_sync()`` on every micro-batch but the last; a no-op in a single process.
+
+    The update equals single-process training on all processes' batches together: micro-batch
+    weights (samples, or the returned ``"weight"``) are summed across processes on the device.
+    ``compression`` registers DDP's ``fp16``/``bf16`` compression or ``powersgd`` hook;
+    ``sync_batchnorm`` converts BatchNorm layers to SyncBatchNorm. ``static_graph`` all-reduces
+    every micro-batch (DDP's static graph does not support ``no_sync``). With FSDP2,
+    ``fsdp_sync="every"`` reduce-scatters each micro-batch (least memory) and ``"once"``
+    only the last (least communication); ``with_amp``'s dtype becomes the parameter dtype,
+    with reductions in fp32.
+
+    ``strategy="hsdp"`` is FSDP2 over a 2-D mesh ``(replicate, shard)``: ``replicate`` copies
+    of the model (default: one per node), each sharded over ``world / replicate`` processes.
+    ``tp=k`` with ``tensor_parallel={"blocks.*.up": ColwiseParallel(), ...}`` (fnmatch
+    patterns over module names to torch ParallelStyles) shards those layers over groups of
+    ``k`` consecutive ranks with ``parallelize_module`` (the mesh's innermost dimension),
+    then FSDP2 over the rest; the ``k`` processes of a group must be fed the same batch (shard
+    the data by ``rank // k`` of ``world // k``). ``offload="cpu"`` is FSDP2's
+    ``CPUOffloadPolicy``; ``reshard_after_forward`` is passed to ``fully_shard``. A
+    ``ZeroRedundancyOptimizer`` (ZeRO-1) goes with ``strategy="ddp"``.
+    """
+    o = _Options(strategy, static_graph, compression, sync_batchnorm, bucket_cap_mb,
+                 fsdp_sync, find_unused_parameters, replicate, tp,
+                 None if tensor_parallel is None else check_plan(tensor_parallel), offload,
+                 reshard_after_forward)
+    _check(o)
+    return configure("distributed", fn, _distributed(o))
