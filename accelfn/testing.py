@@ -353,9 +353,8 @@ def check_transform(
     report.passed.append("resume")
 
     # 5. no host sync in a step (emulated: every would-be device sync is reported), over
-    # several updates: a sync made every other update (logging, say) is a sync too
-    # updates, and from a fresh state's first update (a sync made once, when a slot is first
-    # filled, is a sync too)
+    # several updates (a sync made every other update, logging say, is a sync too) and from
+    # a fresh state's first update (a sync made once, when a slot is first filled, too)
     new_model = make_model()
     new_state = TrainState(new_model, make_optimizer(new_model))
     with SyncProbe(mode="emulate", allow=("guard.py",)) as probe:

@@ -48,8 +48,8 @@ def _text(page: str) -> str:
 
 def test_site_builds_strictly(site: Path) -> None:
     assert (site / "index.html").exists()
-    assert set(_api_html(site)) == {"steps", "transforms", "writing-transforms", "data",
-                                    "checkpointing", "observe", "recipes"}
+    assert set(_api_html(site)) == {"steps", "transforms", "writing-transforms", "places",
+                                    "data", "checkpointing", "observe", "recipes"}
 
 
 def test_api_reference_has_the_methods(site: Path) -> None:

@@ -2,9 +2,9 @@
 
 Each [`GradientTransform`][accelfn.GradientTransform] keeps its state in the TrainState
 (slot ``"gradients.<name>"``), made by its ``init(params)`` at the first update. The chain
-returns the new states instead of storing them: the engine commits them only when the call
-succeeds and the update is not skipped, so a failed or skipped update leaves them as they
-were (as ``optax.apply_if_finite`` leaves its inner state).
+returns the new states instead of storing them: the engine commits them with the update,
+so a call that fails before the optimizer step, or an update skipped on the host, leaves
+them as they were (as ``optax.apply_if_finite`` leaves its inner state).
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def optimizer_out_of_memory(text: str, error: BaseException,
 
 
 def after_update_failed(update: int, skip: bool | None) -> str:
-    """The note on an error raised after the optimizer step (scheduler, after-update hooks)."""
+    """The note on an error raised after the optimizer step (scheduler, after-update work)."""
     if skip is True:
         applied = "the update was skipped (parameters and optimizer unchanged)"
     elif skip is False:
@@ -94,5 +94,5 @@ def after_update_failed(update: int, skip: bool | None) -> str:
                    "unless it skipped on the device on non-finite gradients")
     return (f"accelfn: this failed after the optimizer step; {applied}, and it counts as "
             f"update {update}. Gradients were cleared and any loss scaler reset, so the next "
-            "call works; the scheduler step and after-update hooks (EMA, loss-scale update) "
+            "call works; the scheduler step and after-update work (EMA, loss-scale update) "
             "that had not run yet did not run for this update")

@@ -91,17 +91,19 @@ class GradientTransform:
     It runs after loss-scale unscaling, micro-batch weighting and the reduction across
     processes, before clipping and the non-finite decision, so it sees the true gradient of
     the update. Several run in the order they were stacked: ``b(a(fn))`` runs ``a`` then
-    ``b`` (innermost first, as ``optax.chain(a, b)``). The new state is kept only when the
-    call succeeds and the update is not skipped on the host; do not write to the state you
-    are given (return a new one), so that a failed call leaves it as it was. ``label`` is
-    how the stack prints it (``describe``) and checkpoints name it: put its options in it.
+    ``b`` (innermost first, as ``optax.chain(a, b)``). The new state is kept with the
+    update: not when the call fails before the optimizer step, nor when the update is
+    skipped on the host (a skip decided on the device by fused optimizers keeps it); do not
+    write to the state you are given (return a new one), so that a failed call leaves it as
+    it was. ``label`` is how the stack prints it (``describe``) and checkpoints name it: put
+    its options in it.
 
-        def agc(grads, params, state):                 # adaptive gradient clipping
+        def clip_by_weight(grads, params, state):    # each gradient to 1% of its weight
             for g, p in zip(grads, params):
                 limit = 0.01 * p.detach().norm().clamp_min(1e-3)
                 g.mul_((limit / g.norm().clamp_min(1e-6)).clamp(max=1.0))
 
-        step = af.GradientTransform("agc", agc)(my_step)
+        step = af.GradientTransform("clip_by_weight", clip_by_weight)(my_step)
     """
 
     name: str
@@ -182,6 +184,7 @@ class CallContext:
 
     @property
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """Every optimizer of the state, in order."""
         return self.state.optimizers
 
 
