@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from ..core.engine import Step, describe
-from ..core.protocol import GradientTransform
 from ..core.state import TrainState
 from .format import LOADER_FORMAT, CheckpointError
 
@@ -48,11 +47,8 @@ def stack_signature(step: Step | None) -> dict[str, Any] | None:
         return None
     if not isinstance(step, Step):
         raise TypeError(f"step= takes the accelfn Step being trained, got {type(step).__name__}")
-    # The built-ins' stacking order never changes the result (each fills its place), so they
-    # are sorted; gradient transforms run in stacking order, so theirs is kept, after them.
-    builtins = sorted(repr(t) for t in step.transforms if not isinstance(t.part, GradientTransform))
-    chain = [repr(t) for t in step.transforms if isinstance(t.part, GradientTransform)]
-    return {"transforms": builtins + chain, "describe": describe(step)}
+    # Stacking order never changes the result, so it is not part of the fingerprint.
+    return {"transforms": sorted(repr(t) for t in step.transforms), "describe": describe(step)}
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -98,12 +94,11 @@ def compare_stacks(saved: dict[str, Any] | None, here: dict[str, Any] | None) ->
         return
     added = sorted(set(here["transforms"]) - set(saved["transforms"]))
     removed = sorted(set(saved["transforms"]) - set(here["transforms"]))
-    order = "" if added or removed else "; its gradient transforms run in another order"
     raise CheckpointError(
         f"the checkpoint was saved by the step {saved['describe']!r}, this step is "
         f"{here['describe']!r} (added: {', '.join(added) or 'none'}; removed: "
-        f"{', '.join(removed) or 'none'}{order}): transform state (loss scaler, counters, "
-        "averages) would not match. Build the step the checkpointed run used, or pass step=None to "
+        f"{', '.join(removed) or 'none'}): transform state (loss scaler, counters, averages) "
+        "would not match. Build the step the checkpointed run used, or pass step=None to "
         "load without this check"
     )
 

@@ -284,35 +284,3 @@ def test_torchrun_two_states_one_with_two_optimizers_resume_exactly_under_ddp_an
             assert got["sharded"] == (strategy == "fsdp"), strategy
             assert got["states"] == ["aux", "main"]
             assert got["same_losses"] and got["same_params"], (rank, strategy, got)
-
-
-def test_gradient_transforms_in_another_order_are_another_step(tmp_path):
-    """Gradient transforms run in stacking order: a checkpoint of one order does not load
-    into a step of the other (the built-ins' order still does not matter)."""
-    import torch
-    from conftest import Net, classify, make_batch
-
-    import accelfn as af
-    from accelfn import checkpointing
-
-    def scale(factor):
-        return af.GradientTransform(f"times_{int(factor * 10)}",
-                                    lambda grads, params, state: [g.mul_(factor) for g in grads]
-                                    and None)
-
-    a, b = scale(0.5), scale(2.0)
-    torch.manual_seed(0)
-    model = Net()
-    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    step = af.with_clipping(max_norm=1.0)(b(a(classify)))
-    step(state, make_batch())
-    checkpointing.save(tmp_path, state, step=step)
-    torch.manual_seed(0)
-    model = Net()
-    other = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(checkpointing.CheckpointError, match="another order"):
-        checkpointing.load(tmp_path, other, step=a(b(af.with_clipping(max_norm=1.0)(classify))))
-    torch.manual_seed(0)
-    model = Net()
-    same = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    checkpointing.load(tmp_path, same, step=b(a(af.with_clipping(max_norm=1.0)(classify))))
