@@ -68,8 +68,8 @@ def test_resume_restores_everything_and_continues_identically(tmp_path, sharded)
     assert info.sharded == sharded and info.extra == {"epoch": 0, "best": 0.5}
     assert info.stack == af.describe(step)
     assert set(info.restored) >= {"model", "optimizer", "scheduler", "step", "slot:with_amp",
-                                  "slot:nonfinite", "slot:counter", "rng.python", "rng.numpy",
-                                  "rng.torch", "data"}
+                                  "slot:nonfinite", "slot:gradients.counter", "rng.python",
+                                  "rng.numpy", "rng.torch", "data"}
     got = run(fresh, iter(fresh_loader), fresh_step, 3)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     for a, b in zip(state.model.parameters(), fresh.model.parameters()):
