@@ -157,16 +157,6 @@ def test_fp16_one_grad_scaler_for_both_optimizers_equals_the_plain_loop_bitwise(
     assert skipped == ([0.0] * 5 if init_scale == 2.0**16 else [1.0, 1.0, 0.0, 0.0, 0.0])
 
 
-# accelfn.checkpointing.save/load read `state.optimizer`, which a TrainState with several
-# optimizers refuses (AttributeError: "this TrainState has 2 optimizers (Muon, AdamW); use
-# state.optimizers"): the example trains, then fails at its save. Remove the marks when
-# checkpointing covers several optimizers (strict: the tests then fail as XPASS).
-SEVERAL_OPTIMIZERS_UNSAVED = pytest.mark.xfail(
-    raises=AttributeError, strict=True,
-    reason="accelfn.checkpointing reads state.optimizer, refused with several optimizers")
-
-
-@SEVERAL_OPTIMIZERS_UNSAVED
 def test_muon_example_learns_and_resumes_exactly(tmp_path):
     small = ["--steps", "8", "--batch-size", "8", "--seq-len", "16", "--log-every", "4"]
     straight = str(tmp_path / "straight")
@@ -183,7 +173,6 @@ def test_muon_example_learns_and_resumes_exactly(tmp_path):
         assert torch.equal(value, b["state"]["model"][key]), key
 
 
-@SEVERAL_OPTIMIZERS_UNSAVED
 def test_a_state_with_two_optimizers_checkpoints_and_resumes_exactly(tmp_path):
     """accelfn.checkpointing.save/load of a TrainState holding [muon, adamw]."""
     def fresh():

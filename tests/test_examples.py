@@ -207,18 +207,9 @@ TORCHRUN_CASES = {
     "muon_adamw": (["--steps", "6", "--stop-at", "3", *TINY_MUON], ["--steps", "6", *TINY_MUON],
                    6),
 }
-# accelfn.checkpointing reads state.optimizer, which a TrainState with several optimizers
-# refuses: muon_adamw trains, then fails at its save (tests/test_example_muon_adamw.py)
-SEVERAL_OPTIMIZERS_UNSAVED = pytest.mark.xfail(
-    strict=True, reason="accelfn.checkpointing reads state.optimizer, refused with several "
-                        "optimizers")
-
-
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=SEVERAL_OPTIMIZERS_UNSAVED) if n == "muon_adamw" else n
-    for n in TORCHRUN_CASES])
+@pytest.mark.parametrize("name", list(TORCHRUN_CASES))
 def test_examples_run_under_torchrun_and_resume_in_one_process(name, tmp_path, capsys):
     from conftest import free_port
 

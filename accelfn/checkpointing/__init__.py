@@ -9,9 +9,16 @@
         if state.step % 500 == 0:
             checkpointing.save("runs/x", state, loader=train, step=step, keep=3)
 
+Several states (a GAN's generator and discriminator) are one checkpoint:
+``save("runs/gan", {"generator": state_g, "discriminator": state_d}, step={"generator":
+g_step, "discriminator": d_step})`` and the same mapping to ``load``; a state with several
+optimizers (``TrainState(model, [muon, adamw], scheduler=[...])``) is saved and resumed like
+one with one.
+
 The package by concern: ``format`` (names, errors, plain data), ``files`` (atomic files,
 digests, listing and rotation), ``lock`` (one writer per folder), ``checks`` (what a
-checkpoint must match), ``dcp`` (sharded state through torch.distributed.checkpoint), ``rng``
+checkpoint must match), ``states`` (one state or several by name, one optimizer or several
+each), ``dcp`` (sharded state through torch.distributed.checkpoint), ``rng``
 (RNG states), ``collective`` (agreeing across processes), ``saving`` and ``loading`` (the two
 calls), ``background`` (asynchronous saves), ``preemption``.
 """

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..core.engine import Step, describe
+from ..core.protocol import GradientTransform
 from ..core.state import TrainState
 from .format import LOADER_FORMAT, CheckpointError
 
@@ -25,6 +26,7 @@ __all__ = [
     "check_slots",
     "compare_models",
     "compare_optimizers",
+    "compare_schedulers",
     "compare_stacks",
     "is_sharded",
     "model_signature",
@@ -46,8 +48,11 @@ def stack_signature(step: Step | None) -> dict[str, Any] | None:
         return None
     if not isinstance(step, Step):
         raise TypeError(f"step= takes the accelfn Step being trained, got {type(step).__name__}")
-    # Stacking order never changes the result, so it is not part of the fingerprint.
-    return {"transforms": sorted(repr(t) for t in step.transforms), "describe": describe(step)}
+    # The built-ins' stacking order never changes the result (each fills its place), so they
+    # are sorted; gradient transforms run in stacking order, so theirs is kept, after them.
+    builtins = sorted(repr(t) for t in step.transforms if not isinstance(t.part, GradientTransform))
+    chain = [repr(t) for t in step.transforms if isinstance(t.part, GradientTransform)]
+    return {"transforms": builtins + chain, "describe": describe(step)}
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -93,30 +98,55 @@ def compare_stacks(saved: dict[str, Any] | None, here: dict[str, Any] | None) ->
         return
     added = sorted(set(here["transforms"]) - set(saved["transforms"]))
     removed = sorted(set(saved["transforms"]) - set(here["transforms"]))
+    order = "" if added or removed else "; its gradient transforms run in another order"
     raise CheckpointError(
         f"the checkpoint was saved by the step {saved['describe']!r}, this step is "
         f"{here['describe']!r} (added: {', '.join(added) or 'none'}; removed: "
-        f"{', '.join(removed) or 'none'}): transform state (loss scaler, counters, averages) "
-        "would not match. Build the step the checkpointed run used, or pass step=None to "
+        f"{', '.join(removed) or 'none'}{order}): transform state (loss scaler, counters, "
+        "averages) would not match. Build the step the checkpointed run used, or pass step=None to "
         "load without this check"
     )
 
 
-def compare_optimizers(saved: dict[str, Any], here: dict[str, Any]) -> None:
-    if (saved["class"], saved["groups"]) != (here["class"], here["groups"]):
+def compare_optimizers(saved: Any, state: TrainState) -> None:
+    """The checkpoint's optimizers (meta.json's signatures) are this state's: as many, in the
+    same order, each of the same class over the same parameters, group by group."""
+    here = [optimizer_signature(o, state.model) for o in state.optimizers]
+    theirs = saved if isinstance(saved, list) else [saved]
+    if len(theirs) != len(here):
         raise CheckpointError(
-            f"the checkpoint's optimizer is {saved['class']} with parameter groups of "
-            f"sizes {saved['groups']}, this one is {here['class']} with "
-            f"{here['groups']}; build the optimizer (and its parameter groups) as the "
-            "checkpointed run did"
+            f"the checkpoint holds {len(theirs)} optimizer(s) "
+            f"({', '.join(o['class'] for o in theirs)}), this state {len(here)} "
+            f"({', '.join(o['class'] for o in here)}); build the TrainState with the optimizers "
+            "of the checkpointed run, in the same order (TrainState(model, [optimizer, ...]) "
+            "for several)")
+    for i, (a, b) in enumerate(zip(theirs, here)):
+        _compare_optimizer(a, b, None if len(here) == 1 else i)
+
+
+def _compare_optimizer(saved: dict[str, Any], here: dict[str, Any], index: int | None) -> None:
+    if (saved["class"], saved["groups"]) != (here["class"], here["groups"]):
+        if index is None:
+            raise CheckpointError(
+                f"the checkpoint's optimizer is {saved['class']} with parameter groups of "
+                f"sizes {saved['groups']}, this one is {here['class']} with "
+                f"{here['groups']}; build the optimizer (and its parameter groups) as the "
+                "checkpointed run did"
+            )
+        raise CheckpointError(
+            f"the checkpoint's optimizer {index} is {saved['class']} with parameter groups of "
+            f"sizes {saved['groups']}, this state's optimizer {index} is {here['class']} with "
+            f"{here['groups']}; build the optimizers (and their parameter groups) as the "
+            "checkpointed run did, in the same order"
         )
     if saved.get("names") is None:
         return  # written before names were recorded: the sizes are all there is to compare
+    which = "the optimizer's" if index is None else f"optimizer {index} ({here['class']})'s"
     for group, (theirs, ours) in enumerate(zip(saved["names"], here["names"])):
         for position, (a, b) in enumerate(zip(theirs, ours)):
             if a != b:
                 raise CheckpointError(
-                    f"the optimizer's parameter group {group} holds {a} in the checkpoint, "
+                    f"{which} parameter group {group} holds {a} in the checkpoint, "
                     f"{b} here (its parameter {position}): learning rates, weight decay and "
                     "optimizer state would land on other parameters. Build the parameter "
                     "groups from the same parameters, in the same order, as the checkpointed "
@@ -124,29 +154,44 @@ def compare_optimizers(saved: dict[str, Any], here: dict[str, Any]) -> None:
                 )
 
 
+def compare_schedulers(saved: Any, state: TrainState) -> None:
+    """The checkpoint's schedulers (class names, one per optimizer) are this state's."""
+    here = [None if s is None else type(s).__name__ for s in state.schedulers]
+    theirs = saved if isinstance(saved, list) else [saved]
+    for i, (a, b) in enumerate(zip(theirs, here)):
+        if a != b and len(here) == 1:
+            raise CheckpointError(
+                f"the checkpoint's scheduler is {a}, this state's is {b}; build the state with "
+                "the scheduler the checkpointed run used")
+        if a != b:
+            raise CheckpointError(
+                f"the checkpoint's scheduler of optimizer {i} is {a}, this state's is {b}; "
+                "build the state with the schedulers the checkpointed run used (one entry per "
+                "optimizer, None where it had none)")
+
+
 def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer) -> None:
-    """The saved optimizer state fits this optimizer (counts and shapes per parameter)."""
+    """The saved optimizer state fits this optimizer: a state entry per parameter of its
+    groups, as many parameters in each group. The parameters' order is checked by name
+    (``compare_optimizers``); a state's shape is the optimizer's own business (Adafactor's
+    factored moments, stacked buffers, scalars) and is never compared with its parameter's."""
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
-            or not isinstance(saved.get("state"), dict):
+            or not isinstance(saved.get("state"), dict) \
+            or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
+                       and all(isinstance(i, int) for i in g["params"])
+                       for g in saved["param_groups"]):
         raise CheckpointError("the checkpoint's optimizer state is malformed")
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    ids = [i for g in saved["param_groups"] for i in g["params"]]
-    if len(ids) != len(params):
-        raise CheckpointError(f"the checkpoint's optimizer holds {len(ids)} parameters, this "
-                              f"one {len(params)}; build it over the same parameters")
-    where = {pid: n for n, pid in enumerate(ids)}
+    sizes = [len(g["params"]) for g in saved["param_groups"]]
+    here = [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != here:
+        raise CheckpointError(f"the checkpoint's optimizer state has parameter groups of sizes "
+                              f"{sizes}, this {type(optimizer).__name__} {here}; build it over "
+                              "the same parameters, in the same groups")
+    ids = {i for g in saved["param_groups"] for i in g["params"]}
     for pid, entry in saved["state"].items():
-        if pid not in where:
+        if pid not in ids or not isinstance(entry, dict):
             raise CheckpointError(f"the checkpoint's optimizer state names parameter {pid}, "
                                   "which is in none of its groups: the checkpoint is damaged")
-        shape = tuple(params[where[pid]].shape)
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) != shape:
-                raise CheckpointError(
-                    f"optimizer state {key!r} of parameter {where[pid]} has shape "
-                    f"{tuple(value.shape)}, the parameter {shape}; build the optimizer over the "
-                    "model's parameters in the order the checkpointed run used"
-                )
 
 
 def check_slots(saved: Any, state: TrainState) -> None:

@@ -16,6 +16,7 @@ import re
 import warnings
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,11 @@ from torch import Tensor
 from ..core import compat
 from ..core.state import TrainState
 from .files import digest_file, write_bytes
-from .format import SHARDED_DIR, CheckpointError, is_checkpoint_file
+from .format import ONE, SHARDED_DIR, CheckpointError, is_checkpoint_file
 
-__all__ = ["check_metadata", "load_sharded", "parse_metadata", "rewrite_metadata", "save_sharded",
-           "shard_owner", "sharded_state", "start_sharded", "verify_shards", "wait_sharded"]
+__all__ = ["Part", "check_metadata", "initialise", "load_sharded", "parse_metadata",
+           "rewrite_metadata", "save_sharded", "shard_owner", "sharded_state", "start_sharded",
+           "verify_shards", "wait_sharded"]
 
 _ITEM_OVERHEAD = 1 << 20  # torch.save's zip records around a chunk's bytes (about 2 KB)
 
@@ -166,20 +168,77 @@ def _failures(error: Any) -> str:
     return "; ".join(parts) or str(error)
 
 
-def _state(state: TrainState, with_optimizer: bool,
-           slots: dict[str, Tensor]) -> dict[str, Any]:
-    """DCP's state dicts of the model (and optimizer), and the transform slots' sharded
-    tensors by their path (``slots``: those [`split_refs`][] took out of state.pt)."""
+@dataclass
+class Part:
+    """One state's share of a sharded checkpoint: the state, per optimizer whether DCP holds
+    its state (one without any state is in state.pt), and the slots' sharded tensors by
+    path (those [`split_refs`][] took out of state.pt)."""
+
+    state: TrainState
+    held: tuple[bool, ...]
+    slots: dict[str, Tensor]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose state DCP holds."""
+        return [o for o, held in zip(self.state.optimizers, self.held) if held]
+
+
+@torch.no_grad()
+def initialise(optimizers: list[torch.optim.Optimizer]) -> None:
+    """Give each optimizer that has no state yet its state, before DCP loads a checkpoint's
+    into it: a step over zero gradients at a zero learning rate, as DCP's own
+    ``_init_optim_state`` takes, but called as ``step()`` (DCP calls ``step(closure=None)``,
+    which an optimizer whose ``step()`` takes no closure refuses) and whatever gradients the
+    parameters hold (DCP skips an optimizer then, and loads none of its state); the
+    gradients and learning rates are put back after."""
+    for index, optimizer in enumerate(optimizers):
+        if optimizer.state:
+            continue
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]
+        rates = [group.get("lr") for group in optimizer.param_groups]
+        try:
+            for p in params:
+                if p.requires_grad:
+                    p.grad = torch.zeros_like(p)
+            for group in optimizer.param_groups:
+                if "lr" in group:
+                    group["lr"] = (torch.tensor(0.0) if isinstance(group["lr"], Tensor)
+                                   else 0.0)
+            optimizer.step()
+        finally:
+            for group, rate in zip(optimizer.param_groups, rates):
+                if "lr" in group:
+                    group["lr"] = rate
+            for p, grad in zip(params, grads):
+                p.grad = grad
+        if not optimizer.state:
+            raise CheckpointError(
+                f"the checkpoint holds the state of a {type(optimizer).__name__} (optimizer "
+                f"{index} of those it sharded), but this one makes no state in a step, so "
+                "torch.distributed.checkpoint has nothing to load it into; build the "
+                "optimizer as the checkpointed run did")
+
+
+def _state(parts: dict[str, Part]) -> dict[str, Any]:
+    """DCP's state dicts of each state's model (and the optimizers it holds), and the slots'
+    sharded tensors: ``{"model", "optimizer", "slots"}`` for one state, under each state's
+    name for several."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    if with_optimizer:
-        model_sd, optim_sd = get_state_dict(state.model, state.optimizer)
-        out: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
-    else:
-        out = {"model": get_model_state_dict(state.model)}
-    if slots:
-        out["slots"] = slots
-    return out
+    tree: dict[str, Any] = {}
+    for name, part in parts.items():
+        held = part.optimizers
+        if held:  # each with state: DCP initialises none (see initialise)
+            model_sd, optim_sd = get_state_dict(part.state.model, held)
+            out: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
+        else:
+            out = {"model": get_model_state_dict(part.state.model)}
+        if part.slots:
+            out["slots"] = part.slots
+        tree[name] = out
+    return tree[ONE] if ONE in tree else tree
 
 
 _SINGLE_SAVE = ".*assuming the intent is to save in a single process.*"
@@ -205,28 +264,26 @@ def _write_error(error: BaseException, path: Path) -> OSError:
                          f"({_failures(error)})")
 
 
-def save_sharded(path: Path, state: TrainState, with_optimizer: bool,
-                 slots: dict[str, Tensor]) -> None:
-    """``dcp.save`` of the model (and optimizer, and the slots' sharded tensors) into the
-    directory ``path`` (collective)."""
+def save_sharded(path: Path, parts: dict[str, Part]) -> None:
+    """``dcp.save`` of each state's model (and optimizers, and the slots' sharded tensors)
+    into the directory ``path`` (collective)."""
     from torch.distributed.checkpoint import state_dict_saver
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     try:
         with _quiet_single_process():
-            state_dict_saver.save(_state(state, with_optimizer, slots),
+            state_dict_saver.save(_state(parts),
                                   storage_writer=FileSystemWriter(path, sync_files=True),
                                   no_dist=not _group_up())
     except CheckpointException as error:  # a BaseException: never let it escape as one
         raise _write_error(error, path) from error
 
 
-def sharded_state(state: TrainState, with_optimizer: bool,
-                  slots: dict[str, Tensor]) -> dict[str, Any]:
-    """What [`save_sharded`][] writes: DCP's state dicts of the model (and optimizer), and
-    the slots' sharded tensors."""
-    return _state(state, with_optimizer, slots)
+def sharded_state(parts: dict[str, Part]) -> dict[str, Any]:
+    """What [`save_sharded`][] writes: DCP's state dicts of each state's model (and
+    optimizers), and the slots' sharded tensors."""
+    return _state(parts)
 
 
 class _Staged:
@@ -275,16 +332,17 @@ def wait_sharded(future: Future[Any], path: Path) -> None:
         raise _write_error(error, path) from error
 
 
-def load_sharded(path: Path, state: TrainState, with_optimizer: bool, metadata: Any,
-                 slots: dict[str, Tensor]) -> None:
-    """``dcp.load`` into the model (and optimizer, and the tensors ``slots``: the slots'
-    sharded tensors by path) from the directory ``path`` (collective), with the ``metadata``
-    read and checked before."""
+def load_sharded(path: Path, parts: dict[str, Part], metadata: Any) -> None:
+    """``dcp.load`` into each state's model (and the optimizers DCP holds, and the tensors of
+    its ``slots``: the slots' sharded tensors by path) from the directory ``path``
+    (collective), with the ``metadata`` read and checked before."""
     from torch.distributed.checkpoint import state_dict_loader
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    target = _state(state, with_optimizer, slots)
+    for part in parts.values():
+        initialise(part.optimizers)
+    target = _state(parts)
     try:
         with _quiet_single_process():
             state_dict_loader.load(target, storage_reader=_reader(path, metadata),
@@ -292,11 +350,14 @@ def load_sharded(path: Path, state: TrainState, with_optimizer: bool, metadata: 
     except CheckpointException as error:  # a BaseException: never let it escape as one
         raise CheckpointError(f"torch.distributed.checkpoint could not load {path} "
                               f"({_failures(error)})") from error
-    if with_optimizer:
-        set_state_dict(state.model, state.optimizer, model_state_dict=target["model"],
-                       optim_state_dict=target["optimizer"])
-    else:
-        set_model_state_dict(state.model, target["model"])
+    for name, part in parts.items():
+        loaded = target if name == ONE else target[name]
+        held = part.optimizers
+        if held:
+            set_state_dict(part.state.model, held, model_state_dict=loaded["model"],
+                           optim_state_dict=loaded["optimizer"])
+        else:
+            set_model_state_dict(part.state.model, loaded["model"])
 
 
 # ------------------------------------------------------------------------------ digests

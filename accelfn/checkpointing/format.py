@@ -10,6 +10,13 @@ A checkpoint is a directory ``<dir>/step-000000500`` holding::
     meta.json       format, step, world size, parameter names/shapes/dtypes, transform stack
     COMMITTED       written last: size and SHA-256 of every file; without it, ignored
 
+A TrainState with several optimizers keeps a list of their states and of their schedulers'
+(in state.pt) and of their signatures and scheduler names (in meta.json), in order; one
+optimizer's are not in a list. A checkpoint of several states (``save(dir, {name: state})``)
+keeps each state under its name: ``"states": {name: ...}`` in state.pt and meta.json, and
+``<name>.model``, ``<name>.optimizer``, ... in sharded/; the RNG states and the loader
+position are the run's, one per process, as for one state.
+
 Everything stored is tensors and plain data (``check_plain()``), so that every file loads
 with ``torch.load(weights_only=True)``.
 """
@@ -28,14 +35,17 @@ from typing import Any
 import torch
 
 __all__ = [
+    "COMMON_META_KEYS",
     "FORMAT",
     "LOADER_FORMAT",
     "MARKER",
     "META_FILE",
     "META_KEYS",
+    "ONE",
     "PARTS",
     "SHARDED_DIR",
     "STATE_FILE",
+    "STATE_META_KEYS",
     "TMP_PREFIX",
     "CheckpointError",
     "CheckpointInfo",
@@ -51,6 +61,7 @@ __all__ = [
     "rank_file",
     "refs_in",
     "split_refs",
+    "states_meta",
     "tensors_at",
 ]
 
@@ -60,9 +71,11 @@ STATE_FILE = "state.pt"
 META_FILE = "meta.json"
 SHARDED_DIR = "sharded"
 TMP_PREFIX = ".tmp-"
+ONE = ""  # inside, a checkpoint of one state is {ONE: state}; several are {name: state}
 LOADER_FORMAT = "accelfn.data.loader/1"
-META_KEYS = frozenset({"format", "step", "world_size", "sharded", "optimizer_sharded", "created",
-                       "model", "optimizer", "scheduler", "stack", "loader"})
+COMMON_META_KEYS = frozenset({"format", "step", "world_size", "sharded", "created", "loader"})
+STATE_META_KEYS = frozenset({"optimizer_sharded", "model", "optimizer", "scheduler", "stack"})
+META_KEYS = COMMON_META_KEYS | STATE_META_KEYS  # a checkpoint of one state
 PARTS = ("optimizer", "scheduler", "step", "rng.python", "rng.numpy", "rng.torch", "rng.cuda",
          "data")  # what a restore covers, plus "slot:<name>" for each transform slot
 _NAME = re.compile(r"^step-(\d+)(?:\.(\d+))?$")
@@ -88,6 +101,10 @@ class CheckpointInfo:
     stack: str | None
     extra: Any
     restored: tuple[str, ...]
+    states: tuple[str, ...] = ()
+    """The names of the states of a checkpoint of several (``save(dir, {name: state})``);
+    empty for a checkpoint of one state. Their parts in ``restored`` are ``<name>/model``,
+    ``<name>/optimizer``, ...; ``stack`` is ``"<name>: <stack>; ..."``."""
 
 
 def parse_name(name: str) -> tuple[int, int] | None:
@@ -279,34 +296,63 @@ def check_marker(marker: Any, where: str) -> dict[str, Any]:
     return marker
 
 
-def check_meta(meta: Any, marker: dict[str, Any], where: str) -> dict[str, Any]:
-    """meta.json, checked against its marker and for the types ``load()`` relies on."""
-    bad = "inconsistent metadata; load an earlier checkpoint"
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT \
-            or meta.get("step") != marker["step"] or not META_KEYS <= set(meta):
-        raise CheckpointError(f"{where} has {bad}")
-    optimizer, model, stack = meta["optimizer"], meta["model"], meta["stack"]
+def _optimizer_ok(optimizer: Any) -> bool:
     names = optimizer.get("names") if isinstance(optimizer, dict) else None
+    return (isinstance(optimizer, dict) and isinstance(optimizer.get("class"), str)
+            and isinstance(optimizer.get("groups"), list)
+            and all(_is_int(n) for n in optimizer["groups"])
+            and (names is None or (isinstance(names, list) and all(
+                isinstance(g, list) and all(isinstance(n, str) for n in g) for g in names))))
+
+
+def _state_meta_ok(meta: Any) -> bool:
+    """One state's record: model, optimizer(s), scheduler(s), stack, optimizer_sharded."""
+    if not isinstance(meta, dict) or not STATE_META_KEYS <= set(meta):
+        return False
+    optimizer, scheduler, model, stack = (meta["optimizer"], meta["scheduler"], meta["model"],
+                                          meta["stack"])
+    several = isinstance(optimizer, list)  # one optimizer's signature, or a list of several
+    optimizers, schedulers = (optimizer, scheduler) if several else ([optimizer], [scheduler])
+    return (isinstance(meta["optimizer_sharded"], bool)
+            and (not several or len(optimizer) > 1) and isinstance(schedulers, list)
+            and len(schedulers) == len(optimizers)
+            and all(s is None or isinstance(s, str) for s in schedulers)
+            and all(_optimizer_ok(o) for o in optimizers)
+            and isinstance(model, dict)
+            and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], list)
+                    and all(_is_int(d) for d in v[0]) and isinstance(v[1], str)
+                    for v in model.values())
+            and (stack is None or (isinstance(stack, dict)
+                                   and isinstance(stack.get("describe"), str)
+                                   and isinstance(stack.get("transforms"), list)
+                                   and all(isinstance(t, str) for t in stack["transforms"]))))
+
+
+def check_meta(meta: Any, marker: dict[str, Any], where: str) -> dict[str, Any]:
+    """meta.json, checked against its marker and for the types ``load()`` relies on: one
+    state's record at the top (``META_KEYS``), or several states' under ``"states"``."""
+    bad = "inconsistent metadata; load an earlier checkpoint"
+    several = isinstance(meta, dict) and "states" in meta
+    keys = COMMON_META_KEYS | {"states"} if several else META_KEYS
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT \
+            or meta.get("step") != marker["step"] or not keys <= set(meta):
+        raise CheckpointError(f"{where} has {bad}")
+    states = meta["states"] if several else {ONE: meta}
     ok = (_is_int(meta["world_size"], 1) and isinstance(meta["sharded"], bool)
-          and isinstance(meta["optimizer_sharded"], bool) and isinstance(meta["loader"], bool)
+          and isinstance(meta["loader"], bool)
           and isinstance(meta["created"], (int, float)) and not isinstance(meta["created"], bool)
-          and (meta["scheduler"] is None or isinstance(meta["scheduler"], str))
-          and isinstance(model, dict)
-          and all(isinstance(v, list) and len(v) == 2 and isinstance(v[0], list)
-                  and all(_is_int(d) for d in v[0]) and isinstance(v[1], str)
-                  for v in model.values())
-          and isinstance(optimizer, dict) and isinstance(optimizer.get("class"), str)
-          and isinstance(optimizer.get("groups"), list)
-          and all(_is_int(n) for n in optimizer["groups"])
-          and (names is None or (isinstance(names, list) and all(
-              isinstance(g, list) and all(isinstance(n, str) for n in g) for g in names)))
-          and (stack is None or (isinstance(stack, dict)
-                                 and isinstance(stack.get("describe"), str)
-                                 and isinstance(stack.get("transforms"), list)
-                                 and all(isinstance(t, str) for t in stack["transforms"]))))
+          and isinstance(states, dict) and len(states) > 0
+          and all(isinstance(name, str) and (not several or (name and _is_int(s.get("step"))))
+                  and _state_meta_ok(s) for name, s in states.items()))
     if not ok:
         raise CheckpointError(f"{where} has {bad}")
-    if rank_file(0) not in marker["files"] or (meta["sharded"] and
+    sharded = meta["sharded"]
+    if rank_file(0) not in marker["files"] or (sharded and
                                                f"{SHARDED_DIR}/.metadata" not in marker["files"]):
         raise CheckpointError(f"{where} has {bad} (files are missing from its marker)")
     return meta
+
+
+def states_meta(meta: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each state's record in a checked meta.json, by name (``""`` for one state)."""
+    return dict(meta["states"]) if "states" in meta else {ONE: meta}

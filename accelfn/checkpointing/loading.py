@@ -22,7 +22,7 @@ from ..core.engine import Step
 from ..core.state import TrainState
 from . import background, checks
 from .collective import agree, anyone, from_rank0, rank_world
-from .dcp import check_metadata, load_sharded, parse_metadata, verify_shards
+from .dcp import Part, check_metadata, load_sharded, parse_metadata, verify_shards
 from .files import (
     check_files,
     is_committed,
@@ -35,6 +35,7 @@ from .format import (
     FORMAT,
     MARKER,
     META_FILE,
+    ONE,
     SHARDED_DIR,
     STATE_FILE,
     CheckpointError,
@@ -46,9 +47,20 @@ from .format import (
     parse_name,
     rank_file,
     refs_in,
+    states_meta,
     tensors_at,
 )
 from .rng import rng_setters, rng_state, set_rng_state
+from .states import (
+    States,
+    Steps,
+    as_saved,
+    check_names,
+    named_states,
+    named_steps,
+    per_optimizer,
+    saved_states,
+)
 
 __all__ = ["load"]
 
@@ -94,29 +106,44 @@ def _resolve(path: Path) -> Path:
 @dataclass
 class _Checked:
     meta: dict[str, Any]
+    records: dict[str, dict[str, Any]]  # meta.json's record of each state, by name
     payload: dict[str, Any]
+    saved: dict[str, dict[str, Any]]  # state.pt's state of each state, by name
     rank_state: dict[str, Any] | None
     rng_setters: list[tuple[str, Callable[[], None]]]
     dcp_metadata: Any
 
 
-def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | None,
-                    allow_resharding: bool, rank: int, world: int,
-                    dropped: frozenset[str]) -> _Checked:
+@contextlib.contextmanager
+def _named(name: str) -> Iterator[None]:
+    """A CheckpointError raised for one of several states names the state."""
+    try:
+        yield
+    except CheckpointError as error:
+        if not name:
+            raise
+        raise CheckpointError(f"state {name!r}: {error}") from error
+
+
+def _compare(record: dict[str, Any], state: TrainState, step: Step | None) -> None:
+    checks.compare_models(record["model"], checks.model_signature(state.model))
+    checks.compare_stacks(record["stack"], checks.stack_signature(step))
+    checks.compare_optimizers(record["optimizer"], state)
+    checks.compare_schedulers(record["scheduler"], state)
+
+
+def _read_and_check(path: Path, states: dict[str, TrainState], loader: Any,
+                    steps: dict[str, Step | None], allow_resharding: bool, rank: int,
+                    world: int, dropped: frozenset[str]) -> _Checked:
     marker = check_files(path)
     listed = marker["files"]
     meta = check_meta(loads_json(read_verified(path, META_FILE, listed), str(path / META_FILE)),
                       marker, str(path))
-    checks.compare_models(meta["model"], checks.model_signature(state.model))
-    checks.compare_stacks(meta["stack"], checks.stack_signature(step))
-    checks.compare_optimizers(meta["optimizer"],
-                              checks.optimizer_signature(state.optimizer, state.model))
-    here_sched = None if state.scheduler is None else type(state.scheduler).__name__
-    if meta["scheduler"] != here_sched:
-        raise CheckpointError(
-            f"the checkpoint's scheduler is {meta['scheduler']}, this state's is {here_sched}; "
-            "build the state with the scheduler the checkpointed run used"
-        )
+    records = states_meta(meta)
+    check_names(list(records), states)
+    for name, state in states.items():
+        with _named(name):
+            _compare(records[name], state, steps[name])
     same_world = int(meta["world_size"]) == world
     if not same_world and not allow_resharding:
         raise CheckpointError(
@@ -145,14 +172,12 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
         check_metadata(dcp_metadata, listed, where, memory_available())
         verify_shards(path, listed, rank, world, int(meta["world_size"]))
     payload = read_torch(path, STATE_FILE, listed)
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT \
-            or not isinstance(payload.get("state"), dict):
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise CheckpointError(f"{path / STATE_FILE} is not an accelfn checkpoint state")
-    saved_state = payload["state"]
-    if not {"model", "optimizer", "scheduler", "step", "slots"} <= set(saved_state):
-        raise CheckpointError(f"{path / STATE_FILE} lacks parts of the training state")
-    if not meta["optimizer_sharded"] and "optimizer" not in dropped:
-        checks.check_optimizer_state(saved_state.get("optimizer"), state.optimizer)
+    saved = saved_states(payload, list(records), str(path / STATE_FILE))
+    for name, state in states.items():
+        with _named(name):
+            _check_optimizers(saved[name], state, records[name], meta["sharded"], dropped)
     rank_state = None
     setters: list[tuple[str, Callable[[], None]]] = []
     if same_world:
@@ -163,47 +188,73 @@ def _read_and_check(path: Path, state: TrainState, loader: Any, step: Step | Non
         setters = rng_setters(rank_state.get("rng"), dropped)
         if loader is not None:
             checks.check_loader(rank_state.get("loader"), loader)
-    return _Checked(meta, payload, rank_state, setters, dcp_metadata)
+    return _Checked(meta, records, payload, saved, rank_state, setters, dcp_metadata)
 
 
-def _check_prepared(path: Path, state: TrainState, checked: _Checked) -> None:
-    """The checks that need the state as the step prepared it (sharded by FSDP2, with the
+def _check_optimizers(saved: dict[str, Any], state: TrainState, record: dict[str, Any],
+                      sharded: bool, dropped: frozenset[str]) -> None:
+    """state.pt's optimizer states fit the state's optimizers (those DCP holds are None)."""
+    n = len(state.optimizers)
+    entries = per_optimizer(saved["optimizer"], n, "optimizer state")
+    per_optimizer(saved["scheduler"], n, "scheduler state")
+    if any(entry is None for entry in entries) and not (sharded and record["optimizer_sharded"]):
+        raise CheckpointError("the checkpoint's optimizer state is missing: it is malformed "
+                              "(forged or damaged); load an earlier checkpoint")
+    if "optimizer" in dropped:
+        return
+    for entry, optimizer in zip(entries, state.optimizers):
+        if entry is not None:  # else: in sharded/, where DCP checks it
+            checks.check_optimizer_state(entry, optimizer)
+
+
+def _check_prepared(path: Path, states: dict[str, TrainState], checked: _Checked) -> None:
+    """The checks that need the states as the steps prepared them (sharded by FSDP2, with the
     transforms' slots made)."""
-    if not checked.meta["sharded"] and checks.is_sharded(state.model):
-        raise CheckpointError(
-            f"{path} holds an unsharded model but this model's parameters are sharded "
-            "(FSDP2); write the checkpoint with save(..., sharded=True) to load it under FSDP"
-        )
-    checks.check_slots(checked.payload["state"].get("slots"), state)
+    for name, state in states.items():
+        with _named(name):
+            if not checked.meta["sharded"] and checks.is_sharded(state.model):
+                raise CheckpointError(
+                    f"{path} holds an unsharded model but this model's parameters are sharded "
+                    "(FSDP2); write the checkpoint with save(..., sharded=True) to load it "
+                    "under FSDP"
+                )
+            checks.check_slots(checked.saved[name].get("slots"), state)
 
 
 def load(
     path: str | os.PathLike[str],
-    state: TrainState,
+    state: States,
     *,
     loader: Any | None = None,
-    step: Step | None = None,
+    step: Steps = None,
     allow_resharding: bool = False,
 ) -> CheckpointInfo:
     """Equivalent to ``state.load_state_dict``, ``loader.load_state_dict`` and setting every RNG.
 
     It restores a checkpoint written by [`save`][] whole or not at all. Everything is
     checked before anything changes: the files against the commit marker (sizes and
-    SHA-256), the model's parameter names, shapes and dtypes, the optimizer and its
-    parameters, the scheduler, the transform stack (when ``step`` is given) and the loader's
+    SHA-256), the model's parameter names, shapes and dtypes, the optimizers (as many, in the
+    same order, each of the same class over the same parameters by name, group by group),
+    the schedulers, the transform stack (when ``step`` is given) and the loader's
     configuration. Should restoring still fail part-way, what was restored is rolled back
     (``load`` keeps a host copy of the state meanwhile) and the error is raised. An
     asynchronous [`save`][] of this process still writing is waited for first (and its error
     raised, if it failed and ``wait()`` did not raise it already).
 
+    A checkpoint of several states (``save(directory, {name: state})``) loads into a mapping
+    of states of the same names, ``load(directory, {name: state}, step={name: step})``, all of
+    them or none; a checkpoint of one state loads into one state.
+
     Args:
         path: a checkpoint directory, or a run's folder (then its newest committed one).
-        state: the [`TrainState`][] to restore into, built like the saved one.
+        state: the [`TrainState`][] to restore into, built like the saved one; for a
+            checkpoint of several states, ``{name: TrainState}`` with the saved names.
         loader: the loader whose position was saved.
         step: the step being trained: its transform stack must be the saved one; once the
             checkpoint's model, stack and optimizer are found to match, it prepares ``state``
             before anything is restored (e.g. FSDP2 shards the model before shards are
-            loaded). A step refused for another stack prepares nothing.
+            loaded). A step refused for another stack prepares nothing. For several states,
+            ``{name: step}`` (some names only, or None).
         allow_resharding: load a checkpoint written by another number of processes:
             model, optimizer, scheduler and transform state are restored (sharded ones are
             resharded by DCP), RNG states and loader positions are not (they belonged to
@@ -215,12 +266,13 @@ def load(
     Raises:
         FileNotFoundError: no committed checkpoint at ``path``.
         TypeError: ``state``, ``step`` or ``loader`` is not what load takes.
-        CheckpointError: (a ValueError) an incomplete, damaged or mismatched checkpoint, with
-            what differs and how to fix it; ``state`` and ``loader`` are as they were.
+        ValueError: an empty mapping of states, a state given twice, a step for no state.
+        CheckpointError: (a ValueError) an incomplete, damaged or mismatched checkpoint (a
+            checkpoint of other states, too), with what differs and how to fix it; the states
+            and ``loader`` are as they were.
             Under torchrun every process raises the same type, when only one failed too.
     """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"load() takes an accelfn.TrainState, got {type(state).__name__}")
+    states = named_states(state, "load")
     background.wait_previous("load")  # an asynchronous save of this process commits first
     rank, world = rank_world()
     error: BaseException | None = None
@@ -234,32 +286,35 @@ def load(
     resolved = Path(from_rank0(str(resolved)))
     dropped = _DROPPED
     checked: _Checked | None = None
+    steps: dict[str, Step | None] = {}
     try:  # model, stack, optimizer, files, loader: before the step prepares anything
-        checks.stack_signature(step)
-        checked = _read_and_check(resolved, state, loader, step, allow_resharding, rank, world,
-                                  dropped)
+        steps = named_steps(step, states, "load")  # (a refused step: on every process)
+        checked = _read_and_check(resolved, states, loader, steps, allow_resharding, rank,
+                                  world, dropped)
     except BaseException as exc:
         error = exc
     agree(error, "checking the checkpoint", like=_MIRRORED)
     assert checked is not None
     try:
-        if step is not None:  # only a step the checkpoint was saved with prepares the state:
-            step.prepare(state)  # what its first call would do (collective under torchrun)
-        _check_prepared(resolved, state, checked)
+        for name, own in states.items():  # only a step the checkpoint was saved with
+            chosen = steps[name]  # prepares the state: what its first call would do
+            if chosen is not None:  # (collective under torchrun)
+                chosen.prepare(own)
+        _check_prepared(resolved, states, checked)
     except BaseException as exc:
         error = exc
     agree(error, "checking the checkpoint", like=_MIRRORED)
     meta = checked.meta
 
-    snapshot = clone(state.snapshot())  # an open accumulation window included
-    rng_before = rng_state()
+    snapshots = {name: clone(own.snapshot()) for name, own in states.items()}  # open windows
+    rng_before = rng_state()  # included
     restored: list[str] = []
     try:
-        restored += _restore_state(resolved, state, checked, dropped)
+        restored += _restore_states(resolved, states, checked, dropped)
         if checked.rank_state is not None:
-            for name, setter in checked.rng_setters:
+            for part, setter in checked.rng_setters:
                 setter()
-                restored.append(name)
+                restored.append(part)
     except BaseException as exc:
         error = exc
     failed = anyone(error is not None)
@@ -272,7 +327,10 @@ def load(
             error = exc
         failed = anyone(error is not None)
     if failed:
-        _rollback(state, snapshot, rng_before)
+        for name, own in states.items():
+            _rollback(own, snapshots[name])
+        with contextlib.suppress(Exception):
+            set_rng_state(rng_before)
         cause = error if error is not None else CheckpointError("failed on another process")
         if not isinstance(cause, Exception):  # KeyboardInterrupt, SystemExit: as they are
             raise cause
@@ -281,34 +339,52 @@ def load(
             "restored (the state and RNGs were rolled back). Build the state, step and loader "
             "as the checkpointed run did"
         ) from cause
+    stacks = {name: r["stack"]["describe"] for name, r in checked.records.items()
+              if r["stack"] is not None}
     return CheckpointInfo(
         path=resolved, step=int(meta["step"]), world_size=int(meta["world_size"]),
         sharded=bool(meta["sharded"]), created=float(meta["created"]),
-        stack=None if meta["stack"] is None else meta["stack"]["describe"],
-        extra=checked.payload.get("extra"), restored=tuple(restored))
+        stack=stacks.get(ONE) if ONE in states else
+        "; ".join(f"{name}: {text}" for name, text in stacks.items()) or None,
+        extra=checked.payload.get("extra"), restored=tuple(restored),
+        states=() if ONE in states else tuple(states))
 
 
-def _restore_state(path: Path, state: TrainState, checked: _Checked,
-                   dropped: frozenset[str]) -> list[str]:
-    meta, saved = checked.meta, dict(checked.payload["state"])
-    saved["slots"] = {k: v for k, v in saved["slots"].items() if f"slot:{k}" not in dropped}
-    if meta["sharded"]:
-        with_optimizer = meta["optimizer_sharded"] and "optimizer" not in dropped
-        slots = _slot_targets(path, state, saved["slots"])
-        load_sharded(path / SHARDED_DIR, state, with_optimizer, checked.dcp_metadata, slots)
-        saved["model"] = state.model.state_dict()  # already restored: load it onto itself
-        if with_optimizer:
-            saved["optimizer"] = state.optimizer.state_dict()
-        saved["slots"] = fill_refs(saved["slots"], slots)
-    if "optimizer" in dropped:
-        saved["optimizer"] = state.optimizer.state_dict()
-    if "scheduler" in dropped and state.scheduler is not None:
-        saved["scheduler"] = state.scheduler.state_dict()
-    if "step" in dropped:
-        saved["step"] = state.step
-    state.load_state_dict(saved)
-    parts = ["model", "optimizer", "scheduler", "step", *(f"slot:{k}" for k in saved["slots"])]
-    return [p for p in parts if p not in dropped]
+def _restore_states(path: Path, states: dict[str, TrainState], checked: _Checked,
+                    dropped: frozenset[str]) -> list[str]:
+    saved = {name: dict(checked.saved[name]) for name in states}
+    for one in saved.values():
+        one["slots"] = {k: v for k, v in one["slots"].items() if f"slot:{k}" not in dropped}
+    if checked.meta["sharded"]:  # every state's sharded part in one DCP load
+        parts = {}
+        for name, state in states.items():
+            held = tuple(entry is None and "optimizer" not in dropped for entry in
+                         per_optimizer(saved[name]["optimizer"], len(state.optimizers),
+                                       "optimizer state"))
+            parts[name] = Part(state, held, _slot_targets(path, state, saved[name]["slots"]))
+        load_sharded(path / SHARDED_DIR, parts, checked.dcp_metadata)
+        for name, part in parts.items():
+            state, one = part.state, saved[name]
+            one["model"] = state.model.state_dict()  # already restored: load it onto itself
+            entries = per_optimizer(one["optimizer"], len(state.optimizers), "optimizer state")
+            one["optimizer"] = as_saved(
+                [o.state_dict() if held else entry
+                 for o, held, entry in zip(state.optimizers, part.held, entries)], len(entries))
+            one["slots"] = fill_refs(one["slots"], part.slots)
+    restored = []
+    for name, state in states.items():
+        one, n = saved[name], len(state.optimizers)
+        if "optimizer" in dropped:
+            one["optimizer"] = as_saved([o.state_dict() for o in state.optimizers], n)
+        if "scheduler" in dropped:
+            one["scheduler"] = as_saved(
+                [None if s is None else s.state_dict() for s in state.schedulers], n)
+        if "step" in dropped:
+            one["step"] = state.step
+        state.load_state_dict(one)
+        parts_ = ["model", "optimizer", "scheduler", "step", *(f"slot:{k}" for k in one["slots"])]
+        restored += [f"{name}/{p}" if name else p for p in parts_ if p not in dropped]
+    return restored
 
 
 def _slot_targets(path: Path, state: TrainState, saved: dict[str, Any]) -> dict[str, Any]:
@@ -327,13 +403,12 @@ def _slot_targets(path: Path, state: TrainState, saved: dict[str, Any]) -> dict[
     return {k: v.detach().clone() for k, v in live.items()}
 
 
-def _rollback(state: TrainState, snapshot: dict[str, Any], rng: dict[str, Any]) -> None:
-    """Put back what a failed ``load()`` changed (the original error is raised after)."""
+def _rollback(state: TrainState, snapshot: dict[str, Any]) -> None:
+    """Put back what a failed ``load()`` changed in ``state`` (the original error is raised
+    after)."""
     pending = getattr(state, "_pending", None)
     with contextlib.suppress(Exception):
         state.load_state_dict(snapshot)
     if isinstance(pending, dict):  # slots the failed load left waiting for their transform
         for name in [k for k in pending if k not in snapshot["slots"]]:
             del pending[name]
-    with contextlib.suppress(Exception):
-        set_rng_state(rng)

@@ -41,7 +41,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from ..core.state import TrainState
+from .states import States, at_update_boundary, checkpoint_step, named_states
 
 __all__ = ["EXIT_PREEMPTED", "PreemptionGuard"]
 
@@ -159,7 +159,7 @@ class PreemptionGuard:
         """The last signal received, or None."""
         return self._signal
 
-    def should_stop(self, state: TrainState | None = None) -> bool:
+    def should_stop(self, state: States | None = None) -> bool:
         """Whether to checkpoint and stop now; call it at every step boundary, on every process.
 
         Single process: [`requested`][]. Several processes: every ``check_every``-th call
@@ -168,9 +168,11 @@ class PreemptionGuard:
         at an update boundary (``state.at_update_boundary``: no ``mode="calls"``
         accumulation window open), the only place the state can be saved; the agreement
         itself is made as without it, so every process still communicates at the same calls.
+        With a mapping of states (``{name: TrainState}``, saved as one checkpoint), when
+        every one of them is at an update boundary.
         """
         agreed = self._agree()
-        return agreed and (state is None or state.at_update_boundary)
+        return agreed and at_update_boundary(state)
 
     def _agree(self) -> bool:
         if self._agreed:
@@ -189,7 +191,7 @@ class PreemptionGuard:
         return self._agreed
 
     # ----------------------------------------------------------------- acting on it
-    def checkpoint_and_exit(self, directory: str | os.PathLike[str], state: TrainState,
+    def checkpoint_and_exit(self, directory: str | os.PathLike[str], state: States,
                             **save_options: Any) -> NoReturn:
         """Save with [`accelfn.checkpointing.save`][] (on every process) and exit.
 
@@ -203,7 +205,7 @@ class PreemptionGuard:
         from .background import AsyncSave, wait_previous
         from .saving import save
 
-        if isinstance(state, TrainState) and not state.at_update_boundary:
+        if not at_update_boundary(state):
             raise RuntimeError(
                 "checkpoint_and_exit with an accumulation window open (mode='calls'): its "
                 "gradients cannot be saved. Use exit_if_requested(directory, state, ...) or "
@@ -219,11 +221,12 @@ class PreemptionGuard:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         if main:
-            print(f"preempted at step {state.step}: saved {path}; exiting with status "
+            print(f"preempted at step {checkpoint_step(named_states(state, 'save'))}: saved "
+                  f"{path}; exiting with status "
                   f"{self.exit_code}", file=sys.stderr, flush=True)
         sys.exit(self.exit_code)
 
-    def exit_if_requested(self, directory: str | os.PathLike[str], state: TrainState,
+    def exit_if_requested(self, directory: str | os.PathLike[str], state: States,
                           **save_options: Any) -> None:
         """At a step boundary: ``if self.should_stop(state): self.checkpoint_and_exit(...)``
         (so with ``mode="calls"`` accumulation, at the end of the window open at the signal)."""

@@ -24,20 +24,20 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
-from torch import Tensor
 
 from ..core.engine import Step
 from ..core.state import TrainState
 from . import background, files
 from .background import AsyncSave
-from .checks import is_sharded, model_signature, optimizer_signature, stack_signature
+from .checks import is_sharded
 from .collective import agree, from_rank0, gather, rank_world
 from .dcp import (
+    Part,
     rewrite_metadata,
     save_sharded,
     shard_owner,
@@ -50,6 +50,7 @@ from .format import (
     FORMAT,
     MARKER,
     META_FILE,
+    ONE,
     SHARDED_DIR,
     STATE_FILE,
     TMP_PREFIX,
@@ -59,28 +60,39 @@ from .format import (
 )
 from .lock import WriterLock
 from .rng import rng_state
+from .states import (
+    States,
+    Steps,
+    as_saved,
+    checkpoint_step,
+    held_by_dcp,
+    named_states,
+    named_steps,
+    per_optimizer,
+    signatures,
+)
 
 __all__ = ["save"]
 
 
 @overload
-def save(directory: str | os.PathLike[str], state: TrainState, *, loader: Any | None = ...,
-         step: Step | None = ..., keep: int | None = ..., extra: Any = ...,
+def save(directory: str | os.PathLike[str], state: States, *, loader: Any | None = ...,
+         step: Steps = ..., keep: int | None = ..., extra: Any = ...,
          sharded: bool | None = ..., asynchronous: Literal[False] = ...) -> Path: ...
 @overload
-def save(directory: str | os.PathLike[str], state: TrainState, *, loader: Any | None = ...,
-         step: Step | None = ..., keep: int | None = ..., extra: Any = ...,
+def save(directory: str | os.PathLike[str], state: States, *, loader: Any | None = ...,
+         step: Steps = ..., keep: int | None = ..., extra: Any = ...,
          sharded: bool | None = ..., asynchronous: Literal[True]) -> AsyncSave: ...
 @overload
-def save(directory: str | os.PathLike[str], state: TrainState, *, loader: Any | None = ...,
-         step: Step | None = ..., keep: int | None = ..., extra: Any = ...,
+def save(directory: str | os.PathLike[str], state: States, *, loader: Any | None = ...,
+         step: Steps = ..., keep: int | None = ..., extra: Any = ...,
          sharded: bool | None = ..., asynchronous: bool) -> Path | AsyncSave: ...
 def save(
     directory: str | os.PathLike[str],
-    state: TrainState,
+    state: States,
     *,
     loader: Any | None = None,
-    step: Step | None = None,
+    step: Steps = None,
     keep: int | None = None,
     extra: Any = None,
     sharded: bool | None = None,
@@ -93,6 +105,21 @@ def save(
     ``directory/step-<state.step>`` only once it is complete (see the module docstring); the
     path is returned.
     Saving reads no random number generator, so it does not change the run.
+
+    Several states (a GAN's generator and discriminator, each a [`TrainState`][] with its
+    own step) are one checkpoint: ``save(directory, {"generator": state_g, "discriminator":
+    state_d}, step={"generator": g_step, "discriminator": d_step})`` writes each state under
+    its name, with one RNG state and one loader position (the run's), and commits them
+    together; the checkpoint is named after the largest of their steps. [`load`][] takes the
+    same mapping, and refuses a checkpoint of other states (one state into a mapping, the
+    reverse, other names).
+
+    A state may have several optimizers (``TrainState(model, [muon, adamw],
+    scheduler=[...])``): each one's state and scheduler are saved, in order, and [`load`][]
+    refuses a state with another number of optimizers, another order or other schedulers.
+    Any optimizer's state is saved as the optimizer keeps it (Adafactor's factored moments,
+    stacked buffers, scalars), sharded too, and so is that of an optimizer whose ``step()``
+    takes no ``closure``.
 
     With ``asynchronous=True`` the call returns once the state is *staged*: every tensor to be
     saved is copied into host memory (pinned when the state is on a GPU; that buffer is kept
@@ -109,11 +136,13 @@ def save(
 
     Args:
         directory: the run's checkpoint folder (created if needed).
-        state: the [`TrainState`][] to save (``state.sync()`` is applied).
+        state: the [`TrainState`][] to save (``state.sync()`` is applied), or several by
+            name: ``{name: TrainState}`` (names of letters, digits, ``_`` and ``-``).
         loader: anything with ``state_dict()``, e.g. an ``accelfn.data`` loader: its position,
             so that a resumed run continues with the next batch (saved per process).
         step: the [`Step`][] being trained: its transform stack is recorded and
-            [`load`][] refuses another one.
+            [`load`][] refuses another one. For several states, ``{name: step}`` (some names
+            only, or None, to record no stack for the others).
         keep: keep only the newest ``keep`` checkpoints (older ones are deleted after this one
             is committed); None keeps all.
         extra: plain data to store along (e.g. ``{"epoch": 3, "best": 0.91}``), returned by
@@ -128,8 +157,10 @@ def save(
         whose ``wait()`` returns it.
 
     Raises:
-        TypeError: ``extra`` or a state entry is not tensors and plain data.
-        ValueError: ``keep < 1``.
+        TypeError: ``extra`` or a state entry is not tensors and plain data; ``state`` or
+            ``step`` is not what save takes.
+        ValueError: ``keep < 1``; an empty mapping of states, a state given twice, a name
+            that cannot name a state, a step for no state of the mapping.
         RuntimeError: a transform refuses to be saved now (an open accumulation window).
         OSError: writing failed, or a file changed before the commit; nothing was committed
             and earlier checkpoints are intact (asynchronously: raised by ``wait()``, or by
@@ -142,8 +173,7 @@ def save(
     ``CheckpointLockedError``; a ``RuntimeError`` for an error of any other type) naming
     the failing rank, its error's type and message.
     """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"save() takes an accelfn.TrainState, got {type(state).__name__}")
+    states = named_states(state, "save")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ValueError(f"keep={keep!r}: give the number of checkpoints to keep (>= 1) or None")
     if loader is not None and not callable(getattr(loader, "state_dict", None)):
@@ -154,8 +184,10 @@ def save(
     background.wait_previous("save")  # one save at a time; a failed one is reported first
     rank, world = rank_world()
     root = Path(directory)
-    sharded = is_sharded(state.model) if sharded is None else bool(sharded)
-    if sharded and state.lends_model:  # torch.distributed.checkpoint reads the model itself
+    number = checkpoint_step(states)
+    sharded = any(is_sharded(s.model) for s in states.values()) if sharded is None \
+        else bool(sharded)
+    if sharded and any(s.lends_model for s in states.values()):  # DCP reads the model itself
         raise RuntimeError(
             "save(sharded=True) inside `with af.ema_weights(state):` would write the EMA "
             "weights the model holds there as the model; save after the block (an unsharded "
@@ -168,11 +200,12 @@ def save(
     lock: WriterLock | None = None
     tmp: Path | None = None
     try:
-        work = _gather(state, loader, step, extra, sharded, rank, world, keep)
+        work = _gather(states, loader, named_steps(step, states, "save"), extra, sharded,
+                       rank, world, keep)
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             lock = WriterLock(root).acquire()
-            tmp = root / f"{TMP_PREFIX}step-{state.step:09d}-{secrets.token_hex(4)}"
+            tmp = root / f"{TMP_PREFIX}step-{number:09d}-{secrets.token_hex(4)}"
             tmp.mkdir()
     except BaseException as exc:  # every process must hear of it
         error = exc
@@ -187,15 +220,13 @@ def save(
         raise
     shards = tmp / SHARDED_DIR
     if not asynchronous:
-        work.write_shards = lambda: save_sharded(shards, state, work.optimizer_in_dcp,
-                                                 work.slot_shards)
+        work.write_shards = lambda: save_sharded(shards, work.parts)
         return _finish(root, tmp, work, lock, rank, world, None)
     try:
         try:  # the only copy made in the loop: what is written from here on
             staged = background.stage({  # (only rank 0 writes the payload)
                 "payload": work.payload if rank == 0 else {}, "per_rank": work.per_rank,
-                "dcp": sharded_state(state, work.optimizer_in_dcp, work.slot_shards)
-                if sharded else None})
+                "dcp": sharded_state(work.parts) if sharded else None})
             work.payload, work.per_rank = staged["payload"], staged["per_rank"]
         except BaseException as exc:
             error = exc
@@ -207,7 +238,7 @@ def save(
     except BaseException:
         _abandon(rank, tmp, lock)
         raise
-    return background.start(root, state.step,
+    return background.start(root, number,
                             lambda: _finish(root, tmp, work, lock, rank, world, group))
 
 
@@ -249,49 +280,51 @@ class _Work:
     per_rank: dict[str, Any]
     meta: dict[str, Any]
     sharded: bool
-    optimizer_in_dcp: bool
+    parts: dict[str, Part]  # what DCP writes of each state (sharded)
     step: int
     keep: int | None = None
-    slot_shards: dict[str, Tensor] = field(default_factory=dict)  # the slots' DTensors
     write_shards: Callable[[], None] | None = None  # DCP's write (or the wait for it)
     shards_running: bool = False  # DCP's write was started already (asynchronous)
 
 
-def _gather(state: TrainState, loader: Any, step: Step | None, extra: Any, sharded: bool,
-            rank: int, world: int, keep: int | None) -> _Work:
-    stack = stack_signature(step)
-    full = state.state_dict()
-    optimizer_in_dcp = sharded and bool(state.optimizer.state)
-    saved_state = dict(full)
-    slot_shards: dict[str, Tensor] = {}
-    if sharded:  # the slots' DTensors (with_ema's under FSDP2) are written by DCP too
-        saved_state["slots"], slot_shards = split_refs(full["slots"])
-        saved_state["model"] = None
-        if optimizer_in_dcp:
-            saved_state["optimizer"] = None
-    payload = {"format": FORMAT, "state": saved_state, "extra": extra}
+def _gather(states: dict[str, TrainState], loader: Any, steps: dict[str, Step | None],
+            extra: Any, sharded: bool, rank: int, world: int, keep: int | None) -> _Work:
+    saved: dict[str, Any] = {}
+    records: dict[str, Any] = {}
+    parts: dict[str, Part] = {}
+    for name, state in states.items():
+        record = signatures(state, steps[name])
+        full = state.state_dict()
+        n = len(state.optimizers)
+        held = held_by_dcp(state, sharded)  # an optimizer without state: in state.pt
+        saved_state = dict(full)
+        if sharded:  # the slots' DTensors (with_ema's average under FSDP2) are in DCP too
+            saved_state["slots"], slot_shards = split_refs(full["slots"])
+            saved_state["model"] = None
+            saved_state["optimizer"] = as_saved(
+                [None if h else entry for entry, h in
+                 zip(per_optimizer(full["optimizer"], n, "optimizer state"), held)], n)
+            parts[name] = Part(state, held, slot_shards)
+        if rank == 0:
+            check_plain(saved_state, "the training state" + (f" {name!r}" if name else ""))
+        saved[name] = saved_state
+        records[name] = {"step": state.step, "optimizer_sharded": any(held), **record}
+    check_plain(extra, "extra")
     per_rank = {"format": FORMAT, "rank": rank, "world_size": world, "rng": rng_state(),
                 "loader": None if loader is None else loader.state_dict()}
-    check_plain(extra, "extra")
-    if rank == 0:
-        check_plain(saved_state, "the training state")
     check_plain(per_rank["loader"], "the loader state")
-    meta = {
-        "format": FORMAT,
-        "step": state.step,
-        "world_size": world,
-        "sharded": sharded,
-        "optimizer_sharded": optimizer_in_dcp,
-        "created": time.time(),
-        "torch": torch.__version__,
-        "model": model_signature(state.model),
-        "optimizer": optimizer_signature(state.optimizer, state.model),
-        "scheduler": None if state.scheduler is None else type(state.scheduler).__name__,
-        "stack": stack,
-        "loader": loader is not None,
-    }
-    return _Work(payload, per_rank, meta, sharded, optimizer_in_dcp, state.step, keep,
-                 slot_shards)
+    number = checkpoint_step(states)
+    meta: dict[str, Any] = {"format": FORMAT, "step": number, "world_size": world,
+                            "sharded": sharded, "created": time.time(),
+                            "torch": torch.__version__, "loader": loader is not None}
+    if ONE in states:  # one state: its record at the top, as checkpoints always had it
+        del records[ONE]["step"]
+        meta.update(records[ONE])
+        payload = {"format": FORMAT, "state": saved[ONE], "extra": extra}
+    else:
+        meta["states"] = records
+        payload = {"format": FORMAT, "states": saved, "extra": extra}
+    return _Work(payload, per_rank, meta, sharded, parts, number, keep)
 
 
 def _write(tmp: Path, work: _Work, rank: int, world: int, group: Any) -> Digests:

@@ -69,8 +69,8 @@ def run(state, it, step, n):
 
 def snapshot(state):
     return {"params": [p.detach().clone() for p in state.model.parameters()],
-            "opt": repr(state.optimizer.state_dict()),
-            "sched": None if state.scheduler is None else state.scheduler.state_dict(),
+            "opt": repr([o.state_dict() for o in state.optimizers]),
+            "sched": [None if s is None else s.state_dict() for s in state.schedulers],
             "step": state.step, "slots": repr(state.state_dict()["slots"]),
             "rng": ckpt.rng_state()}
 

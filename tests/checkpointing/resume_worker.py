@@ -19,6 +19,10 @@ test_preemption.py (each mode runs in its own process, as a real restart would).
     torchrun --nproc_per_node=2 --max-restarts=1 resume_worker.py reconnect RUN OUT
                                               af.init_distributed() after a restart in which
                                               rank 0 comes up last
+    torchrun --nproc_per_node=2 resume_worker.py several RUN OUT
+                                              DDP and FSDP2: two states in one checkpoint,
+                                              one with two optimizers; saved, loaded into new
+                                              states, compared with the uninterrupted run
 
 The training uses every kind of state on purpose: AdamW moments, an LR schedule, an fp16 loss
 scaler, a transform slot, Python/NumPy/torch RNG in the step function (dropout), and a
@@ -330,6 +334,68 @@ def reconnect(out: Path) -> None:
     dist.destroy_process_group()
 
 
+def build_pair(strategy: str) -> tuple[dict[str, af.TrainState], Any, dict[str, af.Step]]:
+    """Two states, each with its step under ``strategy``: "main" trains Net's matrices with
+    SGD (momentum) and the rest with AdamW, each with its schedule (the second None); "aux"
+    trains another Net with Adam."""
+    rank = int(os.environ.get("RANK", "0"))
+    torch.manual_seed(7)  # the same initial models on every rank
+    main, aux = Net(), Net(dim=4)
+    seed_everything(1234 + rank)
+    matrices = [p for p in main.parameters() if p.dim() == 2]
+    sgd = torch.optim.SGD(matrices, lr=0.05, momentum=0.9)
+    adamw = torch.optim.AdamW([p for p in main.parameters() if p.dim() != 2], lr=1e-2)
+    states = {"main": af.TrainState(main, [sgd, adamw], scheduler=[
+                  torch.optim.lr_scheduler.LambdaLR(sgd, warmup_then_decay), None]),
+              "aux": af.TrainState(aux, torch.optim.Adam(aux.parameters(), lr=1e-2))}
+    steps = {name: af.distributed(strategy=strategy)(af.with_clipping(max_norm=1.0)(
+        noisy_classify)) for name in states}
+    loader = data.loader(dataset(), batch_size=8, shuffle=True, seed=3, transform=jitter)
+    return states, loader, steps
+
+
+def train_pair(states: dict[str, af.TrainState], it: Iterator[Any], steps: dict[str, af.Step],
+               until: int, losses: list[torch.Tensor]) -> None:
+    while states["main"].step < until:
+        batch = next(it)
+        for name in ("main", "aux"):
+            losses.append(steps[name](states[name], batch)["loss"].detach().clone())
+
+
+def several(run: Path, out: Path) -> None:
+    """Two states (one with two optimizers) in one checkpoint, under DDP and FSDP2."""
+    import torch.distributed as dist
+
+    af.init_distributed()
+    rank = dist.get_rank()
+    outcome: dict[str, Any] = {}
+    for strategy in ("ddp", "fsdp"):
+        states, loader, steps = build_pair(strategy)
+        expected: list[torch.Tensor] = []
+        train_pair(states, batches(loader), steps, DIST_STEPS, expected)
+        reference = {name: full_params(s.model) for name, s in states.items()}
+
+        states, loader, steps = build_pair(strategy)
+        it = batches(loader)
+        losses: list[torch.Tensor] = []
+        train_pair(states, it, steps, DIST_SAVE_AT, losses)
+        checkpointing.save(run / strategy, states, loader=loader, step=steps)
+        states, loader, steps = build_pair(strategy)  # a new run, seeded alike
+        info = checkpointing.load(run / strategy, states, loader=loader, step=steps)
+        train_pair(states, batches(loader), steps, DIST_STEPS, losses)
+        got = {name: full_params(s.model) for name, s in states.items()}
+        outcome[strategy] = {
+            "sharded": info.sharded, "states": list(info.states),
+            "same_losses": len(losses) == len(expected) and all(
+                torch.equal(a, b) for a, b in zip(losses, expected)),
+            "same_params": all(torch.equal(reference[n][k], got[n][k])
+                               for n in reference for k in reference[n]),
+            "lr": states["main"].schedulers[0].get_last_lr()[0]}
+    (out / f"several-rank{rank}.json").write_text(json.dumps(outcome))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def locked(run: Path, out: Path) -> None:
     """Both ranks save into a folder whose lock another (live) host holds: every rank raises,
     none waits in a collective, and each says why."""
@@ -370,5 +436,7 @@ if __name__ == "__main__":
         locked(run_dir, out_dir)
     elif mode == "reconnect":
         reconnect(out_dir)
+    elif mode == "several":
+        several(run_dir, out_dir)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
