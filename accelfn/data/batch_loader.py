@@ -2,6 +2,11 @@
 
 :class:`BatchLoader` iterates its root node epoch after epoch, with an exact ``state_dict()``
 and a record of how long the loop waited for each batch.
+
+A batch whose loading raises (a dataset's ``__getitem__``, a ``sample_transform``, a batch
+transform) is retried: the error reaches the loop, the position stays at that batch, and the
+next ``next()`` (or an ``iter()`` of a loader resumed there) loads it again, so an epoch
+continued after an error is whole, never silently short.
 """
 
 from __future__ import annotations
@@ -197,6 +202,10 @@ class BatchLoader(Iterable[TensorDictBase]):
         self._peeked: TensorDictBase | None = None
         self._peek_state: dict[str, Any] | None = None
         self._generation = 0
+        # The root's state before the batch whose loading raised: the position reported,
+        # and where the next next() starts again (the nodes may have moved past the batch,
+        # or stopped their threads, when it raised).
+        self._failed_at: Any = None
         self._active = False
         self._read_start: dict[str, Any] | None = None
         self.last_wait_s = 0.0
@@ -215,6 +224,7 @@ class BatchLoader(Iterable[TensorDictBase]):
         self._last_return = None
         self._peeked = self._peek_state = None
         self._ended = self._empty = False
+        self._failed_at = None
         state, self._pending_state = self._pending_state, None
         ended, self._pending_ended = self._pending_ended, True
         if state is None and self._read_start is not None:
@@ -240,6 +250,10 @@ class BatchLoader(Iterable[TensorDictBase]):
                 else:
                     self._empty = True
                     self._peek_state = before
+            except BaseException:
+                # the batch at the position failed to load: the next iter() retries it
+                self._pending_state, self._pending_ended = state, ended
+                raise
         self._active = self._begun = True
         self._delivered = False
         return _Iterator(self, self._generation)
@@ -250,7 +264,17 @@ class BatchLoader(Iterable[TensorDictBase]):
         if self._peeked is not None:
             batch, self._peeked, self._peek_state = self._peeked, None, None
             return batch
-        out: TensorDictBase = next(self.root)
+        if self._failed_at is not None:  # retry the batch whose loading raised
+            self.root.reset(self._failed_at)
+            self._failed_at = None
+        before = self.root.state_dict()
+        try:
+            out: TensorDictBase = next(self.root)
+        except StopIteration:
+            raise
+        except BaseException:
+            self._failed_at = before
+            raise
         return out
 
     def __len__(self) -> int:
@@ -288,6 +312,8 @@ class BatchLoader(Iterable[TensorDictBase]):
                     self.root.reset(None)
                     self._read_start = self.root.state_dict()
             root = self._read_start
+        elif self._failed_at is not None:
+            root = self._failed_at
         elif self._peek_state is not None:
             root = self._peek_state
         else:
@@ -342,7 +368,7 @@ class BatchLoader(Iterable[TensorDictBase]):
             root = staged_position(self.root, position)
         self._pending_state = root
         self._pending_ended = ended
-        self._peeked = self._peek_state = None
+        self._peeked = self._peek_state = self._failed_at = None
         self._read_start = None
 
     # -- timing ------------------------------------------------------------------------------
