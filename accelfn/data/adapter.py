@@ -4,7 +4,9 @@
 ``StatefulDataLoader``, or any iterable of batches) in a :class:`DataLoaderAdapter`, a
 :class:`~accelfn.data.BatchLoader`: tuple batches get names, batches are pinned and copied to
 the device without blocking, the loop's data wait is recorded, and a ``StatefulDataLoader``'s
-position goes into checkpoints.
+position goes into checkpoints. Under torchrun the DataLoader is sharded across the processes
+(its sampler made a ``DistributedSampler``, see :mod:`accelfn.data.sharding`), the sampler's
+epoch set before each epoch.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from torchdata.nodes import BaseNode
 
 from .batch_loader import BatchLoader, is_reading_state
 from .collate import DEFAULT_PAIR_KEYS
+from .sharding import process_shard, shard_dataloader
 from .stages import ToDevice, resolve_device
 
 __all__ = ["DataLoaderAdapter", "batch_to_tensordict", "from_dataloader"]
@@ -141,15 +144,22 @@ class _DataLoaderNode(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchd
     so that the random stream continues as in the uninterrupted run. A start made only to
     read the state (``reading_state()``) puts the generators back and records
     ``"redraw": True``: restoring that position starts the DataLoader for real.
+
+    Each start is one epoch, counted in the state (``"epoch"``); with a ``sampler`` (the
+    DistributedSampler that sharding put in), ``sampler.set_epoch(epoch)`` is called before
+    the DataLoader is started, so that a resumed epoch has its shuffle again.
     """
 
     def __init__(self, dataloader: Iterable[Any], keys: Sequence[str] | None, pin: bool,
-                 stateful: bool) -> None:
+                 stateful: bool, sampler: Any = None) -> None:
         super().__init__()
         self.dataloader = dataloader
         self.keys = None if keys is None else tuple(keys)
         self.pin = pin
         self.stateful = stateful
+        self.sampler = sampler
+        self.epoch = 0  # the epoch of the current start
+        self.next_epoch = 0  # the epoch of the next start from the beginning
         generator = getattr(dataloader, "generator", None)
         self._generator = generator if isinstance(generator, torch.Generator) else None
         self._it: Iterator[Any] | None = None
@@ -174,6 +184,13 @@ class _DataLoaderNode(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchd
         saved = None if initial_state is None else initial_state.get("dataloader")
         redraw = initial_state is None or bool(initial_state.get("redraw"))
         reading = is_reading_state()
+        if initial_state is None:
+            self.epoch = self.next_epoch
+        else:  # positions saved before epochs were counted are of the first one
+            self.epoch = int(initial_state.get("epoch", 0))
+        self.next_epoch = self.epoch + 1
+        if self.sampler is not None:
+            self.sampler.set_epoch(self.epoch)
         if saved is not None:
             self.dataloader.load_state_dict(saved)  # type: ignore[attr-defined]
         # Reading: draw nothing. Resuming: the base seed was drawn before the checkpoint,
@@ -197,7 +214,7 @@ class _DataLoaderNode(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchd
         return batch
 
     def get_state(self) -> dict[str, Any]:
-        return {"dataloader": self._position, "redraw": self._redraw}
+        return {"dataloader": self._position, "redraw": self._redraw, "epoch": self.epoch}
 
     def close(self) -> None:
         self._it = None
@@ -256,6 +273,8 @@ def from_dataloader(
     keys: Sequence[str] | None = None,
     device: torch.device | str | None = None,
     pin_memory: bool | None = None,
+    shard: bool = True,
+    seed: int = 0,
 ) -> DataLoaderAdapter:
     """Equivalent to ``(TensorDict(dict(zip(keys, b)), ...).to(device, non_blocking=True)
     for b in dataloader)``, pinned, timed and checkpointable.
@@ -276,12 +295,26 @@ def from_dataloader(
     ``num_workers > 0``, the next batch's copy is issued on a side stream while the current
     one is used.
 
+    Under torchrun (``torch.distributed``'s process group, or torchrun's ``RANK`` and
+    ``WORLD_SIZE`` when the group is not set up yet) each process reads its own share: the
+    DataLoader is rebuilt with the same arguments and ``sampler=DistributedSampler(dataset,
+    shuffle=<whether it shuffled>, seed=seed)``, whose ``set_epoch`` is called with the
+    epoch (the count of ``iter()``) before each epoch, exactly as a hand-written DDP loop
+    does; ``batch_size`` stays the per-process batch. A DataLoader already sampled by a
+    ``DistributedSampler`` is used as it is (set its epoch yourself, as in a plain loop).
+    What cannot be resharded this way (an ``IterableDataset``, a custom sampler or batch
+    sampler, a DataLoader subclass, any other iterable) is refused with how to shard it by
+    hand; ``shard=False`` takes the DataLoader as it is (it already yields this process'
+    share, or every process is to read all of it). In one process nothing changes.
+
     Resume: with torchdata's ``StatefulDataLoader`` (a drop-in replacement taking the same
     arguments), ``state_dict()`` is its position after the last batch the loop received, and
     ``accelfn.checkpointing.save(..., loader=train)`` / ``load(..., loader=train)`` resume
     mid-epoch with the same remaining batches and the same random stream. A plain
     ``DataLoader`` has no position: ``state_dict()`` raises, so checkpoint without
-    ``loader=`` (a resumed run re-iterates that epoch from its start).
+    ``loader=`` (a resumed run re-iterates that epoch from its start). A sharded
+    position also holds the epoch, so the resumed epoch has the same shuffle; it resumes only
+    with the same rank, number of processes and ``seed``.
 
     Args:
         dataloader: a ``torch.utils.data.DataLoader``, a ``StatefulDataLoader``, or any
@@ -290,9 +323,14 @@ def from_dataloader(
             "label")``; dict batches need none, or select keys with it).
         device: where batches go (``None``: where the DataLoader leaves them).
         pin_memory: page-lock batches before the copy; ``None`` = when ``device`` is CUDA.
+        shard: under torchrun, give each process its share of the DataLoader (above);
+            ``False``: use it as it is.
+        seed: the ``DistributedSampler``'s shuffle seed when sharding (the same on every
+            process; ``DistributedSampler``'s default, 0).
 
     Raises:
-        TypeError / ValueError: a bad argument; while iterating, a batch that cannot be
+        TypeError / ValueError: a bad argument, or a DataLoader that cannot be sharded
+            under torchrun (with how to shard it); while iterating, a batch that cannot be
             named (with how to name it).
     """
     if isinstance(dataloader, (BatchLoader, TensorDictBase, Mapping)) or not isinstance(
@@ -307,11 +345,21 @@ def from_dataloader(
         raise TypeError(
             f"keys must be a sequence of strings, e.g. ('image', 'label'); got {keys!r}"
         )
+    if not isinstance(shard, bool):
+        raise TypeError(f"from_dataloader(shard={shard!r}) takes True or False")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"from_dataloader(seed={seed!r}) takes an int, the same on every "
+                        "process")
     dev, pin_memory = resolve_device(device, pin_memory)
+    sampler = None
+    rank, world = process_shard() if shard else (0, 1)
+    if world > 1:
+        dataloader, sampler = shard_dataloader(
+            dataloader, rank=rank, world_size=world, seed=seed)  # type: ignore[arg-type]
     stateful = callable(getattr(dataloader, "state_dict", None)) and callable(
         getattr(dataloader, "load_state_dict", None)
     )
-    node = _DataLoaderNode(dataloader, keys, bool(pin_memory), stateful)
+    node = _DataLoaderNode(dataloader, keys, bool(pin_memory), stateful, sampler)
     root: BaseNode[TensorDictBase] = node
     if dev is not None:
         # Looking ahead pulls the next batch early: only when workers, not the loop's thread,
@@ -334,4 +382,6 @@ def from_dataloader(
         "num_samples": num_samples,
         "keys": None if keys is None else list(keys),
     }
+    if sampler is not None:  # a position is this process' share of this shuffle
+        config["shard"] = {"rank": rank, "world_size": world, "seed": seed}
     return DataLoaderAdapter(node, root, num_batches=num_batches, config=config)

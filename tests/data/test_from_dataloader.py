@@ -7,15 +7,23 @@ reference is always the same DataLoader iterated by hand.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import roundtrip
+from conftest import roundtrip, torchrun_results
 from tensordict import TensorDict
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    TensorDataset,
+    WeightedRandomSampler,
+)
 
 import accelfn as af
 import accelfn.data as ad
@@ -407,3 +415,176 @@ def test_a_plain_dataloader_has_no_position_and_says_what_to_do(tmp_path):
     resumed, resumed_step = build(seed=1)
     ckpt.load(path, resumed, step=resumed_step)
     assert len(list(train)) == 5
+
+
+# ------------------------------------------------------------------------------ sharding
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def distributed_sampler_loop(n: int, rank: int, *, shuffle: bool = True, seed: int = 0,
+                             epochs: int = 3, world: int = 2) -> list[list[int]]:
+    """The samples rank ``rank`` reads in each epoch of a hand-written DDP loop."""
+    dataset = TensorDataset(torch.arange(n), 10 * torch.arange(n))
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle,
+                                 seed=seed)
+    loader = DataLoader(dataset, batch_size=4, sampler=sampler)
+    read = []
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        read.append(torch.cat([x for x, _ in loader]).tolist())
+    return read
+
+
+def numbered(n: int) -> TensorDataset:
+    return TensorDataset(torch.arange(n), 10 * torch.arange(n))
+
+
+def read_epochs(train, epochs: int = 3) -> list[list[int]]:
+    return [torch.cat([b["x"] for b in train]).tolist() for _ in range(epochs)]
+
+
+@pytest.fixture
+def rank_one_of_two(monkeypatch):
+    """torchrun's environment of rank 1 of 2, before its process group is set up."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    out = tmp_path_factory.mktemp("from_dataloader_sharded")
+    return torchrun_results(os.path.join(HERE, "from_dataloader_worker.py"), out, timeout=300)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["early", "shuffled", "seeded", "sequential", "uneven"])
+def test_under_torchrun_each_process_reads_what_a_distributed_sampler_gives_it(sharded, case):
+    n = 23 if case == "uneven" else 24
+    options = {"shuffle": case != "sequential", "seed": 3 if case == "seeded" else 0}
+    for rank in range(2):
+        assert sharded[rank][case] == distributed_sampler_loop(n, rank, **options)
+    for epoch in range(3):
+        shares = [set(sharded[rank][case][epoch]) for rank in range(2)]
+        assert shares[0] | shares[1] == set(range(n))  # every sample, every epoch
+        if n % 2 == 0:
+            assert not shares[0] & shares[1]  # no sample on both processes
+            assert len(sharded[0][case][epoch]) == n // 2
+    if case != "sequential":  # the shuffle changes with the epoch set on the sampler
+        assert sharded[0][case][0] != sharded[0][case][1]
+
+
+@pytest.mark.distributed
+def test_under_torchrun_shard_false_reads_everything_on_every_process(sharded):
+    assert sharded[0]["unsharded"] == sharded[1]["unsharded"] == [list(range(24))]
+
+
+@pytest.mark.distributed
+def test_under_torchrun_a_sharded_position_resumes_exactly(sharded):
+    for rank in range(2):
+        got = sharded[rank]["resume"]
+        ref = distributed_sampler_loop(22, rank, epochs=3)
+        assert got["first"] == ref[0]
+        assert got["head"] + got["tail"] == ref[1]
+        assert got["resumed"] == got["tail"]  # the rest of the epoch, with its shuffle
+        assert got["following"] == got["resumed_following"] == ref[2]
+
+
+def test_the_environments_rank_shards_before_the_process_group_exists(rank_one_of_two):
+    train = ad.from_dataloader(DataLoader(numbered(10), batch_size=4, shuffle=True),
+                               keys=("x", "y"))
+    assert read_epochs(train) == distributed_sampler_loop(10, 1)
+    assert isinstance(train.dataloader.sampler, DistributedSampler)
+    assert train.dataloader.batch_size == 4  # the batch stays the per-process batch
+
+
+def test_one_process_leaves_the_dataloader_as_it_is():
+    dl = DataLoader(numbered(10), batch_size=4, shuffle=True)
+    assert ad.from_dataloader(dl, keys=("x", "y")).dataloader is dl
+
+
+def test_a_stateful_dataloader_keeps_its_kind_and_arguments_when_sharded(rank_one_of_two):
+    dl = StatefulDataLoader(numbered(10), batch_size=3, shuffle=True, drop_last=True,
+                            snapshot_every_n_steps=2)
+    train = ad.from_dataloader(dl, keys=("x", "y"))
+    rebuilt = train.dataloader
+    assert type(rebuilt) is StatefulDataLoader and rebuilt is not dl
+    assert (rebuilt.batch_size, rebuilt.drop_last, rebuilt.snapshot_every_n_steps) == (3, True, 2)
+    assert isinstance(rebuilt.sampler, DistributedSampler) and rebuilt.sampler.rank == 1
+    assert len(train) == 1  # 5 samples of this process' share, batches of 3, the last dropped
+
+
+def test_a_dataloader_with_its_own_distributed_sampler_is_used_as_it_is(rank_one_of_two):
+    dataset = numbered(10)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True)
+    sampler.set_epoch(4)  # the user's own epochs, as in a plain loop
+    dl = DataLoader(dataset, batch_size=4, sampler=sampler)
+    train = ad.from_dataloader(dl, keys=("x", "y"))
+    assert train.dataloader is dl
+    list(train)
+    list(train)
+    assert sampler.epoch == 4
+    other = DataLoader(dataset, batch_size=4,
+                       sampler=DistributedSampler(dataset, num_replicas=4, rank=1))
+    with pytest.raises(ValueError, match="num_replicas=4 but 2 processes"):
+        ad.from_dataloader(other)
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(zip(X, Y))
+
+
+class Custom(DataLoader):
+    pass
+
+
+@pytest.mark.parametrize(("loader", "match"), [
+    (lambda: DataLoader(Stream(), batch_size=4), "IterableDataset"),
+    (lambda: DataLoader(pairs(), batch_size=4,
+                        sampler=WeightedRandomSampler([1.0] * 40, 40)),
+     "WeightedRandomSampler"),
+    (lambda: DataLoader(pairs(), batch_sampler=[[0, 1], [2, 3]]), "batch_sampler list"),
+    (lambda: DataLoader(pairs(), batch_size=None), "batch_size=None"),
+    (lambda: Custom(pairs()), "Custom"),
+    (lambda: [(X[:4], Y[:4])], "list"),
+])
+def test_what_cannot_be_sharded_is_refused_with_how_to_shard_it(rank_one_of_two, loader,
+                                                               match):
+    with pytest.raises(TypeError, match=match) as raised:
+        ad.from_dataloader(loader())
+    assert "shard=False" in str(raised.value)
+    ad.from_dataloader(loader(), shard=False)  # taken as it is when asked
+
+
+def test_a_rank_missing_from_the_environment_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="torchrun"):
+        ad.from_dataloader(DataLoader(pairs(), batch_size=4))
+    with pytest.raises(TypeError, match="shard="):
+        ad.from_dataloader(DataLoader(pairs(), batch_size=4), shard=1)
+    with pytest.raises(TypeError, match="seed="):
+        ad.from_dataloader(DataLoader(pairs(), batch_size=4), seed=1.5)
+
+
+def test_a_sharded_position_resumes_only_as_the_same_share(rank_one_of_two, monkeypatch):
+    train = ad.from_dataloader(stateful(), keys=("x", "y"))
+    next(iter(train))
+    position = train.state_dict()
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match="shard: saved"):
+        ad.from_dataloader(stateful(), keys=("x", "y")).load_state_dict(position)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(ValueError, match="shard: saved"):
+        ad.from_dataloader(stateful(), keys=("x", "y")).load_state_dict(position)
+
+
+def test_epochs_are_counted_through_a_position_taken_before_iterating(rank_one_of_two):
+    train = ad.from_dataloader(StatefulDataLoader(numbered(10), batch_size=4, shuffle=True),
+                               keys=("x", "y"))
+    list(train)
+    position = train.state_dict()  # right after epoch 0's end reached the loop
+    again = ad.from_dataloader(StatefulDataLoader(numbered(10), batch_size=4, shuffle=True),
+                               keys=("x", "y"))
+    again.load_state_dict(position)
+    assert read_epochs(again, 2) == distributed_sampler_loop(10, 1)[1:]
