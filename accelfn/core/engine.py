@@ -55,6 +55,7 @@ LossFn = Callable[..., "Tensor | Mapping[str, Tensor]"]  # fn(model, batch[, car
 _DEFAULT_GUARD = nonfinite().part
 _SCALAR = torch.Size([])
 _FIXED = frozenset({"fn", "transforms", "spec", "_key", "_after", "_guard", "_carry"})
+_AGREED = "_accelfn_agreed"  # an error every process has raised after agreeing on it
 _PREPARING = ("float8", "precision", "checkpointing", "sharding", "compilation", "averaging")
 
 
@@ -188,6 +189,7 @@ class Step:
         metrics of a call that does not update, or None to run the call again (it ran out
         of memory, was undone, and the accumulation splits finer next time)."""
         state = ctx.state
+        agrees = self._agrees(ctx)  # adaptive in several processes: no collective until agreed
         try:
             plan = self._plan(ctx, batch)
             sums = Sums() if plan.sums is None else plan.sums
@@ -195,8 +197,11 @@ class Step:
                 optimizers_.clear_grads(state.optimizers)
             carried: dict[int, Any] = {}
             absolute = micro.forward_and_backward(
-                self.spec, self.fn, self._carry, ctx, plan, sums,
-                plan.absolute or ctx.distributed is not None, carried)
+                _unsynced(self.spec) if agrees else self.spec, self.fn, self._carry, ctx, plan,
+                sums, plan.absolute or ctx.distributed is not None, carried)
+            if agrees and not self._agree(ctx, None):  # another process ran out of memory
+                self._abort(ctx)
+                return None
             if not plan.update:  # no update to wait for: the call succeeds with its metrics
                 running = TensorDict(sums.result(divide=True), batch_size=[])
                 if self._carry:
@@ -205,6 +210,11 @@ class Step:
             return sums, absolute, carried
         except BaseException as error:  # any exit, at any line: no gradients left behind
             self._abort(ctx)
+            if agrees and isinstance(error, Exception):
+                if getattr(error, _AGREED, False):
+                    raise  # every process raises it, agreed
+                self._agree(ctx, error)  # raises unless every process retries
+                return None
             if isinstance(error, torch.OutOfMemoryError):
                 part = self.spec.accumulation
                 if part is not None and part.retry is not None and part.retry(ctx, error):
@@ -212,6 +222,63 @@ class Step:
                 raise checks.out_of_memory(describe(self), self.transforms, self.spec,
                                            error) from error
             raise
+
+    def _agrees(self, ctx: CallContext) -> bool:
+        """Whether the processes agree on each call's outcome: adaptive accumulation in
+        several processes. Every micro-batch's backward then runs without gradient sync and
+        the gradients are all-reduced once, after the agreement, so an out-of-memory error in
+        one process never leaves a collective half done in the others (refused where the
+        wrapping cannot skip the sync: FSDP, DDP's static graph)."""
+        part = self.spec.accumulation
+        if ctx.distributed is None or part is None or part.count is None:
+            return False
+        ddp = compat.unwrap_compiled(ctx.model)
+        static = bool(getattr(ddp, "static_graph", False))
+        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or static:
+            raise ValueError(
+                f"with_accumulation(adaptive=True) in several processes needs distributed() "
+                f"with DDP and no static graph, got {type(ddp).__name__}"
+                f"{' (static_graph=True)' if static else ''} in {describe(self)}: "
+                "its backward must run without collectives until the processes agree. Find "
+                "the count with DDP (or in one process) and set it with with_accumulation(n)")
+        return True
+
+    def _agree(self, ctx: CallContext, error: Exception | None) -> bool:
+        """The processes' agreement after a pass (one all-reduce and one host read per call):
+        True when every process succeeded; False when one ran out of memory and all run the
+        call again with the largest count any proposes; raises when one cannot split finer
+        or failed otherwise (every process raises: none is left waiting in a collective)."""
+        part = self.spec.accumulation
+        assert part is not None and part.retry is not None and part.count is not None
+        oom = isinstance(error, torch.OutOfMemoryError)
+        finer = oom and error is not None and part.retry(ctx, error)
+        flags = torch.tensor([error is not None, oom and not finer, error is not None and not oom,
+                              part.count(ctx, None)], dtype=torch.int64, device=ctx.device)
+        torch.distributed.all_reduce(flags, torch.distributed.ReduceOp.MAX, ctx.distributed)
+        failed, stuck, other, count = flags.tolist()
+        if not failed:
+            # as after DDP's synced backward: the next call's first forward broadcasts buffers
+            setattr(compat.unwrap_compiled(ctx.model), "require_forward_param_sync", True)  # noqa: B010
+            return True
+        if other or stuck:
+            if error is not None:
+                failure: BaseException = error
+                if oom:
+                    failure = checks.out_of_memory(describe(self), self.transforms, self.spec,
+                                                   error)
+                setattr(failure, _AGREED, True)
+                if failure is error:
+                    raise error
+                raise failure from error
+            what = "failed" if other else "ran out of memory with one sample per micro-batch"
+            failure = (RuntimeError if other else torch.OutOfMemoryError)(
+                f"another process of the run {what} in the forward or backward of "
+                f"{describe(self)}; this one stops too (its gradients were cleared, "
+                "parameters and optimizer unchanged). Its error says what happened")
+            setattr(failure, _AGREED, True)
+            raise failure
+        part.count(ctx, count)
+        return False
 
     def _update(self, ctx: CallContext, sums: Sums, absolute: bool,
                 carried: dict[int, Any] | None = None) -> TensorDict:
@@ -376,6 +443,17 @@ def _release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _unsynced(spec: Spec) -> Spec:
+    """``spec`` with no micro-batch's backward synchronising gradients: the update's
+    reduction all-reduces them once instead (adaptive accumulation in several processes)."""
+    sharding = spec.sharding
+    if sharding is None:
+        return spec
+    skip = sharding.micro
+    return dataclasses.replace(spec, sharding=dataclasses.replace(
+        sharding, micro=lambda ctx, index, sync: skip(ctx, index, False)))
 
 
 def _sharding(key: tuple[Transform, ...]) -> tuple[Transform, ...]:

@@ -110,13 +110,15 @@ class Accumulation:
     """``with_accumulation``: the micro-batches of a call (and the calls of an update).
     ``retry(ctx, error)``: after an out-of-memory error in a forward or backward (the call
     undone), whether to run the call again (with a finer split); ``metrics(ctx)``: what the
-    update reports of it."""
+    update reports of it; ``count(ctx, agreed)``: the micro-batch count a retrying split
+    uses, set first to ``agreed`` unless None (the processes of a run agree on it)."""
 
     split: Callable[[CallContext, Batch], Plan]
     flush: Callable[[CallContext], Sums | None] | None = None
     abort: Callable[[CallContext], None] | None = None
     retry: Callable[[CallContext, BaseException], bool] | None = None
     metrics: Callable[[CallContext], dict[str, Tensor]] | None = None
+    count: Callable[[CallContext, int | None], int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,16 @@
-"""with_accumulation: gradient accumulation over micro-batches, exact for any split."""
+"""with_accumulation: gradient accumulation over micro-batches, exact for any split.
+
+The batch contract: ``mode="split"`` (the default) takes the whole batch of an update and
+splits it; loaders that yield micro-batches, one per call, as Accelerate's and Lightning
+Fabric's gradient accumulation expects, need ``mode="calls"``. A batch with fewer samples
+than the count of micro-batches is the one sign of a loader of micro-batches that a step can
+see without reading the loader: it is split into one-sample micro-batches (the same update)
+and warned about once per process, naming ``mode="calls"``.
+"""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -78,16 +87,28 @@ class _Count:
 
 Splitter = Callable[[Batch, int], Sequence[Batch]]
 
+_warned_small = False  # the small-batch warning is given once per process
+
+
+def _warn_small_batch(n: int, size: int) -> None:
+    """Warn, once per process, that a batch of ``size`` < ``n`` samples was given to
+    ``with_accumulation(n)``: a loader of micro-batches wants ``mode="calls"``."""
+    global _warned_small
+    if _warned_small:
+        return
+    _warned_small = True
+    warnings.warn(
+        f"with_accumulation({n}) got a batch of {size} sample(s), fewer than its {n} "
+        f"micro-batches: it splits each batch it is given into {n} (mode='split'), one "
+        f"update per call, so this batch is one update in {size} micro-batch(es) of one "
+        "sample. If the loader yields micro-batches (as with Accelerate's or Fabric's "
+        f"gradient accumulation), use with_accumulation({n}, mode='calls'): one update every "
+        f"{n} calls. (Warned once.)", UserWarning, stacklevel=6)
+
 
 def _split_mode(n: int, dim: int, custom: Splitter | None, adaptive: bool) -> Accumulation:
     def split(ctx: CallContext, batch: Batch) -> Plan:
         if adaptive:
-            if ctx.distributed is not None:
-                raise ValueError(
-                    "with_accumulation(adaptive=True) runs in one process for now: the "
-                    "processes of a run would have to agree on a retry before any gradient is "
-                    "reduced. Under torchrun, set the micro-batch count with "
-                    "with_accumulation(n), or find it with adaptive=True in one process")
             count = ctx.state.slot(_SLOT, lambda: _Count(n))
             count.tried = batch_size(batch, dim)
             parts = min(count.count, count.tried)
@@ -101,7 +122,11 @@ def _split_mode(n: int, dim: int, custom: Splitter | None, adaptive: bool) -> Ac
             return Plan(tuple(chosen), dim=dim)
         if n == 1:
             return Plan((batch,), dim=dim)
-        micros, sizes = split_batch(batch, n, dim, with_sizes=True)
+        check_batch_dim(batch, dim)
+        size = batch_size(batch, dim)  # a shape: no host sync
+        if size < n:
+            _warn_small_batch(n, size)
+        micros, sizes = split_batch(batch, min(n, size), dim, with_sizes=True)
         return Plan(micros, dim=dim, sizes=sizes)
 
     def retry(ctx: CallContext, error: BaseException) -> bool:
@@ -119,8 +144,15 @@ def _split_mode(n: int, dim: int, custom: Splitter | None, adaptive: bool) -> Ac
         value = n if count is None else min(count.count, count.tried or count.count)
         return {"micro_batches": torch.scalar_tensor(float(value), device=ctx.device)}
 
+    def agreed(ctx: CallContext, value: int | None) -> int:
+        """The count in use; ``value`` (the processes' agreed count) replaces it first."""
+        count = ctx.state.slot(_SLOT, lambda: _Count(n))
+        if value is not None:
+            count.count = value
+        return int(count.count)
+
     if adaptive:
-        return Accumulation(split, retry=retry, metrics=report)
+        return Accumulation(split, retry=retry, metrics=report, count=agreed)
     return Accumulation(split)
 
 
@@ -163,6 +195,13 @@ def with_accumulation(n: int, *, mode: str = "split", dim: int = 0,
 
     Gradients are synchronised across processes only on the last micro-batch.
 
+    The batch is the update's whole batch, not a micro-batch: a ``DataLoader(batch_size=64)``
+    with ``with_accumulation(4)`` makes one update per batch, in micro-batches of 16. A loader
+    that yields micro-batches (Accelerate's and Fabric's convention) needs ``mode="calls"``.
+    A batch with fewer samples than ``n`` (a loader of micro-batches, or an epoch's short
+    last batch) is split into one-sample micro-batches, the same update, with a warning
+    naming ``mode="calls"`` the first time in the process.
+
     ``mode="calls"`` is for streaming loaders: each call does forward and backward on its
     batch, and every ``n``-th call applies the update, weighting calls by samples (or
     ``"weight"``). ``step.flush(state)`` applies a short final window with the same
@@ -177,14 +216,15 @@ def with_accumulation(n: int, *, mode: str = "split", dim: int = 0,
     micro-batches (any number, any sizes, e.g. grouped by sequence length), weighted by their
     samples along ``dim`` (or their ``"weight"``) exactly as the built-in split's.
 
-    ``adaptive=True`` (``mode="split"``, one process): when a micro-batch's forward or
+    ``adaptive=True`` (``mode="split"``): when a micro-batch's forward or
     backward raises ``torch.OutOfMemoryError``, the call is undone (no gradients, no state
     change), the memory released, and the same batch retried with twice as many
     micro-batches, up to one sample each. The count that worked is kept in the TrainState
     (checkpointed, resumed) and used by later calls; metric ``micro_batches`` reports it. The
     update is the same maths whatever the count, so choosing it at run time changes nothing
     but memory: bitwise equal to a run with that count from the start when the micro-batches'
-    shares of the batch are powers of two.
+    shares of the batch are powers of two. Under ``distributed`` (DDP) the processes agree
+    after every call: one process out of memory makes all of them retry with the same count.
     """
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(

@@ -4,11 +4,12 @@ with twice as many micro-batches; the count that fits is kept, checkpointed and 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Net, assert_params_equal, classify, make_batch
+from conftest import Net, assert_params_equal, classify, make_batch, torchrun_results
 from torch import nn
 
 import accelfn as af
@@ -143,9 +144,10 @@ def test_cross_entropy_of_a_limited_net_is_the_plain_one():
     assert F.cross_entropy(model(x), make_batch(n=4)["y"]).isfinite()
 
 
-def test_several_processes_are_refused_before_anything_changes():
-    """Under torchrun the processes would have to agree on a retry: refused, clearly, at the
-    first call (a sharding part that reports a process group stands in for distributed)."""
+def test_a_wrapping_that_cannot_skip_the_sync_is_refused_before_anything_changes():
+    """In several processes the backward must run without collectives until the processes
+    agree: a sharding part that reports a process group but wraps nothing in DDP (as FSDP)
+    is refused at the first call (the DDP and FSDP cases run in the 2-process test)."""
     import contextlib
     import dataclasses
 
@@ -157,6 +159,47 @@ def test_several_processes_are_refused_before_anything_changes():
     model = Limited(limit=100)
     state = _state(model)
     before = copy.deepcopy(state.state_dict())
-    with pytest.raises(ValueError, match=r"adaptive=True.*one process"):
+    with pytest.raises(ValueError, match=r"adaptive=True.*needs distributed\(\) with DDP"):
         grouped(af.with_accumulation(2, adaptive=True)(classify))(state, make_batch(n=16))
     assert str(state.state_dict()["model"]) == str(before["model"]) and state.step == 0
+    assert "accumulation" not in state.state_dict()["slots"]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    out = tmp_path_factory.mktemp("adaptive")
+    return torchrun_results(os.path.join(os.path.dirname(__file__), "adaptive_worker.py"), out,
+                            timeout=300)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", ["forward", "backward"])
+def test_one_process_out_of_memory_makes_both_retry_with_one_count(two_processes, case):
+    """Rank 1 runs out of memory above 2 samples per micro-batch (8 samples per rank): 1 ->
+    2 -> 4 micro-batches on both ranks, kept for later calls, and the parameters are bitwise
+    those of with_accumulation(4) under DDP from the start (shares of 1/4 and 1/2)."""
+    zero, one = (r[case] for r in two_processes)
+    assert one["raised"] == 2 and zero["raised"] == 0
+    assert zero["counts"] == one["counts"] == [4, 4, 4]
+    assert zero["saved"] == one["saved"] == {"count": 4}
+    for r in (zero, one):
+        assert r["grads"] == []
+        for name, value in r["reference"].items():
+            assert torch.equal(r["params"][name], value), name
+    for name, value in zero["params"].items():
+        assert torch.equal(one["params"][name], value), name
+
+
+@pytest.mark.distributed
+def test_no_finer_split_in_one_process_raises_in_every_process(two_processes):
+    zero, one = two_processes
+    assert "another process of the run ran out of memory" in zero["stuck"]
+    assert "parameters, optimizer and scheduler are unchanged" in one["stuck"]
+    for r in two_processes:
+        assert r["stuck_unchanged"] and r["stuck_step"] == 0
+
+
+@pytest.mark.distributed
+def test_fsdp_is_refused_in_every_process_before_anything_changes(two_processes):
+    for r in two_processes:
+        assert "needs distributed() with DDP" in r["fsdp"] and r["fsdp_step"] == 0
