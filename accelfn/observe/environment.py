@@ -10,7 +10,8 @@ facts in one structured :class:`DoctorReport`:
   compute capability, both as NVML and as torch see them;
 * bf16 / TF32 support and the current TF32 and ``cudnn.benchmark`` settings;
 * CPU cores (usable by this process, and per rank under ``torchrun``) against data-loader
-  workers;
+  workers, and against torch's threads and the load average (oversubscription, see
+  `accelfn.observe.threads`);
 
 and turns what is wrong or slow into :class:`~accelfn.observe.findings.Finding` s with the fix.
 It never fails for want of a GPU, a driver or pynvml: it says so.
@@ -32,6 +33,7 @@ from typing import Any
 import torch
 
 from .findings import Finding, Severity, format_findings, worst_severity
+from .threads import CpuLoad, cpu_load, oversubscription
 
 __all__ = ["DoctorReport", "GPUInfo", "doctor"]
 
@@ -231,6 +233,7 @@ def _cpu(num_workers: int | None) -> dict[str, Any]:
     except AttributeError:  # not on Linux
         usable = logical
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    load = cpu_load(local_processes=local_ranks).load
     return {
         "logical_cores": logical,
         "usable_cores": usable,
@@ -238,6 +241,7 @@ def _cpu(num_workers: int | None) -> dict[str, Any]:
         "cores_per_rank": max(1, usable // max(local_ranks, 1)),
         "torch_threads": torch.get_num_threads(),
         "num_workers": num_workers,
+        "load_average": None if load is None else round(load, 2),
     }
 
 
@@ -452,9 +456,7 @@ def _findings(versions: dict[str, str | None], cuda: dict[str, Any], nvml: dict[
         else:
             out.append(Finding("workers", "ok", f"num_workers={nw} fits {per_rank} core(s) "
                                "per process"))
-    if cpu["torch_threads"] > cpu["usable_cores"]:
-        out.append(Finding("threads", "warning",
-                           f"torch uses {cpu['torch_threads']} threads on "
-                           f"{cpu['usable_cores']} usable cores",
-                           "torch.set_num_threads(usable cores) or set OMP_NUM_THREADS"))
+    out.append(oversubscription(CpuLoad(
+        cores=cpu["usable_cores"], local_processes=cpu["local_ranks"],
+        threads=cpu["torch_threads"], load=cpu.get("load_average"))))
     return out

@@ -20,25 +20,20 @@ Per step it keeps, without ever making the host wait for the device:
   ``non_blocking=True`` right after the step and read when their boundary event completed;
 * GPU utilisation, memory and power sampled by pynvml in a background thread.
 
-Every ``log_every`` steps the completed records go to a progress bar and the sinks: JSONL,
-CSV, TensorBoard, or any [`Sink`][] (Weights & Biases and MLflow in
-`accelfn.observe.trackers`). Given the [`TrainState`][], rows are numbered by its
-``step``, so a resumed run continues its history. [`Monitor.report`][] ends with a
-bottleneck verdict against the performance checklist: data loading under 20% of an
-iteration, GPU busy over 85%, no unnecessary host syncs (one step is probed with
-[`SyncProbe`][]), and the fix for each.
-
-The parts live by concern: ``flops`` (FLOP counting, datasheet peaks), ``records``
-(per-step records), ``sinks`` (the sink protocol; JSONL, CSV, TensorBoard),
-``trackers`` (W&B, MLflow), ``gpu_sampler`` (pynvml),
-``progress_bars``, ``report`` (the report and its thresholds) and ``verdict``
-(the checklist); this module holds the [`Monitor`][] that drives them.
+Every ``log_every`` steps the completed records go to a progress bar and the sinks (JSONL,
+CSV, TensorBoard, any [`Sink`][]; W&B and MLflow in `accelfn.observe.trackers`), the values
+given to [`Monitor.log`][] (a validation loss) among them. Given the [`TrainState`][], rows
+are numbered by its ``step``, so a resumed run continues its history. Memory stays bounded
+however long the run (`accelfn.observe.aggregates`). [`Monitor.report`][] ends with a
+verdict against the performance checklist (`accelfn.observe.verdict`): data loading under
+20% of an iteration, GPU busy over 85%, no unnecessary host syncs (one step is probed with
+[`SyncProbe`][]), a CPU not oversubscribed, and the fix for each.
 """
 
 from __future__ import annotations
 
 import contextlib
-import resource
+import logging
 import time
 import warnings
 from collections import deque
@@ -52,18 +47,17 @@ from torch import Tensor, nn
 from ..core.processes import is_main_process
 from ..core.state import TrainState
 from . import records
+from .aggregates import RunBook
 from .diagnostics import Diagnostics
-from .findings import Finding
 from .flops import _dtype_key, peak_flops, training_flops
 from .gpu_sampler import GPUSampler, check_interval
-from .initialisation import check_model
 from .profiling import Profiler
-from .progress_bars import Bar, make_bar
-from .records import PendingStep, StepRecord, batch_samples, make_row, rss_gib, snapshot_metrics
+from .progress_bars import Bar, make_bar, row_postfix
+from .records import PendingLog, PendingStep, StepRecord
 from .report import MonitorReport, Thresholds
+from .reporting import build_report
 from .sinks import CsvSink, JsonlSink, Sink, TensorBoardSink, close_sinks, open_sinks, write_sinks
 from .sync_probe import SyncPoint, SyncProbe
-from .verdict import summarise
 
 __all__ = [
     "Monitor",
@@ -74,6 +68,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_log = logging.getLogger("accelfn.observe")
 
 
 class Monitor:
@@ -125,6 +120,9 @@ class Monitor:
         profiler: a [`Profiler`][] started with the monitor and stepped with each step.
         thresholds: the checklist's limits.
         file: stream for the progress bar (default ``sys.stderr``).
+        keep_rows: how many of the latest rows [`rows`][] keeps. The report and the plot
+            need none of them (running aggregates, a bounded picture): memory stays
+            bounded however long the run.
     """
 
     def __init__(self, *, log_every: int = 50, warmup: int = 2, total: int | None = None,
@@ -140,11 +138,13 @@ class Monitor:
                  sync_allow: Iterable[str] = (),
                  model: nn.Module | None = None, diagnostics: Diagnostics | None = None,
                  profiler: Profiler | None = None, thresholds: Thresholds | None = None,
-                 file: IO[str] | None = None) -> None:
+                 file: IO[str] | None = None, keep_rows: int = 1000) -> None:
         if log_every < 1:
             raise ValueError(f"Monitor(log_every={log_every}): must be >= 1")
         if warmup < 0:
             raise ValueError(f"Monitor(warmup={warmup}): must be >= 0")
+        if keep_rows < 0:
+            raise ValueError(f"Monitor(keep_rows={keep_rows}): must be >= 0")
         check_interval(f"Monitor(gpu_interval={gpu_interval})", gpu_interval)
         self.log_every, self.warmup, self.total = log_every, warmup, total
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
@@ -176,8 +176,9 @@ class Monitor:
         self._gpu = GPUSampler(gpu_index, interval=gpu_interval) \
             if (self._cuda or gpu_index is not None) else None
         self._gpu_note: str | None = None if self._gpu else "no GPU in use"
-        self.rows: list[dict[str, Any]] = []
-        self._pending: deque[PendingStep] = deque()
+        self._book = RunBook(warmup, records.ROW_KEYS, keep_rows)
+        self._pending: deque[PendingStep | PendingLog] = deque()
+        self._last_step: int | None = None  # the step of the latest training row
         self._sinks: list[Sink] = []
         self._bar: Bar | None = None
         self._started = False
@@ -213,6 +214,8 @@ class Monitor:
             self._sinks = sinks + self._extra_sinks
             if self._want_progress:
                 self._bar = make_bar(self.total, self._desc, self._file)
+            _log.info("monitor: rows from step %d to %s", self._next_step,
+                      ", ".join(type(s).__name__ for s in self._sinks) or "no sink")
         self._started = True
         if self.profiler is not None and not self.profiler.running and not self.profiler.done:
             self.profiler.start()
@@ -279,9 +282,11 @@ class Monitor:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        _log.info("monitor: %s", report.verdict)
         if self._plot_path is not None and self._main and report.rows:
             try:
                 self.plot_file = report.plot(self._plot_path)
+                _log.info("monitor: plot written to %s", self.plot_file)
             except ImportError as exc:
                 warnings.warn(f"Monitor(plot=...): {exc}; no plot written", stacklevel=2)
         if failed is not None:
@@ -296,7 +301,7 @@ class Monitor:
         self.flush(wait=True)
         return self._build_report()
 
-    # -- feeding ------------------------------------------------------------------------------
+    # -- feeding and reading --------------------------------------------------------------
 
     def iterate(self, iterable: Iterable[T]) -> Iterator[T]:
         """Yield from ``iterable``, timing each ``next()`` as data wait.
@@ -399,14 +404,15 @@ class Monitor:
         if samples is None:
             samples = self.samples_per_step
             if samples is None and self._awaiting_step:
-                samples = batch_samples(self._last_batch)
+                samples = records.batch_samples(self._last_batch)
         if tokens is None:
             tokens = self.tokens_per_step
-        snaps, py = snapshot_metrics(metrics, {"samples": samples, "tokens": tokens})
+        snaps, py = records.snapshot_metrics(metrics, {"samples": samples, "tokens": tokens})
         samples, tokens = (None if isinstance(x, Tensor) else x for x in (samples, tokens))
         event = records.boundary_event(self.device) if self._cuda else None
         wait = self._wait_acc if data_wait is None else float(data_wait)
-        mem = (torch.cuda.memory_allocated(self.device) / 2**30 if self._cuda else rss_gib())
+        mem = (torch.cuda.memory_allocated(self.device) / 2**30 if self._cuda
+               else records.rss_gib())
         self._pending.append(PendingStep(
             step=self._next_step, time_s=now - self._t0, iter_s=now - self._t_last,
             data_wait_s=wait, samples=samples, tokens=tokens, mem_gib=mem, event=event,
@@ -418,6 +424,7 @@ class Monitor:
         if self.profiler is not None and not self.profiler.done:
             self.profiler.step()
         self._ev_last = event
+        self._last_step = self._next_step
         self._t_last = now
         self._wait_acc = 0.0
         self._awaiting_step = False
@@ -428,7 +435,32 @@ class Monitor:
         if self._n % self.log_every == 0:
             self.flush()
 
-    # -- reading ------------------------------------------------------------------------------
+    def log(self, values: Mapping[str, Any], step: int | None = None) -> None:
+        """Write ``values`` (a validation loss, any scalars) to every sink at ``step``, one
+        row ``{"step": step, **values}`` among the training rows. Never waits for the device.
+
+        ``values``: names to Python numbers or one-element tensors on any device (nested
+        mappings give ``"outer.inner"``), copied off without a sync and written once the
+        device has passed this call. ``step``: default, that of the latest training row
+        (before any, the first step). The report's ``logged`` holds each name's last value
+        and the plot draws them; see `accelfn.observe.sinks` for what each sink writes.
+        """
+        records.check_logged(values, step)
+        self._refuse_closed("log")
+        self.start()
+        snaps, py = records.snapshot_metrics(values)
+        if step is None:
+            step = self._last_step if self._last_step is not None else self._next_step
+        event = records.boundary_event(self.device) if self._cuda else None
+        self._pending.append(PendingLog(step=int(step), event=event, snaps=snaps,
+                                        py_metrics=py))
+        self.flush()
+
+
+    @property
+    def rows(self) -> list[dict[str, Any]]:
+        """The latest rows read (at most ``keep_rows``): one per step, as the sinks got them."""
+        return list(self._book.recent)
 
     def flush(self, *, wait: bool = False) -> None:
         """Read every completed step record and write it out.
@@ -439,59 +471,30 @@ class Monitor:
         if wait and self._cuda and self._pending:
             torch.cuda.synchronize(self.device)
         new: list[dict[str, Any]] = []
+        last: dict[str, Any] | None = None
         while self._pending:
             p = self._pending[0]
             if p.event is not None and not records.completed(p.event):
                 break
             self._pending.popleft()
-            new.append(make_row(p))
+            if isinstance(p, PendingLog):
+                new.append(records.make_log_row(p))
+                self._book.add_logged(new[-1])
+            else:
+                new.append(last := records.make_row(p))
+                self._book.add(last)
         if not new:
             return
-        self.rows.extend(new)
         failed = write_sinks(self._sinks, new)  # one failing: the others still get the rows
-        if self._bar is not None:
-            last = new[-1]
-            parts = [f"{k}={last[k]:.4g}" for k in ("loss",) if k in last]
-            if last.get("samples_per_s"):
-                parts.append(f"{last['samples_per_s']:.0f} samples/s")
-            parts.append(f"wait {100 * last['data_share']:.0f}%")
-            self._bar.set_postfix_str(" ".join(parts))
+        if self._bar is not None and last is not None:
+            self._bar.set_postfix_str(row_postfix(last))
         if failed is not None:
             raise failed
 
-    # -- the verdict --------------------------------------------------------------------------
-
-    def _device_name(self) -> str | None:
-        if self._cuda:
-            try:
-                return torch.cuda.get_device_name(self.device)
-            except Exception:
-                return None
-        if self._gpu is not None and self._gpu.name:
-            return self._gpu.name
-        return None
-
     def _build_report(self) -> MonitorReport:
-        name = self._device_name()
-        peak = self._peak_given
-        if peak is None and name is not None and (self._cuda or self._gpu is not None):
-            peak = peak_flops(name, self.peak_dtype)
-        if self._cuda:
-            peak_mem: float | None = torch.cuda.max_memory_allocated(self.device) / 2**30
-        else:
-            peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB
-        gpu_note = self._gpu_note
-        if self._gpu is not None and self._gpu.error:
-            gpu_note = self._gpu.error
-        more: list[Finding] = []
-        if self.model is not None:
-            more += [f for f in check_model(self.model) if f.check == "sync_batchnorm"]
-        if self.diagnostics is not None:
-            more += self.diagnostics.report().findings
-        return summarise(
-            self.rows, warmup=self.warmup, device=self.device, device_name=name,
-            flops_per_step=self.flops_per_step, peak=peak, peak_memory_gib=peak_mem,
-            gpu_samples=self._gpu.samples if self._gpu is not None else [],
-            gpu_note=gpu_note, syncs=self._probe_result, probe_mode=self._probe_mode,
-            sync_check=self.sync_check_step is not None, th=self.thresholds,
-            more_findings=more)
+        return build_report(
+            book=self._book, warmup=self.warmup, device=self.device,
+            gpu=self._gpu, gpu_note=self._gpu_note, peak_given=self._peak_given,
+            peak_dtype=self.peak_dtype, flops_per_step=self.flops_per_step, model=self.model,
+            diagnostics=self.diagnostics, syncs=self._probe_result, probe_mode=self._probe_mode,
+            sync_check=self.sync_check_step is not None, thresholds=self.thresholds)

@@ -55,20 +55,42 @@ def _panels(report: MonitorReport, steps: list[int]) -> list[Panel]:
     def metric(key: str) -> list[float | None]:
         return [r.get(key) if isinstance(r.get(key), (int, float)) else None for r in rows]
 
-    if any(r.get("loss") is not None for r in rows):
+    logged = report.logged_rows
+    names = list(dict.fromkeys(k for r in logged for k in r if k not in ("step", "probed")))
+    losses = [k for k in names if "loss" in k]
+
+    def draw_logged(ax: Any, keys: list[str], first_colour: int) -> None:
+        for i, k in enumerate(keys):
+            points = [(r["step"], r[k]) for r in logged if isinstance(r.get(k), (int, float))]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3,
+                    color=f"C{(first_colour + i) % 10}", label=k)
+
+    if any(r.get("loss") is not None for r in rows) or losses:
         loss = metric("loss")
         window = max(1, len(rows) // 25)
+        per = report.rows_per_point
 
         def draw_loss(ax: Any) -> None:
             if window > 1:
-                ax.plot(steps, loss, color="C0", alpha=0.3, lw=0.8, label="per step")
+                ax.plot(steps, loss, color="C0", alpha=0.3, lw=0.8,
+                        label="per step" if per == 1 else f"mean of {per} steps")
                 ax.plot(steps, _smooth(loss, window), color="C0",
-                        label=f"mean of {window} steps")
-                ax.legend(loc="upper right", fontsize=8)
+                        label=f"mean of {window * per} steps")
             else:
-                ax.plot(steps, loss, color="C0", marker="." if len(rows) < 50 else None)
-            ax.set_title("training loss")
+                ax.plot(steps, loss, color="C0", marker="." if len(rows) < 50 else None,
+                        label="training loss")
+            draw_logged(ax, losses, 1)
+            if window > 1 or losses:
+                ax.legend(loc="upper right", fontsize=8)
+            ax.set_title("training loss" + (" and " + ", ".join(losses) if losses else ""))
         panels.append(draw_loss)
+    others = [k for k in names if k not in losses]
+    if others:
+        def draw_others(ax: Any) -> None:
+            draw_logged(ax, others, 3)
+            ax.legend(loc="best", fontsize=8)
+            ax.set_title("logged values")
+        panels.append(draw_others)
     if any(r.get("lr") is not None for r in rows):
         def draw_lr(ax: Any) -> None:
             lr = metric("lr")
@@ -134,14 +156,15 @@ def figure(report: MonitorReport, *, title: str | None = None) -> Any:
                           "pip install 'accelfn[plot]'") from exc
     rows = report.rows
     if not rows:
-        raise ValueError("MonitorReport.plot: no steps recorded")
+        raise ValueError("MonitorReport.plot: no steps recorded (with history=..., none in "
+                         "that file)")
     steps = [int(r["step"]) for r in rows]
     panels = _panels(report, steps)
     n_rows = (len(panels) + 1) // 2
     fig = Figure(figsize=(12, 2.6 * n_rows + 0.8), constrained_layout=True)
     FigureCanvasAgg(fig)
     axes = list(fig.subplots(n_rows, 2, sharex=True, squeeze=False).flat)
-    warm = steps[:report.warmup]
+    warm = steps[:-(-report.warmup // report.rows_per_point)]  # the points holding them
     probed = [r["step"] for r in rows if r.get("probed")]
     for ax, draw in zip(axes, panels):
         if warm:

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["COUNT_KEYS", "ROW_KEYS", "PendingStep", "StepRecord", "batch_samples",
-           "boundary_event", "completed", "make_row", "rss_gib", "snapshot_metrics"]
+__all__ = ["COUNT_KEYS", "ROW_KEYS", "PendingLog", "PendingStep", "StepRecord",
+           "batch_samples", "boundary_event", "check_logged", "completed", "make_log_row",
+           "make_row", "rss_gib", "snapshot_metrics"]
 
 #: The fields of every row; anything else in a row is one of the step's metrics.
 ROW_KEYS = {"step", "time_s", "iter_s", "step_s", "data_wait_s", "data_share", "samples",
@@ -44,6 +45,57 @@ class PendingStep:
     snaps: list[tuple[list[str], Tensor]]
     py_metrics: dict[str, float]
     probed: bool
+
+
+@dataclass
+class PendingLog:
+    """Values given to ``Monitor.log``, copied off the device but maybe not readable yet."""
+
+    step: int
+    event: torch.cuda.Event | None
+    snaps: list[tuple[list[str], Tensor]]
+    py_metrics: dict[str, float]
+
+
+def check_logged(values: Any, step: int | None) -> None:
+    """Refuse what ``Monitor.log(values, step)`` cannot log, before anything is recorded:
+    a mapping (or TensorDict) of numbers and one-element tensors, nested mappings allowed,
+    no name of a training row's own fields."""
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)
+                             or step < 0):
+        raise ValueError(f"Monitor.log(step={step!r}): a step is an int >= 0 (or None: the "
+                         "step of the latest training row)")
+    if isinstance(values, Tensor) or not (isinstance(values, Mapping) or hasattr(
+            values, "items")):
+        raise TypeError(f"Monitor.log({type(values).__name__}): give a mapping of names to "
+                        "numbers, e.g. mon.log({'val_loss': loss}) (a scalar tensor is fine)")
+    try:
+        items = list(values.items(include_nested=True, leaves_only=True))
+    except TypeError:
+        items = list(values.items())
+    while items:
+        k, v = items.pop(0)
+        key = ".".join(k) if isinstance(k, tuple) else str(k)
+        if isinstance(v, Mapping):
+            items[:0] = [(f"{key}.{k2}", v2) for k2, v2 in v.items()]
+            continue
+        if key in ROW_KEYS:
+            raise ValueError(f"Monitor.log: {key!r} is a field of the training rows; log the "
+                             f"value under another name (e.g. 'val_{key}')")
+        if isinstance(v, Tensor):
+            _one_number(f"value {key!r}", v)
+        elif isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise TypeError(f"Monitor.log: {key!r} is {type(v).__name__}, not a number: log "
+                            "ints, floats or one-element tensors")
+
+
+def make_log_row(p: PendingLog) -> dict[str, Any]:
+    """The row of logged values (their copies readable): ``{"step": ..., name: value}``."""
+    row: dict[str, Any] = {"step": p.step}
+    for keys, snap in p.snaps:
+        row.update(zip(keys, snap.tolist()))
+    row.update(p.py_metrics)
+    return row
 
 
 def boundary_event(device: torch.device) -> torch.cuda.Event:
@@ -106,7 +158,7 @@ def _one_number(what: str, v: Tensor) -> Tensor:
     if v.numel() != 1 or v.is_complex():
         kind = "a complex tensor" if v.is_complex() else "a tensor"
         raise ValueError(
-            f"Monitor.step: {what} is {kind} of shape {list(v.shape)}, not one number: "
+            f"Monitor: {what} is {kind} of shape {list(v.shape)}, not one number: "
             "reduce it on the device first (e.g. .mean() or .sum()), or leave it out")
     return v.detach().reshape(())
 

@@ -4,7 +4,7 @@ a plot; and the checklist's [`Thresholds`][] it is judged against."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +39,17 @@ def fmt_rate(x: float | None, unit: str) -> str:
 
 @dataclass
 class MonitorReport:
-    """Summary of a monitored run; ``rows`` keeps every step's record for plots.
+    """Summary of a monitored run.
 
     Timing statistics skip the first ``warmup`` steps (compilation, cuDNN autotuning,
     worker start-up) and the probed step, unless nothing else is left; then
     ``warmup_included`` is true when warm-up steps were counted, and the text says so.
+
+    ``rows`` is the run's picture for plots, in bounded memory: every step's record up to
+    2048 of them, beyond that means of ``rows_per_point`` consecutive steps (each point
+    has the first step's number). ``logged`` holds the last value of each name given to
+    [`Monitor.log`][accelfn.observe.monitor.Monitor.log], ``logged_rows`` their rows
+    (bounded the same way).
     """
 
     steps: int
@@ -75,11 +81,16 @@ class MonitorReport:
     gpu_samples: list[GPUSample] = field(default_factory=list, repr=False)
     #: the run had no step past the warm-up: the timing numbers include warm-up steps
     warmup_included: bool = False
+    #: how many consecutive steps each of ``rows`` is the mean of
+    rows_per_point: int = 1
+    #: the last value of each name given to Monitor.log
+    logged: dict[str, float] = field(default_factory=dict)
+    logged_rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
 
     def to_dict(self, *, rows: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (per-step rows and GPU samples only with ``rows=True``)."""
         out = {k: getattr(self, k) for k in self.__dataclass_fields__
-               if k not in ("rows", "gpu_samples", "findings", "syncs")}
+               if k not in ("rows", "gpu_samples", "findings", "syncs", "logged_rows")}
         out["findings"] = [f.to_dict() for f in self.findings]
         out["syncs"] = None if self.syncs is None else [
             {"op": s.op, "location": s.location, "code": s.code, "via": s.via,
@@ -87,6 +98,7 @@ class MonitorReport:
         if rows:
             out["rows"] = self.rows
             out["gpu_samples"] = self.gpu_samples
+            out["logged_rows"] = self.logged_rows
         return out
 
     def to_json(self, *, rows: bool = False, indent: int | None = 2) -> str:
@@ -130,17 +142,35 @@ class MonitorReport:
         if self.metrics:
             lines.append("metrics (mean)  " + ", ".join(f"{k} {v:.4g}"
                                                         for k, v in self.metrics.items()))
+        if self.logged:
+            lines.append("logged (last)   " + ", ".join(f"{k} {v:.4g}"
+                                                        for k, v in self.logged.items()))
         lines += ["", f"verdict: {self.verdict}", "", format_findings(self.findings)]
         return "\n".join(lines)
 
-    def plot(self, path: str | Path, *, title: str | None = None) -> Path:
-        """Write a PNG of the run and return its path: training loss (with a moving mean),
-        learning rate (when the steps report ``lr``), throughput, iteration time against
-        data wait, memory, and GPU busy when pynvml sampled it, per step.
+    def plot(self, path: str | Path, *, title: str | None = None,
+             history: str | Path | None = None) -> Path:
+        """Write a PNG of the run and return its path: training loss (with a moving mean,
+        and the logged values whose name has ``loss`` in it, e.g. a validation loss),
+        learning rate (when the steps report ``lr``), the other logged values, throughput,
+        iteration time against data wait, memory, and GPU busy when pynvml sampled it, per
+        step.
+
+        ``history``: draw the steps from this metrics JSONL file (what ``Monitor(jsonl=...)``
+        writes) instead of the report's own rows: the whole history on disk, the rows of
+        earlier runs of a resumed run included (read in bounded memory).
 
         Needs matplotlib (``pip install 'accelfn[plot]'``); raises ``ImportError`` saying
         so when it is absent.
         """
         from .plots import plot_report
 
-        return plot_report(self, path, title=title)
+        report = self
+        if history is not None:
+            from .aggregates import read_history
+
+            training, logged = read_history(history)
+            report = replace(self, rows=training.rows(),
+                             rows_per_point=training.rows_per_point,
+                             logged_rows=logged.rows())
+        return plot_report(report, path, title=title)

@@ -6,6 +6,11 @@ A row is one step's record, ``{field: value}``: ``step``, ``time_s``, ``iter_s``
 ``tokens_per_s``, ``mem_gib`` and every scalar metric the step returned (``loss``, ``lr``,
 ...). Values are ``int``, ``float``, ``bool`` or ``None``.
 
+Values given to ``Monitor.log`` (a validation loss) come as rows of their own among these,
+``{"step": ..., name: value}`` with no timing field: a line of the JSONL file, a row of the
+CSV file (its header widens to take a new name), a TensorBoard scalar, a W&B or MLflow
+metric per name, at that step.
+
 A resumed run continues its history: the monitor opens each sink with the step it starts
 at (``TrainState.step`` when it is given the state), and a sink drops what an earlier run
 left at that step or later (the steps run again after the checkpoint) before new rows come.
@@ -16,7 +21,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-import warnings
+import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol, runtime_checkable
@@ -157,18 +162,19 @@ class JsonlSink:
 
 
 class CsvSink:
-    """One row per step in a CSV file; its columns are those of the first rows written.
+    """One row per step in a CSV file; its columns are those of the rows written.
 
-    Equivalent to ``csv.DictWriter(f, fieldnames).writerows(rows)``. ``open(k)`` cuts the
-    file at its first row with ``step >= k``; when rows are left, the new ones go under the
-    existing header (its columns), else the file starts again with a new header.
+    Equivalent to ``csv.DictWriter(f, fieldnames).writerows(rows)``. A row with a name the
+    header lacks (a value given to ``Monitor.log`` later in the run) widens the header:
+    the file is rewritten once with the new column, empty in the earlier rows. ``open(k)``
+    cuts the file at its first row with ``step >= k``; when rows are left, the new ones go
+    under the existing header, else the file starts again with a new header.
     """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.file: IO[str] | None = None
         self.writer: csv.DictWriter[str] | None = None
-        self.warned = False
 
     def open(self, start_step: int) -> None:
         fields = self._header()
@@ -206,13 +212,27 @@ class CsvSink:
                 fields.insert(fields.index("mem_gib") + 1, "probed")
             self.writer = csv.DictWriter(self.file, fieldnames=fields, extrasaction="ignore")
             self.writer.writeheader()
-        extra = {k for r in rows for k in r} - set(self.writer.fieldnames)
-        if extra and not self.warned:
-            self.warned = True
-            warnings.warn(f"Monitor CSV: new metric(s) {sorted(extra)} after the header was "
-                          "written are only in the JSONL output", stacklevel=3)
+        known = set(self.writer.fieldnames)
+        extra = [k for k in dict.fromkeys(k for r in rows for k in r) if k not in known]
+        if extra:
+            self._widen([*self.writer.fieldnames, *extra])
+            assert self.writer is not None and self.file is not None
         self.writer.writerows(rows)
         self.file.flush()
+
+    def _widen(self, fields: list[str]) -> None:
+        """Give the file the columns ``fields`` (new ones last, empty in the rows so far):
+        rewritten once, row by row, through a temporary file that replaces it."""
+        assert self.file is not None
+        self.file.close()
+        tmp = self.path.with_name(self.path.name + ".widen")
+        with open(self.path, newline="") as src, open(tmp, "w", newline="") as dst:
+            writer = csv.DictWriter(dst, fieldnames=fields, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(csv.DictReader(src))
+        os.replace(tmp, self.path)
+        self.file = open(self.path, "a", newline="")
+        self.writer = csv.DictWriter(self.file, fieldnames=fields, extrasaction="ignore")
 
     def close(self, report: str | None = None) -> None:
         if self.file is not None:

@@ -8,11 +8,12 @@ sync-bound, GPU underused or compute-bound).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from .aggregates import History, RunningSummary
 from .findings import Finding
 from .gpu_sampler import GPUSample
 from .records import ROW_KEYS
@@ -22,46 +23,42 @@ from .sync_probe import SyncPoint
 __all__ = ["summarise", "verdict"]
 
 
-def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
-              device_name: str | None, flops_per_step: float | None, peak: float | None,
-              peak_memory_gib: float | None, gpu_samples: Sequence[GPUSample],
-              gpu_note: str | None, syncs: list[SyncPoint] | None, probe_mode: str | None,
-              th: Thresholds, more_findings: Iterable[Finding] = (),
-              sync_check: bool = True) -> MonitorReport:
-    """The report of a run from its rows (one per step) and what the monitor knows besides.
+def summarise(rows: Sequence[dict[str, Any]] | RunningSummary, *, warmup: int,
+              device: torch.device, device_name: str | None, flops_per_step: float | None,
+              peak: float | None, peak_memory_gib: float | None,
+              gpu_samples: Sequence[GPUSample], gpu_note: str | None,
+              syncs: list[SyncPoint] | None, probe_mode: str | None, th: Thresholds,
+              more_findings: Iterable[Finding] = (), sync_check: bool = True,
+              history: History | None = None, logged: History | None = None,
+              last_logged: Mapping[str, float] | None = None,
+              threads: Finding | None = None) -> MonitorReport:
+    """The report of a run from its rows (one per step, or their [`RunningSummary`][]) and
+    what the monitor knows besides.
 
     Timing statistics skip the first ``warmup`` rows of the run (whatever step a resumed run
     starts at) and the probed step, unless nothing else is left (then a warm-up step counted
     sets ``warmup_included`` and adds a ``warmup`` warning); GPU samples count from the
     first measured step on. ``more_findings`` go after the checklist's. ``sync_check=False``
     (the check turned off) leaves the host-sync finding out when no step was probed.
+    ``history`` is the plot's picture of the rows (default: built from ``rows``),
+    ``logged`` that of the values given to ``Monitor.log`` and ``last_logged`` the last
+    value of each; ``threads`` the CPU oversubscription check (a warning names it in the
+    verdict of a run that is not input- or sync-bound).
     """
-    sel = [r for r in rows[warmup:] if not r.get("probed")]
-    warmup_included = False
-    if not sel:
-        sel = [r for r in rows if not r.get("probed")] or list(rows)
-        warmup_included = any(r is w for r in sel for w in rows[:warmup])
-    n = len(sel)
-    step_times: list[float] = sorted(float(r["step_s"]) for r in sel)
-    total_step = sum(step_times)
-    total_iter = sum(r["iter_s"] for r in sel)
-    total_wait = sum(r["data_wait_s"] for r in sel)
-
-    def q(x: float) -> float | None:
-        """The ``x`` quantile, interpolated linearly between order statistics (numpy's
-        default): the median of an even count is the mean of the middle two."""
-        if not n:
-            return None
-        pos = x * (n - 1)
-        lo = int(pos)
-        hi = min(lo + 1, n - 1)
-        return step_times[lo] + (step_times[hi] - step_times[lo]) * (pos - lo)
-
-    share = total_wait / total_iter if total_iter > 0 else None
-    samples = [r["samples"] for r in sel if r["samples"]]
-    tokens = [r["tokens"] for r in sel if r["tokens"]]
-    sps = sum(samples) / total_step if samples and total_step > 0 else None
-    tps = sum(tokens) / total_step if tokens and total_step > 0 else None
+    if isinstance(rows, RunningSummary):
+        summary = rows
+    else:
+        summary = RunningSummary(warmup, ROW_KEYS)
+        history = History() if history is None else history
+        for r in rows:
+            summary.add(r)
+            history.add(r)
+    totals, warmup_included = summary.measured()
+    n = totals.n
+    total_step = totals.step
+    share = totals.wait / totals.iter if totals.iter > 0 else None
+    sps = totals.samples / total_step if totals.samples_n and total_step > 0 else None
+    tps = totals.tokens / total_step if totals.tokens_n and total_step > 0 else None
     mfu = (flops_per_step * n / total_step / peak
            if flops_per_step and peak and total_step > 0 else None)
     samples_gpu = list(gpu_samples)
@@ -69,8 +66,9 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
     if samples_gpu:
         # the measured steps' time only: not the warm-up, nor what ran after the last step
         # (a checkpoint saved, an evaluation) while the GPU idled
-        t_from = sel[0]["time_s"] - sel[0]["iter_s"] if sel else 0.0
-        t_to = sel[-1]["time_s"] if sel else math.inf
+        first, last = totals.first, totals.last
+        t_from = first["time_s"] - first["iter_s"] if first else 0.0
+        t_to = last["time_s"] if last else math.inf
         window = [s for s in samples_gpu if t_from <= s[0] <= t_to] or samples_gpu
         gpu_util = sum(s[1] for s in window) / len(window)
         gpu_mem = max(s[2] for s in window)
@@ -78,50 +76,46 @@ def summarise(rows: list[dict[str, Any]], *, warmup: int, device: torch.device,
         gpu_power = sum(powers) / len(powers) if powers else None
     elif gpu_note is None:
         gpu_note = "no samples yet (run longer than gpu_interval)"
-    metric_keys = [k for k in dict.fromkeys(k for r in sel for k in r)
-                   if k not in ROW_KEYS]
-    metrics: dict[str, float] = {}
-    for k in metric_keys:
-        vals = [r[k] for r in sel if isinstance(r.get(k), (int, float))]
-        finite = [v for v in vals if math.isfinite(v)]
-        if vals:  # one NaN step must not hide the mean of the others
-            metrics[k] = sum(finite) / len(finite) if finite else math.nan
-    nonfinite = _nonfinite(rows)
+    metrics = totals.metric_means()
+    nonfinite = _nonfinite(summary)
     findings, line = verdict(share=share, gpu_util=gpu_util, gpu_note=gpu_note, mfu=mfu,
                              syncs=syncs, probe_mode=probe_mode, device_type=device.type,
-                             th=th, sync_check=sync_check)
+                             th=th, sync_check=sync_check, threads=threads)
     if warmup_included:
         findings.append(Finding(
             "warmup", "warning",
-            f"all {len(rows)} step(s) fall within warmup={warmup}: the timing numbers "
+            f"all {summary.count} step(s) fall within warmup={warmup}: the timing numbers "
             "include the warm-up (compilation, autotuning, start-up)",
             "run more steps than warmup, or lower Monitor(warmup=...)"))
     findings += nonfinite
     findings += more_findings
+    plot_rows = history.rows() if history is not None else []
     return MonitorReport(
-        steps=len(rows), measured_steps=n, warmup=warmup,
-        wall_s=(rows[-1]["time_s"] if rows else 0.0), device=str(device),
+        steps=summary.count, measured_steps=n, warmup=warmup,
+        wall_s=(summary.last["time_s"] if summary.last else 0.0), device=str(device),
         device_name=device_name, step_time_s=total_step / n if n else None,
-        step_time_median_s=q(0.5), step_time_p90_s=q(0.9),
-        data_wait_s=total_wait / n if n else None, data_wait_share=share,
+        step_time_median_s=totals.times.quantile(0.5),
+        step_time_p90_s=totals.times.quantile(0.9),
+        data_wait_s=totals.wait / n if n else None, data_wait_share=share,
         samples_per_s=sps, tokens_per_s=tps, flops_per_step=flops_per_step,
         peak_flops=peak, mfu=mfu, peak_memory_gib=peak_memory_gib, gpu_util=gpu_util,
         gpu_memory_gib=gpu_mem, gpu_power_w=gpu_power, gpu_note=gpu_note,
         syncs=syncs, metrics=metrics, findings=findings, verdict=line,
-        rows=list(rows), gpu_samples=list(samples_gpu), warmup_included=warmup_included)
+        rows=plot_rows, gpu_samples=list(samples_gpu), warmup_included=warmup_included,
+        rows_per_point=history.rows_per_point if history is not None else 1,
+        logged=dict(last_logged or {}),
+        logged_rows=logged.rows() if logged is not None else [])
 
 
-def _nonfinite(rows: list[dict[str, Any]]) -> list[Finding]:
+def _nonfinite(summary: RunningSummary) -> list[Finding]:
     """A warning for each metric that was NaN or Inf at some step."""
     out = []
-    for k in [k for k in dict.fromkeys(k for r in rows for k in r) if k not in ROW_KEYS]:
-        steps = [r for r in rows if isinstance(r.get(k), float)]
-        bad = [r["step"] for r in steps if not math.isfinite(r[k])]
+    for k, (count, bad, first) in summary.nonfinite.items():
         if bad:
             out.append(Finding(
                 "nonfinite", "warning",
-                f"{k!r} was NaN or Inf at {len(bad)} of {len(steps)} steps (first at step "
-                f"{bad[0]}); the report's mean of it is over the finite values",
+                f"{k!r} was NaN or Inf at {bad} of {count} steps (first at step "
+                f"{first}); the report's mean of it is over the finite values",
                 "a NaN or Inf loss: lower the learning rate or warm it up, clip gradients "
                 "(accelfn.with_clipping), use bf16 or fp16 with loss scaling "
                 "(accelfn.with_amp); accelfn.with_nonfinite(policy='skip') skips such "
@@ -131,14 +125,16 @@ def _nonfinite(rows: list[dict[str, Any]]) -> list[Finding]:
 
 def verdict(*, share: float | None, gpu_util: float | None, gpu_note: str | None,
             mfu: float | None, syncs: list[SyncPoint] | None, probe_mode: str | None,
-            device_type: str, th: Thresholds,
-            sync_check: bool = True) -> tuple[list[Finding], str]:
+            device_type: str, th: Thresholds, sync_check: bool = True,
+            threads: Finding | None = None) -> tuple[list[Finding], str]:
     """The checklist's findings and the one-line verdict of a run.
 
     ``share`` is the data-wait share of an iteration, ``gpu_util`` the mean pynvml busy
     percentage (``gpu_note`` says why it is ``None``), ``syncs`` the probed step's sync
     points (``None``: no step probed) found in ``probe_mode``. With ``sync_check=False``
     an unprobed run gets no host-sync finding (the user turned the check off).
+    ``threads`` (the oversubscription check) goes among the findings; a warning of it is
+    the verdict of a run neither input- nor sync-bound: its CPU is oversubscribed.
     """
     out: list[Finding] = []
     data_bound = share is not None and share >= th.data_wait_share
@@ -195,6 +191,9 @@ def verdict(*, share: float | None, gpu_util: float | None, gpu_note: str | None
         else:
             out.append(Finding("mfu", "ok" if mfu >= th.mfu_low else "info",
                                f"MFU {100 * mfu:.1f}%"))
+    if threads is not None:
+        out.append(threads)
+    oversubscribed = threads is not None and threads.severity == "warning"
     if share is None:
         verdict = "no steps measured"
     elif data_bound:
@@ -205,6 +204,9 @@ def verdict(*, share: float | None, gpu_util: float | None, gpu_note: str | None
                    if probe_mode == "cuda" else
                    f"sync-bound: {len(syncs)} host sync point(s) in the step would stall a "
                    "GPU (emulated probe)")
+    elif oversubscribed:
+        assert threads is not None
+        verdict = (f"CPU {threads.message} (the checklist's threads finding has the fix)")
     elif gpu_low:
         verdict = f"GPU underused ({gpu_util:.0f}% busy): launch or CPU overhead"
     elif gpu_util is not None:

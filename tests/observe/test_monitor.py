@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from machine import idle_machine  # noqa: F401  (autouse: an idle machine)
 from torch import nn
 
 from accelfn.observe.diagnostics import Diagnostics

@@ -141,10 +141,10 @@ def test_file_sinks_cut_at_the_first_row_from_the_start_step(tmp_path: Path) -> 
     table.write_text("step,loss\n0,1.0\n1,2.0\n2,3.0\n")
     sink2 = CsvSink(table)
     sink2.open(1)
-    with pytest.warns(UserWarning, match=r"new metric\(s\) \['new_metric'\]"):
-        sink2.write([{"step": 1, "loss": 5.0, "new_metric": 1.0}])  # the header is kept
+    sink2.write([{"step": 1, "loss": 5.0, "new_metric": 1.0}])  # the header widens
+    sink2.write([{"step": 2, "loss": 6.0}])
     sink2.close()
-    assert table.read_text() == "step,loss\n0,1.0\n1,5.0\n"
+    assert table.read_text() == "step,loss,new_metric\n0,1.0,\n1,5.0,1.0\n2,6.0,\n"
     table.write_text("step,loss\n")  # a header and no rows: a new header from new rows
     sink3 = CsvSink(table)
     sink3.open(4)

@@ -54,6 +54,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                         "the harness quickly)")
     p.add_argument("--workers", type=int, default=None,
                    help="DataLoader workers of the tuned stage (default min(8, cores))")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="torch intra-op threads per process (default: the free cores, the "
+                        "load average taken off, at least 1; the DDP stage divides them "
+                        "among its processes)")
     p.add_argument("--overhead-steps", type=int, default=None,
                    help="interleaved steps of the overhead check (0 skips it)")
     p.add_argument("--repeats", type=int, default=1,
@@ -92,7 +96,7 @@ def _config_from_args(args: argparse.Namespace) -> BenchConfig:
         batch_size=args.batch_size, image_size=args.image_size, samples=args.samples,
         data=args.data, amp_dtype=args.amp_dtype, compile=args.compile,
         compile_mode=args.compile_mode, compile_backend=args.compile_backend,
-        workers=args.workers,
+        workers=args.workers, threads=args.threads,
         overhead_steps=args.overhead_steps, repeats=args.repeats, ddp=args.ddp,
         ddp_procs=args.ddp_procs,
         stages=stages, quick=args.quick, seed=args.seed)

@@ -9,6 +9,7 @@ from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 
 from ...core import compat
+from ...observe.threads import default_threads
 from ...observe.timing import resolve_device
 
 __all__ = [
@@ -84,6 +85,7 @@ class BenchConfig:
     compile_mode: str | None = None
     compile_backend: str = "inductor"
     workers: int | None = None
+    threads: int | None = None
     overhead_steps: int | None = None
     repeats: int = 1
     ddp: bool = True
@@ -135,6 +137,11 @@ class BenchConfig:
             raise ValueError("--repeats must be >= 1")
         if c.warmup < 1:
             raise ValueError("--warmup must be >= 1 (the first step is timed on its own)")
+        if c.threads is None:  # one process's share of the free cores, not one per core
+            c.threads = default_threads(1)
+        if c.threads < 1:
+            raise ValueError(f"--threads {c.threads}: must be >= 1 (torch's intra-op threads "
+                             "per process)")
         for name in ("workers", "overhead_steps"):
             if getattr(c, name) is not None and getattr(c, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")

@@ -156,7 +156,10 @@ def _run_ddp(stage: Stage, cfg: BenchConfig, device: torch.device,
     procs = cfg.ddp_procs or (torch.cuda.device_count() if device.type == "cuda" else 1)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "ddp.json"
-        args = cli_args(cfg, exclude={"stages", "ddp", "ddp_procs", "notes", "classes"})
+        args = cli_args(cfg, exclude={"stages", "ddp", "ddp_procs", "notes", "classes",
+                                      "threads"})
+        # the free cores shared among the processes: more would oversubscribe the CPU
+        args += ["--threads", str(max(1, (cfg.threads or 1) // procs))]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={procs}", "-m", "accelfn.cli.bench", "--ddp-worker", str(out),
                *args]
@@ -176,6 +179,8 @@ def ddp_worker(cfg: BenchConfig, out: str) -> int:
 
     import accelfn as af
 
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     device = af.init_distributed()
     cfg.device = str(device)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -330,7 +335,20 @@ def run_bench(cfg: BenchConfig, log: Callable[[str], None] | None = None,
     if busy is not None:
         log(f"accelfn bench: warning: {busy}")
     log(f"accelfn bench: {cfg.model}, {cfg.image_size}px, batch {cfg.batch_size}, "
-        f"{cfg.steps} steps (+{cfg.warmup} warm-up) per stage on {env['device_name']}")
+        f"{cfg.steps} steps (+{cfg.warmup} warm-up) per stage on {env['device_name']}, "
+        f"{cfg.threads} torch thread(s)")
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads or threads_before)
+    try:
+        return _run_all(cfg, device, env, busy, log, on_progress)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _run_all(cfg: BenchConfig, device: torch.device, env: dict[str, Any], busy: str | None,
+             log: Callable[[str], None],
+             on_progress: Callable[[dict[str, Any]], None] | None) -> dict[str, Any]:
+    assert cfg.model and cfg.image_size and cfg.samples and cfg.batch_size
     t_all = time.perf_counter()
     data = make_images(cfg.data, cfg.samples, cfg.image_size, cfg.classes, cfg.seed)
     init = build_model(cfg.model, cfg.image_size, cfg.classes, cfg.seed).state_dict()
