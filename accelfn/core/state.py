@@ -48,6 +48,18 @@ class Window(Protocol):
     def rollback_state_dict(self) -> Any: ...
 
 
+def _mark(scheduler: Any) -> Any:
+    """How many times ``scheduler`` was stepped, as far as it tells (host state, no sync):
+    its ``last_epoch``, or for a ``ChainedScheduler`` (which has none) its first scheduler's."""
+    mark = getattr(scheduler, "last_epoch", None)
+    if mark is not None:
+        return mark
+    chained = getattr(scheduler, "_schedulers", None)
+    if isinstance(chained, (list, tuple)) and chained:
+        return _mark(chained[0])
+    return None
+
+
 def _per_update(scheduler: Any) -> bool:
     """Whether ``scheduler`` is told the update count (timm's ``step_update(num_updates)``,
     and ``step(epoch)`` after each epoch) instead of being stepped once per update."""
@@ -97,7 +109,7 @@ class TrainState:
         self._slots: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
         self._preparations: list[tuple[Any, Any, str]] = []
-        self._scheduler_marks: list[Any] = [getattr(s, "last_epoch", None) for s in schedulers]
+        self._scheduler_marks: list[Any] = [_mark(s) for s in schedulers]
         self._warned: set[str] = set()
         self._lent: dict[int, torch.Tensor] = {}  # id(model tensor) -> its own value, held
         _ALIVE[0] += 1
@@ -222,7 +234,7 @@ class TrainState:
         for i, scheduler in enumerate(self._schedulers):
             if scheduler is None or _per_update(scheduler):
                 continue
-            mark = getattr(scheduler, "last_epoch", None)
+            mark = _mark(scheduler)
             if mark is not None and marks[i] is not None and mark != marks[i]:
                 self.warn_once(
                     "scheduler",
@@ -231,7 +243,7 @@ class TrainState:
                     "scheduler once per real update already. Remove scheduler.step() from the "
                     "loop (or keep the scheduler out of the TrainState to step it yourself)")
             scheduler.step()
-            marks[i] = getattr(scheduler, "last_epoch", None)
+            marks[i] = _mark(scheduler)
 
     def reset_carry(self, evaluate: bool | None = None) -> None:
         """Forget what the step function carries between calls (see accelfn.core.carry):
