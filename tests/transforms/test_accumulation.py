@@ -223,3 +223,42 @@ def test_calls_mode_with_fp16_amp_equals_grad_scaler_loop(net, outer):
     # fp16 backward rounds differently when the loss is weighted by samples (the step's
     # loss * 6, gradients / 12) than by loss / 2: 4e-5 apart; a 5% weighting error is 2e-3
     assert_params_equal(m1, m2, exact=False, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------- the batch contract
+@pytest.fixture
+def unwarned(monkeypatch):
+    """A process that has not been warned about small batches yet."""
+    import accelfn.transforms.accumulation as accumulation
+
+    monkeypatch.setattr(accumulation, "_warned_small", False)
+
+
+def test_a_batch_smaller_than_n_warns_once_naming_calls_and_is_one_whole_update(net, unwarned):
+    """A loader of micro-batches (Accelerate's and Fabric's habit) meets mode='split'."""
+    (m1, o1), (m2, o2) = clone_setup(net, torch.optim.SGD, momentum=0.9)
+    step = af.with_accumulation(4)(classify)
+    state = af.TrainState(m1, o1)
+    with pytest.warns(UserWarning, match=r"with_accumulation\(4, mode='calls'\)") as caught:
+        for i in range(3):
+            batch = make_batch(n=3, seed=i)
+            metrics = step(state, batch)
+            ref = reference_update(m2, o2, as_dict(batch), classify, micro=3)
+            expected = sum(loss * (1 / 3) for loss in ref["losses"])
+            torch.testing.assert_close(metrics["loss"], expected, atol=0, rtol=0)
+    assert len([w for w in caught if "mode='calls'" in str(w.message)]) == 1  # once
+    assert "batch of 3 sample(s), fewer than its 4 micro-batches" in str(caught[0].message)
+    assert caught[0].filename == __file__  # points at the loop's line
+    assert_params_equal(m1, m2)  # one update per call, on the whole (small) batch
+
+
+def test_batches_of_at_least_n_samples_and_calls_mode_do_not_warn(net, unwarned):
+    import warnings
+
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        af.with_accumulation(4)(classify)(state, make_batch(n=4))
+        calls = af.with_accumulation(4, mode="calls")(classify)
+        for i in range(4):
+            calls(state, make_batch(n=2, seed=i))
