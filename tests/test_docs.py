@@ -13,6 +13,7 @@ import html
 import importlib.util
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -105,6 +106,72 @@ def test_api_reference_renders_sections_and_cross_references(site: Path) -> None
                      monitor)  # `[`iterate`][]` in the docstring became a link
     assert 'href="#accelfn.TrainState"' in pages["steps"]  # within a page
     assert 'href="../steps/#accelfn.TrainState"' in pages["checkpointing"]  # across pages
+
+
+# ------------------------------------------------------------------ the site, offline
+_LOADS = re.compile(r'<(?:script|link|img|iframe|source|video|audio|embed)\b[^>]*?'
+                    r'\b(?:src|href)="((?:https?:)?//[^"]*)"')
+
+
+def test_site_loads_nothing_from_the_network(site: Path) -> None:
+    loads = [f"{p.relative_to(site)}: {url}" for p in site.rglob("*.html")
+             for url in _LOADS.findall(p.read_text())]
+    loads += [f"{p.relative_to(site)}: {url}" for p in site.rglob("*.css") for url in
+              re.findall(r'(?:@import|url\()\s*["\']?((?:https?:)?//[^"\')\s]+)', p.read_text())]
+    assert loads == []
+
+
+def test_site_links_outside_only_where_the_docs_do(site: Path) -> None:
+    """The theme adds no outside link (its footer); what remains is written in docs/ or in a
+    docstring the API reference renders."""
+    written = "".join(p.read_text() for p in PAGES) + "".join(
+        p.read_text() for p in (ROOT / "accelfn").rglob("*.py"))
+    outside = {url for p in site.rglob("*.html")
+               for url in re.findall(r'<a\b[^>]*\bhref="(https?://[^"]+)"', p.read_text())}
+    assert sorted(url for url in outside if html.unescape(url) not in written) == []
+
+
+def test_code_is_highlighted_when_the_site_is_built(site: Path) -> None:
+    index = (site / "index.html").read_text()
+    assert "highlight.js" not in index and "hljs" not in index
+    blocks = re.findall(r'<div class="highlight"><pre>.*?</pre>', index, re.S)
+    assert any('<span class="kn">import</span>' in block for block in blocks)
+    css = (site / "css" / "pygments.css").read_text()
+    assert ".highlight .kn {" in css and 'href="css/pygments.css"' in index
+
+
+def test_every_transform_page_links_to_its_signature(site: Path) -> None:
+    for page in sorted((DOCS / "transforms").glob("*.md")):
+        built = (site / "transforms" / page.stem / "index.html").read_text()
+        assert f'href="../../api/transforms/#accelfn.{page.stem}"' in built, page.name
+
+
+_BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
+_PROBE = """<script>window.addEventListener("load", function () {
+  var d = document.documentElement;
+  document.body.setAttribute("data-probe", d.scrollWidth + " " + d.clientWidth);
+});</script></body>"""
+
+
+@pytest.mark.slow
+def test_wide_tables_fit_a_1280_px_window(site: Path) -> None:
+    """The pages with the widest tables show no horizontal scroll bar at 1280 px: a table's
+    cells wrap (docs/css/accelfn.css) rather than push the page wider than the window."""
+    browser = next((found for found in map(shutil.which, _BROWSERS) if found), None)
+    if browser is None:
+        pytest.skip("needs headless Chromium (e.g. apt-get install chromium-headless-shell)")
+    for name in ("coming-from", "porting", "data", "api/transforms"):
+        page = site / name / "index.html"
+        probe = page.with_name("probe.html")
+        probe.write_text(page.read_text().replace("</body>", _PROBE, 1))
+        proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
+                               "--window-size=1280,900", "--virtual-time-budget=5000",
+                               "--dump-dom", probe.as_uri()],
+                              capture_output=True, text=True, timeout=120)
+        found = re.search(r'data-probe="(\d+) (\d+)"', proc.stdout)
+        assert found, (name, proc.stderr[-2000:])
+        scroll, width = map(int, found.groups())
+        assert 1200 < width and scroll <= width, f"{name}: {scroll} px wide in a {width} px window"
 
 
 # ----------------------------------------------------------------------- code blocks

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import itertools
 
 import pytest
@@ -18,7 +19,7 @@ REGISTRY = {
     "accumulation": af.with_accumulation(3),
     "clipping": af.with_clipping(max_norm=0.05),
     "nonfinite": af.with_nonfinite(policy="skip", max_consecutive=5),
-    "checkpointed": af.checkpointed,
+    "checkpointed": af.checkpointed(),
 }
 
 
@@ -36,20 +37,40 @@ def _train(names, model):
     return model, out
 
 
-def test_every_order_gives_the_same_update_bitwise():
-    torch.manual_seed(0)
-    base = Net()
+def test_every_order_builds_the_same_update():
+    """The engine runs one sequence read from the step's function and spec (one part per
+    place): all 120 orders of the registry fill every place with the same part, so they run
+    the same update. Two orders (the written and the reversed) are trained below."""
     names = list(REGISTRY)
-    reference_model, reference_metrics = _train(names, copy.deepcopy(base))
+    reference = _stack(names)
+    places = [f.name for f in dataclasses.fields(reference.spec)]
     orders = list(itertools.permutations(names))
     assert len(orders) == 120
+    filled = {p for p in places if getattr(reference.spec, p) not in (None, ())}
+    assert filled == {"precision", "checkpointing", "accumulation", "clipping", "nonfinite"}
     for order in orders:
-        model, metrics = _train(order, copy.deepcopy(base))
-        assert_params_equal(model, reference_model)
-        for a, b in zip(metrics, reference_metrics):
-            assert set(a.keys()) == set(b.keys())
-            for key in a.keys():
-                assert torch.equal(a[key], b[key]), (order, key)
+        step = _stack(order)
+        assert step.fn is reference.fn, order
+        for place in places:
+            assert getattr(step.spec, place) is getattr(reference.spec, place), (order, place)
+        assert step.spec.checks == reference.spec.checks, order
+        assert step.spec.after_update == reference.spec.after_update, order
+        assert set(step.transforms) == set(reference.transforms), order
+
+
+@pytest.mark.parametrize("order", [list(REGISTRY)[::-1], ["checkpointed", "accumulation", "amp",
+                                                          "nonfinite", "clipping"]],
+                         ids=["reversed", "shuffled"])
+def test_another_order_trains_to_the_same_update_bitwise(order):
+    torch.manual_seed(0)
+    base = Net()
+    reference_model, reference_metrics = _train(list(REGISTRY), copy.deepcopy(base))
+    model, metrics = _train(order, copy.deepcopy(base))
+    assert_params_equal(model, reference_model)
+    for a, b in zip(metrics, reference_metrics):
+        assert set(a.keys()) == set(b.keys())
+        for key in a.keys():
+            assert torch.equal(a[key], b[key]), (order, key)
 
 
 def test_stack_equals_hand_written_amp_accumulation_clipping_loop():
