@@ -293,8 +293,8 @@ def _gather(states: dict[str, TrainState], loader: Any, steps: dict[str, Step | 
     records: dict[str, Any] = {}
     parts: dict[str, Part] = {}
     for name, state in states.items():
-        record = signatures(state, steps[name])
-        full = state.state_dict()
+        full = state.state_dict()  # first: under FSDP2 it leaves the sharded parameters
+        record = signatures(state, steps[name])  # registered, which the optimizers hold
         n = len(state.optimizers)
         held = held_by_dcp(state, sharded)  # an optimizer without state: in state.pt
         saved_state = dict(full)

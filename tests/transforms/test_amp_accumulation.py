@@ -10,6 +10,8 @@ overflow where the plain loop does not, and the gradients are those of the exact
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -143,3 +145,57 @@ def test_without_loss_scaling_weights_are_not_rescaled(net):
 def test_a_plan_spanning_no_calls_is_refused():
     with pytest.raises(ValueError, match="calls"):
         Plan((make_batch(),), calls=0)
+
+
+def _overflows(model, batches, divisor, scale):
+    """Whether a window of ``batches``, each scaled as ``loss / divisor``, overflows fp16's
+    backward at the loss scale ``scale`` (the scaler then halves it and skips the update)."""
+    probe = copy.deepcopy(model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=2000)
+    optimizer = torch.optim.SGD(probe.parameters(), lr=0.1)
+    for batch in batches:
+        scaler.scale(_fp16(probe, batch) / divisor).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    return scaler.get_scale() < scale
+
+
+def test_a_flushed_short_window_is_scaled_in_the_runs_unit_not_its_own_length(net):
+    """The page's claim: a flushed window of one call is scaled as ``loss / n`` (the unit the
+    run agreed on), where a loop dividing by the window's real length (timm's) scales it as
+    ``loss / 1``: at a loss scale where that overflows, the loop skips the update and accelfn
+    applies it, and the gradients applied are the exact weighting's (the plain loop's at a
+    scale where nothing overflows)."""
+    full = [make_batch(ROWS, seed=i) for i in range(CALLS)]
+    last = [make_batch(ROWS, seed=CALLS)]
+    plain = [[dict(b.items()) for b in w] for w in (full, last)]
+    after = copy.deepcopy(net)  # the weights the short window meets (no overflow before it)
+    first = torch.optim.SGD(after.parameters(), lr=0.1, momentum=0.9)
+    _plain_calls_window(after, first, torch.amp.GradScaler("cpu", init_scale=1.0), plain[0])
+    scale = next(2.0**k for k in range(8, 40)  # the smallest at which loss / 1 overflows
+                 if _overflows(after, plain[1], 1, 2.0**k))
+    assert not _overflows(net, plain[0], CALLS, scale)
+    assert not _overflows(after, plain[1], CALLS, scale)
+
+    (m1, o1), (m2, o2) = clone_setup(net, torch.optim.SGD, momentum=0.9)
+    m3 = copy.deepcopy(m2)
+    o3 = torch.optim.SGD(m3.parameters(), lr=0.1, momentum=0.9)
+    state = af.TrainState(m1, o1)
+    step = af.with_amp(dtype=torch.float16, init_scale=scale)(
+        af.with_accumulation(CALLS, mode="calls")(classify))
+    for batch in full + last:
+        step(state, batch)
+    metrics = step.flush(state)
+    assert metrics is not None
+    assert metrics["skipped"] == 0 and metrics["loss_scale"] == scale  # applied
+
+    timm = torch.amp.GradScaler("cpu", init_scale=scale, growth_interval=2000)
+    for window in plain:  # scaled by the window's real length, as timm's loop does
+        _plain_calls_window(m2, o2, timm, window)
+    assert timm.get_scale() == scale / 2  # that loop skipped the short window's update
+
+    exact = torch.amp.GradScaler("cpu", init_scale=scale / 2**8, growth_interval=2000)
+    for window in plain:  # the same maths at a scale where nothing overflows
+        _plain_calls_window(m3, o3, exact, window)
+    assert exact.get_scale() == scale / 2**8
+    assert_params_equal(m1, m3)
