@@ -20,11 +20,22 @@ generators seeded with a given seed instead, leaving torch's global generators u
   also depend on the sample only, not on the worker (forked workers would otherwise all
   draw the same NumPy numbers).
 
-Code that seeds torch's global CPU generator itself (``torch.manual_seed(index)``, then draws,
-as torchvision's ``FakeData`` does to make one fixed image per index) draws what that seed
-gives, without drawing from the global generator. Such code is not thread-safe: a
-``SampleCollator`` loads its samples one at a time in threads once it has seen it, and its
-seeding still meets the training loop's draws, so ``worker_type="process"`` suits it best.
+Code that uses torch's global generator itself (``torch.get_rng_state()``, then
+``torch.manual_seed(index)`` and draws, then ``torch.set_rng_state(...)``, as torchvision's
+``FakeData`` does to make one fixed image per index; or ``torch.random.fork_rng()``) gets, in
+a block, a generator of the block's own in place of the global one: ``torch.manual_seed``,
+``torch.seed``, ``torch.initial_seed``, ``torch.get_rng_state``, ``torch.set_rng_state`` and
+their ``torch.cuda`` counterparts act on the block's generators while the calling thread is
+in a block (elsewhere they are torch's). So the training loop's random stream (its dropout
+masks) never meets the dataset's seeding: a loop over such a dataset draws what the same loop
+over a ``DataLoader`` with ``num_workers=0`` draws, whatever the loader's workers and
+prefetching. Torch has no per-thread global generator, which is why these functions are
+wrapped (once, at the first block): ``fork_rng`` or a lock around sample loading would still
+race with the training thread's own draws, which take no lock. A dataset seeding
+``torch.default_generator`` directly (not through these functions) draws what that seed gives
+without drawing from the global generator, but its seeding still meets the training loop's
+draws: a ``SampleCollator`` then loads its samples one at a time, and
+``worker_type="process"`` suits it best.
 
 Not covered, in threads: functions that draw but take no generator (``F.dropout`` and the
 other dropouts, ``F.rrelu``, ``F.gumbel_softmax``, fractional max-pooling; a warning names the
@@ -167,8 +178,9 @@ class _SeededMode(TorchFunctionMode):
         self.seed = seed
         self.generators = generators
         self.seeded: set[torch.device] = set()
-        self.entry_seed = torch.initial_seed()
+        self.entry_seed = _real_initial_seed()
         self.draws = Draws()
+        self.left_seeded = False  # the block's code seeded its generator and did not restore
         self.mirror: torch.Generator | None = None  # for code that seeded the global one
         self.mirror_seed: int | None = None
 
@@ -180,6 +192,14 @@ class _SeededMode(TorchFunctionMode):
             g.manual_seed(self.seed)
             self.seeded.add(device)
         return g
+
+    def reseed(self, seed: int) -> torch.Generator:
+        """``torch.manual_seed(seed)`` in the block: every device's generator of the block
+        starts again from ``seed``; the CPU one is returned."""
+        self.seed = seed
+        self.seeded.clear()
+        self.left_seeded = True
+        return self.generator(torch.device("cpu"))
 
     def mirrored(self, seed: int) -> torch.Generator:
         """A generator in the state ``torch.manual_seed(seed)`` left the global one in."""
@@ -209,8 +229,9 @@ class _SeededMode(TorchFunctionMode):
                 isinstance(a, torch.Generator) for a in args
             ):
                 device = _device_of(args, kwargs)
-                if device.type == "cpu" and torch.initial_seed() != self.entry_seed:
-                    kwargs = {**kwargs, "generator": self.mirrored(torch.initial_seed())}
+                real = _real_initial_seed()
+                if device.type == "cpu" and real != self.entry_seed:
+                    kwargs = {**kwargs, "generator": self.mirrored(real)}
                 elif device.type != "meta":
                     kwargs = {**kwargs, "generator": self.generator(device)}
         else:
@@ -220,16 +241,27 @@ class _SeededMode(TorchFunctionMode):
     def check_exit(self) -> None:
         """Warn (once) when the block drew after seeding the global generator and left it
         seeded (or another thread seeded it meanwhile)."""
-        if self.draws.seeded_global and torch.initial_seed() != self.entry_seed:
+        if self.draws.seeded_global and _real_initial_seed() != self.entry_seed:
             _warn_once(
                 "seeded",
-                "torch's global generator was seeded (torch.manual_seed / torch.set_rng_state) "
+                "torch's global generator was seeded (torch.default_generator.manual_seed) "
                 "while the loader was loading a sample, and not put back. If the dataset seeds "
                 "it, save and restore its state there (as torchvision's FakeData does) or, "
                 "better, give it a torch.Generator of its own: seeding the global generator "
                 "from worker threads changes the training loop's random stream (worker "
                 "processes have their own: worker_type='process'); if the loop seeds it while "
                 "batches load, the samples loading then are not reproducible",
+            )
+        elif self.left_seeded:
+            _warn_once(
+                "seeded",
+                "torch's generator was seeded (torch.manual_seed) while the loader was "
+                "loading a sample, and not put back: the loader gives sample loading a "
+                "generator of its own, so the training loop's random stream is not reseeded "
+                "(it would be under a DataLoader with num_workers=0, so a loop ported from one "
+                "draws other numbers). Save and restore the state in the dataset "
+                "(torch.random.fork_rng(), as torchvision's FakeData does) to draw the same "
+                "as such a DataLoader loop, or give the dataset a torch.Generator of its own",
             )
 
 
@@ -262,15 +294,108 @@ def seeded_draws(seed: int) -> Iterator[Draws]:
             torch.cuda.manual_seed_all(seed)
         yield Draws()
         return
+    _wrap_global_functions()
     pool: list[dict[torch.device, torch.Generator]] = _local.__dict__.setdefault("pool", [])
+    modes: list[_SeededMode] = _local.__dict__.setdefault("modes", [])
     depth: int = _local.__dict__.get("depth", 0)
     if depth == len(pool):
         pool.append({})
     _local.depth = depth + 1
     mode = _SeededMode(seed, pool[depth])
+    modes.append(mode)
     try:
         with mode:
             yield mode.draws
         mode.check_exit()
     finally:
+        modes.pop()
         _local.depth = depth
+
+
+# --------------------------------------------------------------------------------------------
+# torch's global-generator functions, acting on the block's generators inside a block
+
+
+_wrapped: list[bool] = []  # [True] once torch's functions are wrapped
+_wrap_lock = threading.Lock()
+
+
+def _real_initial_seed() -> int:
+    return int(torch.default_generator.initial_seed())
+
+
+def _block() -> _SeededMode | None:
+    modes: list[_SeededMode] | None = _local.__dict__.get("modes")
+    return modes[-1] if modes else None
+
+
+def _cuda(device: Any = "cuda") -> torch.device:
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def _in_block(real: Callable[..., Any], name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mode = _block()
+        if mode is None:
+            return real(*args, **kwargs)
+        return fn(mode, *args, **kwargs)
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = real.__doc__
+    wrapper.__wrapped__ = real  # type: ignore[attr-defined]
+    wrapper._accelfn_in_block = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _set_state(mode: _SeededMode, device: torch.device, state: torch.Tensor) -> None:
+    mode.generator(device).set_state(state)
+    mode.left_seeded = False  # a state put back: the dataset restores what it changed
+
+
+def _cpu() -> torch.device:
+    return torch.device("cpu")
+
+
+def _fresh_seed(mode: _SeededMode) -> int:
+    seed = int(torch.Generator().seed())  # nondeterministic, as torch.seed() is
+    mode.reseed(seed)
+    return seed
+
+
+_CPU_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "manual_seed": lambda mode, seed: mode.reseed(int(seed)),
+    "seed": _fresh_seed,
+    "initial_seed": lambda mode: mode.generator(_cpu()).initial_seed(),
+    "get_rng_state": lambda mode: mode.generator(_cpu()).get_state(),
+    "set_rng_state": lambda mode, new_state: _set_state(mode, _cpu(), new_state),
+}
+
+_CUDA_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "manual_seed": lambda mode, seed: (mode.reseed(int(seed)), None)[1],
+    "manual_seed_all": lambda mode, seed: (mode.reseed(int(seed)), None)[1],
+    "initial_seed": lambda mode: mode.generator(_cuda()).initial_seed(),
+    "get_rng_state": lambda mode, device="cuda": mode.generator(_cuda(device)).get_state(),
+    "set_rng_state": lambda mode, new_state, device="cuda": _set_state(
+        mode, _cuda(device), new_state),
+}
+
+
+def _wrap_global_functions() -> None:
+    """Wrap torch's global-generator functions (once) so that they act on the calling
+    thread's innermost block's generators while it is in a block. Each place a function is
+    found is wrapped (``torch.manual_seed`` is not ``torch.random.manual_seed`` once
+    ``torch._dynamo`` is imported: it wraps the former)."""
+    if _wrapped:
+        return
+    with _wrap_lock:
+        if _wrapped:
+            return
+        places = [(torch, _CPU_FUNCTIONS), (torch.random, _CPU_FUNCTIONS),
+                  (torch.cuda, _CUDA_FUNCTIONS), (torch.cuda.random, _CUDA_FUNCTIONS)]
+        for where, functions in places:
+            for name, fn in functions.items():
+                real = getattr(where, name, None)
+                if callable(real) and not getattr(real, "_accelfn_in_block", False):
+                    setattr(where, name, _in_block(real, name, fn))
+        _wrapped.append(True)
