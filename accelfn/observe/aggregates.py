@@ -27,6 +27,9 @@ __all__ = ["History", "Quantiles", "RunBook", "RunningSummary", "Totals", "read_
 TRAINING_FIELD = "iter_s"
 
 
+_NUMBERS = (int, float)
+
+
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -182,7 +185,7 @@ class History:
         self.count += 1
         step, n, sums, probed = self._open or (int(row["step"]), 0, {}, False)
         for k, v in row.items():
-            if k != "step" and _number(v):
+            if type(v) in _NUMBERS and k != "step":  # not bool, not None
                 acc = sums.setdefault(k, [0.0, 0])
                 acc[0] += v
                 acc[1] += 1

@@ -33,7 +33,6 @@ verdict against the performance checklist (`accelfn.observe.verdict`): data load
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 import warnings
 from collections import deque
@@ -51,6 +50,7 @@ from .aggregates import RunBook
 from .diagnostics import Diagnostics
 from .flops import _dtype_key, peak_flops, training_flops
 from .gpu_sampler import GPUSampler, check_interval
+from .logs import get_logger
 from .profiling import Profiler
 from .progress_bars import Bar, make_bar, row_postfix
 from .records import PendingLog, PendingStep, StepRecord
@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-_log = logging.getLogger("accelfn.observe")
+_log = get_logger("observe")
 
 
 class Monitor:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..core.syncs import deferred_read
+
 __all__ = ["COUNT_KEYS", "ROW_KEYS", "PendingLog", "PendingStep", "StepRecord",
            "batch_samples", "boundary_event", "check_logged", "completed", "make_log_row",
            "make_row", "rss_gib", "snapshot_metrics"]
@@ -92,8 +94,9 @@ def check_logged(values: Any, step: int | None) -> None:
 def make_log_row(p: PendingLog) -> dict[str, Any]:
     """The row of logged values (their copies readable): ``{"step": ..., name: value}``."""
     row: dict[str, Any] = {"step": p.step}
-    for keys, snap in p.snaps:
-        row.update(zip(keys, snap.tolist()))
+    with deferred_read():  # host copies whose event completed: no device wait
+        for keys, snap in p.snaps:
+            row.update(zip(keys, snap.tolist()))
     row.update(p.py_metrics)
     return row
 
@@ -227,8 +230,9 @@ def make_row(p: PendingStep) -> dict[str, Any]:
     if p.event is not None and p.prev_event is not None:
         step_s = p.prev_event.elapsed_time(p.event) / 1e3
     values: dict[str, Any] = {}
-    for keys, snap in p.snaps:
-        values.update(zip(keys, snap.tolist()))
+    with deferred_read():  # host copies whose event completed: no device wait
+        for keys, snap in p.snaps:
+            values.update(zip(keys, snap.tolist()))
     counts = {k: values.pop(COUNT_KEYS[k]) for k in COUNT_KEYS if COUNT_KEYS[k] in values}
     samples, tokens = counts.get("samples", p.samples), counts.get("tokens", p.tokens)
     row: dict[str, Any] = {
