@@ -80,6 +80,22 @@ def test_quick_warns_when_the_load_exceeds_the_cores(quick_run: tuple[Path, str,
     assert "--repeats" in result["warnings"][0]  # and how to get steadier figures
 
 
+def test_quick_runs_on_its_share_of_the_free_cores(quick: tuple[dict, Path, str]) -> None:
+    result = quick[0]
+    assert result["config"]["threads"] == 1  # the load exceeds the cores: one thread
+    assert "--threads 1" in result["command"]
+
+
+def test_threads_are_given_or_the_free_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert bench.BenchConfig(device="cpu").resolved().threads == 8
+    monkeypatch.setattr(os, "getloadavg", lambda: (6.0, 6.0, 6.0))  # six cores busy elsewhere
+    assert bench.BenchConfig(device="cpu").resolved().threads == 2
+    assert bench.BenchConfig(device="cpu", threads=3).resolved().threads == 3
+
+
 def test_no_load_warning_on_an_idle_machine() -> None:
     assert bench.busy_machine_warning(1.9, 2) is None
     assert bench.busy_machine_warning(2.0, 2) is None
@@ -193,6 +209,7 @@ BAD_BENCH_ARGUMENTS = [  # each refused before anything runs, with what to pass
     (["--workers", "-1"], "--workers must be >= 0"),
     (["--overhead-steps", "-5"], "--overhead-steps must be >= 0"),
     (["--ddp-procs", "0"], "--ddp-procs must be >= 1"),
+    (["--threads", "0"], "--threads 0: must be >= 1"),
     (["--ddp-procs", "-2"], "--ddp-procs must be >= 1"),
     (["--stages", ","], "--stages names no stage"),
     (["--stages="], "--stages names no stage"),
