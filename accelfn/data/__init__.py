@@ -14,11 +14,19 @@ transforms), ``batch_loader`` (iteration, position, data wait), ``pipeline`` (``
 which wires them); ``adapter`` (``from_dataloader()``: an existing DataLoader's batches as
 TensorDicts on the device, timed and checkpointable); ``preloading`` (memory-mapped datasets,
 image files) and ``datasets`` (small bundled datasets) stand apart.
+
+Language-model data: ``tokens`` (``TokenFiles``: nanoGPT's raw ``.bin`` and llm.c /
+modded-nanogpt shards, read in windows; ``write_tokens``), ``packing`` (documents packed
+into rows, greedy or best-fit, with ``document_ids`` and ``positions``), ``token_batches``
+(``token_loader()``: random windows or packed rows, sharded, exactly resumable) and
+``document_masks`` (the attention masks of packed rows, for ``flex_attention`` and
+``scaled_dot_product_attention``).
 """
 
 from .adapter import DataLoaderAdapter, batch_to_tensordict, from_dataloader
 from .batch_loader import BatchLoader
 from .collate import IterableBatcher, SampleCollator, SampleSpec
+from .document_masks import document_block_mask, document_causal_mask
 from .gather import TensorDictGather
 from .gpu import (
     ChannelsLast,
@@ -48,6 +56,8 @@ from .sampling import (
     resolve_shard,
 )
 from .stages import ApplyTransform, ToDevice
+from .token_batches import token_loader
+from .tokens import TokenFiles, write_tokens
 from .workers import PoolMapper
 
 __all__ = [
@@ -72,7 +82,10 @@ __all__ = [
     "TensorDictGather",
     "ToDevice",
     "ToDtype",
+    "TokenFiles",
     "batch_to_tensordict",
+    "document_block_mask",
+    "document_causal_mask",
     "epoch_indices",
     "find_images",
     "from_dataloader",
@@ -83,4 +96,6 @@ __all__ = [
     "preload_image_folder",
     "preload_info",
     "resolve_shard",
+    "token_loader",
+    "write_tokens",
 ]
