@@ -1,0 +1,194 @@
+"""What filled the memory: a record of the first updates' allocations, dumped on an OOM.
+
+On CUDA this is PyTorch's own allocator history (``_record_memory_history``), dumped as a
+pickle that PyTorch's memory viewer opens. The CPU has no such history, hence this module's
+own: a dispatch mode notes where each tensor of the recorded updates was made, and the dump
+lists the largest tensors alive (shape, dtype, bytes, the line that made them) as JSON.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import traceback
+import weakref
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten
+
+from . import memory_compat as compat
+from .memory import MemoryEstimate, oom_advice
+
+__all__ = ["MemorySnapshot", "memory_snapshot"]
+
+_OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
+_OURS = (f"{os.sep}torch{os.sep}", f"{os.sep}accelfn{os.sep}", f"{os.sep}tensordict{os.sep}")
+
+
+def _where() -> str:
+    """The innermost line outside torch, tensordict and accelfn: the user's line."""
+    for frame in reversed(traceback.extract_stack(limit=40)[:-3]):
+        if not any(part in frame.filename for part in _OURS):
+            return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "inside torch"
+
+
+class _Origins(compat.DispatchMode):  # type: ignore[misc,no-untyped-call]  # untyped in torch
+    """Notes, for every storage an operator makes, the line that made it (while alive)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.made: dict[int, tuple[Any, tuple[int, ...], str, str]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        inputs = None
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, Tensor) and leaf.device.type == "cpu":
+                storage = leaf.untyped_storage()
+                key = storage._cdata
+                if inputs is None:  # views, in-place and out= results made nothing new
+                    inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                              if isinstance(t, Tensor)}
+                if key not in self.made and key not in inputs:
+                    self.made[key] = (weakref.ref(storage), tuple(leaf.shape),
+                                      str(leaf.dtype).removeprefix("torch."), _where())
+                    weakref.finalize(storage, self.made.pop, key, None)
+        return out
+
+
+class MemorySnapshot:
+    """Records the allocations of the first ``updates`` updates and dumps what is alive on
+    an out-of-memory error (``torch.OutOfMemoryError`` or ``MemoryError``) to ``path``.
+
+    Use it around the loop (``with memory_snapshot("oom.pickle"):``) and call
+    ``updated()`` after each update (the Monitor does), or call ``dump()`` yourself. On
+    CUDA the file is PyTorch's allocator snapshot (open it in PyTorch's memory viewer); on
+    the CPU it is JSON: the largest live tensors, with shape, dtype, bytes and the line that
+    made them (for tensors of the recorded updates). With an ``estimate`` (see
+    [`estimate_memory`][]) and the ``step``, the error also gets the peak by kind and the
+    one-line fixes for the stack.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, updates: int = 3,
+                 device: torch.device | str | None = None, top: int = 20,
+                 estimate: MemoryEstimate | None = None, step: Any = None) -> None:
+        if isinstance(updates, bool) or not isinstance(updates, int) or updates < 1:
+            raise ValueError(f"memory_snapshot(updates={updates!r}) takes an int >= 1: the "
+                             "number of first updates whose allocations are recorded")
+        if estimate is not None and step is None:
+            raise ValueError("memory_snapshot(estimate=...) needs step= too: the advice "
+                             "names the changes that apply to that step's stack")
+        self.path = os.fspath(path)
+        self.updates = updates
+        self.top = top
+        self.estimate, self.step = estimate, step
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        self.seen = 0
+        self.recording = False
+        self._origins: _Origins | None = None
+
+    # ------------------------------------------------------------------ recording
+    def start(self) -> MemorySnapshot:
+        if self.recording:
+            return self
+        if self.device.type == "cuda":
+            compat.record_cuda_history(True)
+        else:
+            self._origins = _Origins()
+            self._origins.__enter__()  # type: ignore[no-untyped-call]
+        self.recording = True
+        return self
+
+    def stop(self) -> None:
+        """Stop recording new allocations (what was noted stays, for the dump)."""
+        if not self.recording:
+            return
+        self.recording = False
+        if self.device.type == "cuda":  # the blocks alive keep the stacks they were made at
+            compat.record_cuda_history(False)
+            return
+        assert self._origins is not None
+        self._origins.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    def updated(self) -> None:
+        """One update done: recording stops after the first ``updates``."""
+        self.seen += 1
+        if self.seen >= self.updates:
+            self.stop()
+
+    # ------------------------------------------------------------------ the dump
+    def dump(self) -> str:
+        """Write the snapshot to ``path`` now; returns the path."""
+        folder = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(folder, exist_ok=True)
+        if self.device.type == "cuda":
+            compat.dump_cuda_snapshot(self.path)
+            return self.path
+        with open(self.path, "w", encoding="utf-8") as file:
+            json.dump(self.largest(), file, indent=1)
+        return self.path
+
+    def largest(self) -> dict[str, Any]:
+        """The largest live CPU tensors (one entry per storage), largest first."""
+        found: dict[int, dict[str, Any]] = {}
+        made = {} if self._origins is None else dict(self._origins.made)
+        for key, (ref, shape, dtype, where) in made.items():
+            storage = ref()
+            if storage is not None:
+                found[key] = {"bytes": storage.nbytes(), "shape": list(shape), "dtype": dtype,
+                              "made at": where}
+        for obj in gc.get_objects():
+            if type(obj) not in (Tensor, torch.nn.Parameter) or obj.device.type != "cpu":
+                continue
+            key = obj.untyped_storage()._cdata
+            if key not in found:
+                found[key] = {"bytes": obj.untyped_storage().nbytes(), "shape": list(obj.shape),
+                              "dtype": str(obj.dtype).removeprefix("torch."),
+                              "made at": "not recorded (outside the recorded updates)"}
+        ordered = sorted(found.values(), key=lambda entry: -entry["bytes"])
+        return {"live_bytes": sum(entry["bytes"] for entry in ordered),
+                "tensors": len(ordered), "largest": ordered[:self.top]}
+
+    def explain(self, error: BaseException) -> None:
+        """Dump, and add the path (and the estimate's advice) to ``error``'s notes."""
+        self.stop()
+        try:
+            path = self.dump()
+            error.add_note(f"accelfn: the memory snapshot is in {path}")
+        except Exception as failed:  # the snapshot must not hide the out-of-memory error
+            error.add_note(f"accelfn: the memory snapshot could not be written ({failed})")
+        if self.estimate is not None:
+            error.add_note(f"accelfn: {oom_advice(self.estimate, self.step)}")
+
+    def close(self) -> None:
+        self.stop()
+
+    def __enter__(self) -> MemorySnapshot:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if error is not None and isinstance(error, _OUT_OF_MEMORY):
+                self.explain(error)
+        finally:
+            self.close()
+
+
+def memory_snapshot(path: str | os.PathLike[str], *, updates: int = 3,
+                    device: torch.device | str | None = None, top: int = 20,
+                    estimate: MemoryEstimate | None = None, step: Any = None) -> MemorySnapshot:
+    """Equivalent to ``torch.cuda.memory._record_memory_history()`` for the first
+    ``updates`` updates and ``_dump_snapshot(path)`` on an out-of-memory error, on the CPU a
+    JSON list of the largest live tensors and where they were made (see [`MemorySnapshot`][]).
+    """
+    return MemorySnapshot(path, updates=updates, device=device, top=top, estimate=estimate,
+                          step=step)
