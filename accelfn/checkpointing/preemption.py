@@ -15,6 +15,12 @@ loop reads it between steps, where the state is consistent, saves with
 
     python train.py; [ $? -eq 75 ] && scontrol requeue "$SLURM_JOB_ID"
 
+Under torchrun, whose own status is 1 whatever its workers' non-zero statuses, launch with
+``python -m accelfn.cli.launch`` (torchrun's arguments, the same agent) instead: it exits 75
+when the workers saved on preemption. It tells them apart through a marker: each process
+whose [`checkpoint_and_exit`][] saved writes ``rank-<RANK>`` into the folder named by the
+environment variable ``ACCELFN_PREEMPTED_DIR`` (when set) just before it exits.
+
 Under several processes the decision is taken by all of them together: every
 ``check_every`` boundaries one all-reduce (MAX) of one integer combines the flags, and every
 process stops at the same step, so none is left waiting in a collective for one that left.
@@ -43,10 +49,31 @@ import torch.distributed as dist
 
 from .states import States, at_update_boundary, checkpoint_step, named_states
 
-__all__ = ["EXIT_PREEMPTED", "PreemptionGuard"]
+__all__ = ["EXIT_PREEMPTED", "MARKER_ENV", "PreemptionGuard"]
 
 EXIT_PREEMPTED = 75
 """Exit status of a run that checkpointed and stopped because it was asked to (``EX_TEMPFAIL``)."""
+
+MARKER_ENV = "ACCELFN_PREEMPTED_DIR"
+"""Environment variable naming a folder where a preempted process that saved writes
+``rank-<RANK>`` before exiting, holding its exit status on the first line (set by
+``python -m accelfn.cli.launch`` for its workers)."""
+
+
+def _write_marker(rank: int, code: int, step: int, path: Any) -> None:
+    """Say, in the folder ``MARKER_ENV`` names (if any), that this process saved and exits
+    preempted. A failure to write it is a warning: the checkpoint is what matters."""
+    folder = os.environ.get(MARKER_ENV)
+    if not folder:
+        return
+    try:
+        with open(os.path.join(folder, f"rank-{rank}"), "w") as f:
+            f.write(f"{code}\nstep {step}: saved {path}\n")
+    except OSError as error:
+        import warnings
+
+        warnings.warn(f"could not write the preemption marker into {folder} ({error}); the "
+                      "launcher will report a failure (exit 1) instead of 75", stacklevel=3)
 
 _DEFAULT_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
@@ -217,12 +244,13 @@ class PreemptionGuard:
                           f"{error}); saving the preemption checkpoint anyway", stacklevel=2)
         saved = save(directory, state, **save_options)
         path = saved.wait() if isinstance(saved, AsyncSave) else saved
-        main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-        if main:
-            print(f"preempted at step {checkpoint_step(named_states(state, 'save'))}: saved "
-                  f"{path}; exiting with status "
+        at = checkpoint_step(named_states(state, "save"))
+        _write_marker(int(os.environ.get("RANK", rank)), self.exit_code, at, path)
+        if rank == 0:
+            print(f"preempted at step {at}: saved {path}; exiting with status "
                   f"{self.exit_code}", file=sys.stderr, flush=True)
         sys.exit(self.exit_code)
 
