@@ -32,7 +32,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 import accelfn as af
-from accelfn import checkpointing, data
+from accelfn import data
 from accelfn.checkpointing.preemption import PreemptionGuard
 from accelfn.data.datasets import digits
 from accelfn.observe.monitor import Monitor
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     held_out = torch.arange(len(dataset)) % 5 == 0          # 20% for evaluation
     train_set, test_set = dataset[~held_out], dataset[held_out]
     run_options.check_batch(args.batch_size, len(train_set), args.accumulation)
-    out = run_options.run_folder(args, "digits")  # after every refusal: it makes the folder
+    run = run_options.open_run(args, "digits")  # after every refusal: it makes the folder
+    out = str(run.path)
     torch.manual_seed(args.seed)
 
     augment = data.Compose(
@@ -124,9 +125,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     if args.compile:
         step = af.compiled(step)
 
-    info = run_options.resume(args, state, loader=train, step=step)
-    run_options.check_plan(info, total)  # the schedule spans `total` updates
-    extra = {"total_steps": total}
+    # the schedule spans `total` updates: a run planned for another number is refused
+    # before anything is loaded; checkpoints of this run record it (run.extra)
+    run_options.resume(args, state, loader=train, step=step, total=total)
     if main_process:
         print(f"step: {af.describe(step)}")
         print(f"data: {len(train_set)} train / {len(test_set)} held-out digits on {device}, "
@@ -146,14 +147,15 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                           samples_per_step=args.batch_size * af.world_size(), log_every=10,
                           sync_check_step=3,  # one step runs under the host-sync probe
                           state=state,  # rows numbered by state.step: a resumed run continues
-                          jsonl=f"{out}/metrics.jsonl", plot=f"{out}/run.png")
+                          jsonl=run.metrics_file, plot=run.plot_file)
         start = time.perf_counter()
         with monitor, PreemptionGuard() as guard:  # SIGTERM: checkpoint at the next step, exit 75
             while state.step < stop:
                 for batch in monitor.iterate(train):
                     metrics = step(state, batch)
                     monitor.step(metrics)
-                    guard.exit_if_requested(out, state, loader=train, step=step, extra=extra)
+                    guard.exit_if_requested(out, state, loader=train, step=step,
+                                            extra=run.extra)
                     if state.step >= stop:
                         break
         elapsed = time.perf_counter() - start
@@ -179,17 +181,19 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         "device": str(device),
         "out": out,
     }
+    plot = None
     if monitor is not None:  # something was trained: save it
         report["samples_per_s"] = round(monitor.report().samples_per_s or 0.0, 1)
-        checkpointing.save(out, state, loader=train, step=step, keep=2, extra=extra)
-        if monitor.plot_file is not None:
-            report["plot"] = str(monitor.plot_file)
+        run.save(state, loader=train, step=step)
+        plot = run_options.plot_history(run, monitor)  # the steps before a resume too
+        if plot is not None:
+            report["plot"] = str(plot)
     if main_process:
         if monitor is not None:
             print(monitor.report())
         print(json.dumps(report, indent=2))
-        if monitor is not None and monitor.plot_file is not None:
-            print(f"plot: {monitor.plot_file}")
+        if plot is not None:
+            print(f"plot: {plot}")
     train.close()  # stop background threads before the process group goes
     test.close()
     if af.world_size() > 1:

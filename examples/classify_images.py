@@ -37,7 +37,7 @@ import torchvision  # type: ignore[import-untyped]  # torchvision ships no py.ty
 from tensordict import TensorDict, TensorDictBase
 
 import accelfn as af
-from accelfn import checkpointing, data
+from accelfn import data
 from accelfn.checkpointing.preemption import PreemptionGuard
 from accelfn.data.datasets import digits
 
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     found = dataset(args, None)  # None for a --folder: it is preloaded into the run folder
     samples = count_images(args.folder) if found is None else len(found[0])
     run_options.check_batch(args.batch_size, int((~held_out(samples)).sum()), args.accumulation)
-    out = run_options.run_folder(args, "images")  # after every refusal: it makes the folder
+    run = run_options.open_run(args, "images")  # after every refusal: it makes the folder
+    out = str(run.path)
     torch.manual_seed(0)
     found = found or dataset(args, out)
     assert found is not None
@@ -188,9 +189,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     if args.compile:
         step = af.compiled(step)
 
-    info = run_options.resume(args, state, loader=train, step=step)
-    run_options.check_plan(info, args.steps)  # the schedule spans --steps updates
-    extra = {"total_steps": args.steps}
+    # the schedule spans --steps updates: a run planned for another number is refused
+    # before anything is loaded; checkpoints of this run record it (run.extra)
+    run_options.resume(args, state, loader=train, step=step, total=args.steps)
     main_process = af.is_main_process()
     if main_process:
         print(f"step: {af.describe(step)}")
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
             while state.step < stop:
                 for batch in monitor.iterate(train):
                     monitor.step(step(state, batch))
-                    guard.exit_if_requested(out, state, loader=train, step=step, extra=extra)
+                    guard.exit_if_requested(out, state, loader=train, step=step,
+                                            extra=run.extra)
                     if state.step >= stop:
                         break
         elapsed = time.perf_counter() - start
@@ -239,7 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     }
     if monitor is not None:  # something was trained: save it
         report["samples_per_s"] = round(monitor.report().samples_per_s or 0.0, 1)
-        checkpointing.save(out, state, loader=train, step=step, keep=2, extra=extra)
+        run.save(state, loader=train, step=step)
     if main_process:
         if monitor is not None:
             print(monitor.report())

@@ -26,7 +26,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 import accelfn as af
-from accelfn import checkpointing, data
+from accelfn import data
 from accelfn.data.datasets import digits
 
 
@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
     args = parser.parse_args(argv)
 
     device = af.init_distributed()
-    out = run_options.run_folder(args, "noise")
+    run = run_options.open_run(args, "noise")
+    out = str(run.path)
     torch.manual_seed(0)
     dataset = digits()
     train = data.loader(dataset, batch_size=32, device=device,
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | None]:
         "loss": None if metrics is None else float(metrics["loss"]),
         "accuracy": None if metrics is None else float(metrics["accuracy"])}
     if trained:
-        checkpointing.save(out, state, loader=train, step=step, keep=2)
+        run.save(state, loader=train, step=step)
     if af.is_main_process():
         print(json.dumps(summary))
     train.close()  # stop background threads before the process group goes

@@ -36,7 +36,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 import accelfn as af
-from accelfn import checkpointing, data
+from accelfn import data
 from accelfn.data.datasets import digits
 
 
@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     main_process = af.is_main_process()
     dataset = digits()
     held_out = torch.arange(len(dataset)) % 5 == 0
-    out = run_options.run_folder(args, "distill")
+    run = run_options.open_run(args, "distill")
+    out = str(run.path)
     normalize = data.Normalize(mean=[0.3], std=[0.38])
 
     def loader(seed: int) -> data.BatchLoader:
@@ -159,8 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         "out": out,
     }
     if trained:
-        checkpointing.save(out, state, loader=train_loader, step=step, keep=2,
-                           extra={"teacher": teacher.state_dict()})
+        run.save(state, loader=train_loader, step=step, extra={"teacher": teacher.state_dict()})
     if main_process:
         print(json.dumps(report, indent=2))
     train_loader.close()  # stop background threads before the process group goes

@@ -56,7 +56,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 import accelfn as af
-from accelfn import checkpointing, data
+from accelfn import data
 from accelfn.data.datasets import digits
 
 NZ, NGF, NDF, NC = 16, 32, 32, 1  # noise size, generator and discriminator widths, channels
@@ -168,7 +168,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     main_process = af.is_main_process()
     train_set = images16(digits())
     run_options.check_batch(args.batch_size, len(train_set))
-    out = run_options.run_folder(args, "gan")
+    run = run_options.open_run(args, "gan")
+    out = str(run.path)
     train = data.loader(train_set, batch_size=args.batch_size, device=device, seed=args.seed)
 
     torch.manual_seed(args.seed)
@@ -224,8 +225,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                    "device": str(device), "out": out})
     if trained:
         state_g.sync()
-        checkpointing.save(out, state_d, loader=train, step=d_step, keep=2,
-                           extra={"generator": state_g.state_dict()})
+        run.save(state_d, loader=train, step=d_step, extra={"generator": state_g.state_dict()})
     if main_process:
         with torch.no_grad(), untracked(netG):  # main.py draws samples in training mode too
             samples = netG(fixed_noise)

@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     step = af.distributed(af.with_amp(af.with_accumulation(2)(af.with_clipping(loss_fn))))
 
     start_epoch = 0
-    info = run_options.resume(args, state, loader=None, step=step)  # epochs restart the loader
+    # epochs restart the loader; "resumed in N processes" is said once the epoch is checked
+    info = run_options.resume(args, state, loader=None, step=step, announce=False)
     if info is not None:
         saved = info.extra if isinstance(info.extra, dict) else {}
         if not isinstance(saved.get("epoch"), int):  # another loop's checkpoint of this model
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 f"{saved or None}), so hand_written_loop.py did not write it: resume a run of "
                 "this example (runs/loop/<run>), or start a new run (without --resume)")
         start_epoch = saved["epoch"] + 1
+    run_options.announce_resumed(args)
 
     if af.is_main_process():
         print(f"step: {af.describe(step)}")

@@ -42,7 +42,7 @@ from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 import accelfn as af
-from accelfn import checkpointing, data
+from accelfn import data
 
 
 class Block(nn.Module):
@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     sequences = text_sequences(args.seq_len)
     held_out = torch.arange(len(sequences)) % 10 == 0
     run_options.check_batch(args.batch_size, int((~held_out).sum()), args.accumulation)
-    out = run_options.run_folder(args, "muon")
+    run = run_options.open_run(args, "muon")
+    out = str(run.path)
     train = data.loader(sequences[~held_out], batch_size=args.batch_size, device=device,
                         seed=args.seed)
     val = data.loader(sequences[held_out], batch_size=64, shuffle=False, drop_last=False,
@@ -157,8 +158,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     step = af.distributed(af.with_accumulation(args.accumulation)(
         af.with_clipping(max_norm=1.0)(lm_loss)))
 
-    info = run_options.resume(args, state, loader=train, step=step)
-    run_options.check_plan(info, args.steps)  # the schedules span --steps updates
+    # the schedules span --steps updates: a run planned for another number is refused
+    # before anything is loaded; checkpoints of this run record it
+    run_options.resume(args, state, loader=train, step=step, total=args.steps)
     if main_process:
         print(f"step: {af.describe(step)}")
         print(f"Muon: {sum(p.numel() for g in muon.param_groups for p in g['params'])} "
@@ -200,8 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                    "train_seconds": round(elapsed, 2), "processes": af.world_size(),
                    "out": out})
     if trained:
-        checkpointing.save(out, state, loader=train, step=step, keep=2,
-                           extra={"total_steps": args.steps})
+        run.save(state, loader=train, step=step)
     if main_process:
         print(json.dumps(report, indent=2))
     train.close()  # stop background threads before the process group goes

@@ -1,4 +1,4 @@
-"""The command-line options every example shares: where a run writes, and resuming it.
+"""The command-line options every example shares, over ``accelfn.checkpointing.RunFolder``.
 
     parser = argparse.ArgumentParser()
     run_options.add_arguments(parser)
@@ -6,33 +6,29 @@
     device = af.init_distributed()
     out = run_options.run_folder(args, "digits")      # every process gets the same folder
     ...                                               # build state, loader and step
-    info = run_options.resume(args, state, loader=train, step=step)
+    info = run_options.resume(args, state, loader=train, step=step, total=total)
 
-Each run writes into a folder of its own: ``runs/<name>/<date>-<time>`` unless ``--out``
-names one. A folder that holds another run's checkpoints is refused (its checkpoints would
-mix with this run's) unless ``--overwrite`` deletes them or ``--resume`` continues that run.
-``--resume`` takes a checkpoint, a run folder (its newest checkpoint) or ``runs/<name>`` (the
-run whose newest checkpoint is newest); the resumed run keeps writing into its own folder.
-A checkpoint written by another number of processes needs ``--allow-resharding``.
+The run folder itself (a new ``runs/<name>/<date>-<time>``, ``--out``, ``--resume`` of a
+checkpoint, a run folder or ``runs/<name>``, ``--overwrite``, ``--allow-resharding``, the
+checks made before anything is loaded) is ``accelfn.checkpointing.RunFolder``; this module
+turns its errors into usage errors (exit status 2, the message after ``<script>: error:``),
+prints what a resumed run left behind, and holds the argparse types and messages the
+examples share.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
+import dataclasses
 import sys
-import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
-
-import torch.distributed as dist
+from typing import Any, NoReturn
 
 import accelfn as af
-from accelfn import checkpointing
-
-T = TypeVar("T")
+from accelfn.checkpointing.format import CheckpointInfo
+from accelfn.checkpointing.runs import PlanMismatchError, RunFolder, RunFolderError
 
 
 class UsageError(SystemExit):
@@ -81,151 +77,83 @@ def positive_float(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--out``, ``--resume``, ``--overwrite`` and ``--allow-resharding`` to ``parser``."""
-    parser.add_argument("--out", default=None,
-                        help="the run's folder for checkpoints, logs and plots (default: a new "
-                             "runs/<name>/<date>-<time>; with --resume, the resumed run's)")
-    parser.add_argument("--resume", default=None,
-                        help="continue a run: a checkpoint, a run folder (its newest "
-                             "checkpoint) or runs/<name> (its newest run)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="write into --out although it holds another run's checkpoints "
-                             "(they are deleted first)")
-    parser.add_argument("--allow-resharding", action="store_true",
-                        help="resume a checkpoint written by another number of processes: "
-                             "weights, optimizer, schedule and transform state carry over; "
-                             "RNG states and the loader position do not (the data start a "
-                             "new epoch)")
+    RunFolder.add_arguments(parser)
 
 
-def _on_rank0(decide: Callable[[], T]) -> T:
-    """``decide()`` on the first process, its result (or its SystemExit) on every process."""
-    if af.world_size() == 1:
-        return decide()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            box = [("ok", decide())]
-        except SystemExit as stop:  # refuse() printed it here; the others only exit
-            box = [("exit", str(stop))]
-        except Exception as error:  # the other processes must hear of it too
-            box = [("error", f"{type(error).__name__}: {error}")]
-    dist.broadcast_object_list(box, src=0)
-    kind, value = box[0]
-    if kind == "exit":
-        raise UsageError(value)
-    if kind == "error":
-        raise RuntimeError(f"on the first process: {value}")
-    result: T = value
-    return result
-
-
-def find_checkpoint(path: str | Path) -> tuple[Path, Path]:
-    """(run folder, checkpoint) named by ``--resume``; SystemExit if there is none."""
-    path = Path(path)
-    if path in checkpointing.checkpoints(path.parent):
-        return path.parent, path
-    newest = checkpointing.latest(path)
-    if newest is not None:
-        return path, newest
-    runs = [(found, run) for run in (sorted(path.iterdir()) if path.is_dir() else [])
-            if run.is_dir() and (found := checkpointing.latest(run)) is not None]
-    if runs:
-        found, run = max(runs, key=lambda pair: pair[0].stat().st_mtime)
-        return run, found
-    refuse(f"--resume {path}: no complete checkpoint there, nor in a run folder under "
-                     "it; pass a run folder (it holds step-* folders) or one of its checkpoints")
-
-
-def _new_folder(root: Path) -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    for i in range(1000):
-        candidate = root / (stamp if i == 0 else f"{stamp}-{i}")
-        try:
-            candidate.mkdir(parents=True)
-            return candidate
-        except FileExistsError:
-            continue
-    refuse(f"cannot make a new run folder under {root}; pass --out")
+def open_run(args: argparse.Namespace, name: str) -> RunFolder:
+    """The run's [`RunFolder`][accelfn.checkpointing.runs.RunFolder] (call after
+    ``af.init_distributed()``); a usage error, with what to pass, when it does not fit.
+    Sets ``args.resume`` to the checkpoint it resumes, and keeps the folder in ``args``."""
+    try:
+        run = RunFolder.from_args(args, name)
+    except RunFolderError as error:
+        refuse(str(error))
+    args.resume = None if run.checkpoint is None else str(run.checkpoint)
+    args.run_folder = run
+    return run
 
 
 def run_folder(args: argparse.Namespace, name: str) -> str:
-    """The run's folder, the same on every process (call after ``af.init_distributed()``).
+    """The path of [`open_run`][]'s folder, the same on every process."""
+    return str(open_run(args, name).path)
 
-    Sets ``args.resume`` to the checkpoint it names. SystemExit, with what to pass, when the
-    folder holds another run's checkpoints.
+
+def _planned_steps(checkpoint: Path | None, saved: Any, total: Any) -> str:
+    return (f"{checkpoint} belongs to a run of {saved} updates (its learning-rate schedule "
+            f"spans them) and this one asks for {total}: resume with --steps {saved}, or "
+            f"start a new run (without --resume) with --steps {total}")
+
+
+def resume(args: argparse.Namespace, state: Any, *, loader: Any | None, step: Any,
+           total: int | None = None, announce: bool = True) -> CheckpointInfo | None:
+    """The run folder's resume of ``--resume`` (after [`run_folder`][]), or None without it.
+
+    ``total``: the updates this run's schedule spans; a checkpoint planned for another
+    number is refused before anything is loaded (as [`check_plan`][] does after). With the
+    processes that wrote it the resume is exact; another number of processes needs
+    ``--allow-resharding``, and then a line says what was left behind: printed here, or by
+    [`announce_resumed`][] with ``announce=False`` (when the script checks more first).
     """
-
-    def decide() -> tuple[str, str | None]:
-        resumed: Path | None = None
-        checkpoint: str | None = None
-        if args.resume:
-            resumed, found = find_checkpoint(args.resume)
-            checkpoint = str(found)
-        if args.out:
-            out = Path(args.out)
-            if out.exists() and not out.is_dir():  # else the run would fail when it saves
-                refuse(f"--out {out}: is a file, not a folder; pass a folder (a new one is "
-                       "made) or drop --out")
-        elif resumed is not None:
-            out = resumed
-        else:
-            out = _new_folder(Path("runs") / name)
-        if resumed is None or out.resolve() != resumed.resolve():
-            others = checkpointing.checkpoints(out)
-            if others and not args.overwrite:
-                refuse(
-                    f"{out} holds the checkpoints of another run ({others[-1].name}): pass "
-                    f"--resume {out} to continue it, --overwrite to delete them and start "
-                    "again there, or drop --out (each run then gets a new folder of its own)")
-            for old in others:
-                shutil.rmtree(old)
-        return str(out), checkpoint
-
-    out, args.resume = _on_rank0(decide)
-    return out
-
-
-def _mismatch(checkpoint: Path, error: Exception) -> str:
-    """The line for a checkpoint that does not fit this run (another example's, or one
-    written with other options): what differs, as checkpointing.load says, and what to do."""
-    return (f"--resume {checkpoint} does not fit this run: {str(error).rstrip('.')}. Resume it "
-            "with the example and the options that wrote it, or start a new run (without "
-            "--resume)")
-
-
-def resume(args: argparse.Namespace, state: af.TrainState, *, loader: Any | None,
-           step: af.Step) -> checkpointing.CheckpointInfo | None:
-    """``checkpointing.load`` of ``--resume`` (after [`run_folder`][]), or None without it.
-
-    With the processes that wrote it the resume is exact (loader position and RNG states
-    included). Another number of processes needs ``--allow-resharding``, and then restores
-    everything but those.
-    """
-    if not args.resume:
-        return None
-    checkpoint = Path(args.resume)
-    meta = json.loads((checkpoint / "meta.json").read_text())  # see accelfn.checkpointing.format
-    saved, world = int(meta["world_size"]), af.world_size()
-    if saved == world:
-        try:
-            return checkpointing.load(checkpoint, state, loader=loader, step=step)
-        except checkpointing.CheckpointError as error:  # every process raises it
-            refuse(_mismatch(checkpoint, error))
-    if not args.allow_resharding:
-        refuse(
-            f"{checkpoint} was written by {saved} process(es) and this run has {world}: pass "
-            "--allow-resharding to resume it anyway (weights, optimizer, schedule and transform "
-            "state carry over; the RNG states and the loader position do not, so the data "
-            f"start a new epoch), or resume with torchrun --nproc_per_node={saved}")
+    run: RunFolder | None = getattr(args, "run_folder", None)
+    if run is None:
+        run = open_run(args, "run")
     try:
-        info = checkpointing.load(checkpoint, state, loader=None, step=step,
-                                  allow_resharding=True)
-    except checkpointing.CheckpointError as error:
-        refuse(_mismatch(checkpoint, error))
-    if af.is_main_process():
-        print(f"resumed {checkpoint}, written by {saved} process(es), in {world}: the RNG "
-              "states and the loader position were left behind; the data start a new epoch")
+        info = run.resume(state, loader=loader, step=step,
+                          plan=None if total is None else {"total_steps": total})
+    except PlanMismatchError as error:
+        if error.key == "total_steps":
+            refuse(_planned_steps(run.checkpoint, error.saved, error.wanted))
+        refuse(str(error))
+    except RunFolderError as error:
+        refuse(str(error))
+    args.resumed_line = None
+    if info is not None and run.resharded_from is not None:
+        args.resumed_line = (
+            f"resumed {info.path}, written by {run.resharded_from} process(es), in "
+            f"{af.world_size()}: the RNG states and the loader position were left behind; "
+            "the data start a new epoch")
+    if announce:
+        announce_resumed(args)
     return info
+
+
+def announce_resumed(args: argparse.Namespace) -> None:
+    """Print (on the first process) what a resume in another number of processes left
+    behind, once; nothing after an exact resume or none."""
+    line = getattr(args, "resumed_line", None)
+    if line and af.is_main_process():
+        print(line)
+    args.resumed_line = None
+
+
+def check_plan(info: CheckpointInfo | None, total: int) -> None:
+    """Usage error when the resumed run was planned for another number of updates than
+    ``total`` (its learning-rate schedule spans the planned ones). ``resume(...,
+    total=total)`` makes this check before anything is loaded and printed."""
+    extra = info.extra if info is not None else None
+    planned = extra.get("total_steps") if isinstance(extra, dict) else None
+    if info is not None and planned is not None and int(planned) != total:
+        refuse(_planned_steps(info.path, planned, total))
 
 
 def check_batch(batch_size: int, samples: int, accumulation: int = 1) -> None:
@@ -241,18 +169,6 @@ def check_batch(batch_size: int, samples: int, accumulation: int = 1) -> None:
                "larger --batch-size")
 
 
-def check_plan(info: checkpointing.CheckpointInfo | None, total: int) -> None:
-    """SystemExit when the resumed run was planned for another number of updates than
-    ``total`` (its learning-rate schedule spans the planned ones)."""
-    extra = info.extra if info is not None else None
-    planned = extra.get("total_steps") if isinstance(extra, dict) else None
-    if info is not None and planned is not None and int(planned) != total:
-        refuse(
-            f"{info.path} belongs to a run of {planned} updates (its "
-            f"learning-rate schedule spans them) and this one asks for {total}: resume with "
-            f"--steps {planned}, or start a new run (without --resume) with --steps {total}")
-
-
 def nothing_to_train(out: str, done: int, stop: int, total: int, longer: str) -> str:
     """The line that says why a resumed run trains no further, and what to pass."""
     if done >= total:
@@ -260,6 +176,31 @@ def nothing_to_train(out: str, done: int, stop: int, total: int, longer: str) ->
                 f"nothing to train. {longer}")
     return (f"{out}: already at --stop-at {stop} ({done} of {total} updates); raise --stop-at "
             "or leave it out to continue")
+
+
+def plot_history(run: RunFolder, monitor: Any) -> Path | None:
+    """Redraw ``run.png`` from every row of the run folder's ``metrics.jsonl`` (the steps
+    before a resume too) with the monitor's report (its verdict and this session's GPU
+    samples); the monitor's own plot shows only the steps it measured. None when there is
+    nothing to draw or matplotlib is missing."""
+    if not af.is_main_process() or monitor.plot_file is None:
+        return None
+    report = monitor.report()
+    rows = run.history()
+    if len(rows) <= len(report.rows):
+        return Path(monitor.plot_file)
+    earlier = [r for r in rows if r.get("step", 0) < report.rows[0]["step"]] \
+        if report.rows else rows
+    # each session's rows keep their own clock (time_s restarts at a resume) and the plot
+    # places GPU samples by those times: the GPU panel is left out of the whole history
+    whole = dataclasses.replace(report, rows=earlier + report.rows, gpu_samples=[])
+    try:
+        path: Path = whole.plot(run.plot_file)
+    except (ImportError, ValueError) as error:
+        warnings.warn(f"{run.plot_file}: {error}; the plot shows this session only",
+                      stacklevel=2)
+        return Path(monitor.plot_file)
+    return path
 
 
 if __name__ == "__main__":

@@ -459,3 +459,52 @@ def test_one_update_and_one_block_run(tmp_path, capsys):
     images = load_example("classify_images").main(["--steps", "1", *TINY_IMAGES,
                                                    "--out", str(tmp_path / "images")])
     assert images["updates"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_run_of_2_processes_resumed_in_1_refuses_before_saying_it_resumed(tmp_path, capsys):
+    """An epoch of 1 process is twice the updates of 2: the schedule's plan differs, and the
+    resume is refused before anything is loaded or printed; --steps as planned resumes."""
+    from conftest import torchrun
+
+    out = tmp_path / "digits"
+    torchrun(os.path.join(EXAMPLES, "classify_digits.py"), "--epochs", "1", "--stop-at", "2",
+             "--quiet", "--out", str(out), cwd=ROOT)
+    planned = torch.load(checkpointing.latest(out) / "state.pt",
+                         weights_only=True)["extra"]["total_steps"]
+    example = load_example("classify_digits")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as refused:
+        example.main(["--epochs", "1", "--resume", str(out), "--allow-resharding", "--quiet"])
+    printed = capsys.readouterr()
+    assert refused.value.code == 2
+    assert f"belongs to a run of {planned} updates" in str(refused.value)
+    assert f"resume with --steps {planned}" in str(refused.value)
+    assert "resumed" not in printed.out + printed.err
+    report = example.main(["--steps", str(planned), "--stop-at", "3", "--resume", str(out),
+                           "--allow-resharding", "--quiet"])
+    assert report["updates"] == 3
+    assert "resumed" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_resumed_run_plots_its_whole_history(tmp_path, monkeypatch, capsys):
+    from accelfn.observe.report import MonitorReport
+
+    drawn: list[list[int]] = []
+    plot = MonitorReport.plot
+
+    def spy(self, path, **kwargs):
+        drawn.append([r["step"] for r in self.rows])
+        return plot(self, path, **kwargs)
+
+    monkeypatch.setattr(MonitorReport, "plot", spy)
+    example = load_example("classify_digits")
+    out = tmp_path / "digits"
+    example.main(["--steps", "8", "--stop-at", "5", "--out", str(out), "--quiet"])
+    drawn.clear()
+    report = example.main(["--steps", "8", "--out", str(out), "--resume", str(out), "--quiet"])
+    assert drawn[-1] == list(range(8))  # the steps before the resume too
+    assert report["plot"] == str(out / "run.png")
+    assert (out / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
