@@ -124,7 +124,7 @@ class Totals:
 
 
 class RunningSummary:
-    """A run's rows summarised as they come: [`Totals`][] of the measured rows, the
+    """A run's rows summarised as they come: `Totals` of the measured rows, the
     warm-up and probed rows themselves (few: the report falls back on them when nothing
     else was measured), non-finite metric counts over every row, and the last row."""
 

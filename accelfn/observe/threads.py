@@ -98,6 +98,8 @@ def oversubscription(cpu: CpuLoad | None = None, *, own_load: float = 0.0) -> Fi
             "threads", "warning",
             f"oversubscribed: the load average {cpu.load:.1f} exceeds the {cpu.cores} "
             f"usable core(s): other work competes for the CPU, timings are slow and vary",
-            fix + "; or run when the machine is less busy")
+            fix + "; or run when the machine is less busy" if cpu.threads > per_process else
+            f"{procs} are already within the free cores: run when the machine is less busy "
+            "(timings taken now are not comparable with an idle machine's)")
     return Finding("threads", "ok", f"{procs} on {free} free core(s) ({cpu.cores} usable"
                    f"{load})")

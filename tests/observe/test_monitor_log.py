@@ -177,3 +177,23 @@ def test_bad_values_are_refused_before_anything_is_recorded() -> None:
     assert mon.report().logged == {} and mon.report().logged_rows == []
     with pytest.raises(RuntimeError, match=r"Monitor.log\(\) after close"):
         mon.log({"v": 1.0})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_log_never_waits_for_the_device(tmp_path: Path) -> None:
+    x = torch.randn(2048, 2048, device="cuda")
+    mon = Monitor(progress=False, sync_check_step=None, log_every=1000,
+                  jsonl=tmp_path / "m.jsonl")
+    with mon:
+        mon.step({"loss": (x @ x).mean()})
+        val = x
+        for _ in range(20):  # device work still queued when log() returns
+            val = val @ x / 50
+        torch.cuda.set_sync_debug_mode("error")  # any host wait raises
+        try:
+            mon.log({"val_loss": val.abs().mean(), "n": torch.tensor(7, device="cuda")})
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        want = val.abs().mean().item()
+    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert lines[-1] == {"step": 0, "val_loss": pytest.approx(want, rel=1e-6), "n": 7.0}

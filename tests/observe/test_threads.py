@@ -31,6 +31,10 @@ def test_a_load_above_the_cores_is_oversubscription_even_with_one_thread() -> No
     found = oversubscription(CpuLoad(cores=2, local_processes=1, threads=1, load=10.0))
     assert found.severity == "warning"
     assert "load average 10.0 exceeds the 2 usable core(s)" in found.message
+    assert "1 torch threads are already within the free cores" in (found.fix or "")
+    found = oversubscription(CpuLoad(cores=4, local_processes=1, threads=2, load=4.5),
+                             own_load=0.0)
+    assert found.severity == "warning" and "2 torch threads on" in found.message
     assert "OMP_NUM_THREADS=1" in (found.fix or "")
     # 8 threads on a box whose other work leaves one core: the threads are the problem
     found = oversubscription(CpuLoad(cores=8, local_processes=1, threads=8, load=7.0))
@@ -79,6 +83,7 @@ def test_the_monitor_verdict_names_an_oversubscribed_cpu(
         monkeypatch: pytest.MonkeyPatch) -> None:
     assert run_cpu_monitor().report().verdict.startswith("compute-bound on cpu")
     loaded(monkeypatch, load=14.0, cores=2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # torch's default on 2 cores
     report = run_cpu_monitor().report()
-    assert report.verdict.startswith("CPU oversubscribed: the load average 14.0 exceeds")
+    assert report.verdict.startswith("CPU oversubscribed: 2 torch threads on 1 free core(s)")
     assert "OMP_NUM_THREADS" in (threads_finding(report).fix or "")  # type: ignore[attr-defined]
