@@ -21,6 +21,7 @@ from ...core.processes import init_distributed, world_size
 from ...core.protocol import CallContext, Prepared, Transform, UpdateContext, configure
 from ...core.state import TrainState
 from .ddp import all_reduce_grads, wrap_ddp
+from .errors import Translating
 from .fsdp import check_optimizers, parameter_names, repoint_optimizers, shard_fsdp
 from .mesh import build_mesh, data_mesh, layout
 from .plans import apply_plan, check_plan, resolve_plan
@@ -89,40 +90,51 @@ def _distributed(o: _Options) -> Transform:
         check_optimizers(state.optimizers, o.strategy, o.tp)
         if o.sync_batchnorm:
             _sync_batchnorm(model, device)
-        if not fsdp:
-            model = wrap_ddp(model, device, o.static_graph, o.compression, o.bucket_cap_mb,
-                             o.find_unused_parameters)
-        else:  # the islands phase (with_amp) set the compute dtype: FSDP's parameter dtype
-            before = parameter_names(model)
-            mesh = build_mesh(grid, device.type) if o.strategy == "hsdp" or o.tp > 1 else None
-            if resolved is not None:  # tensor parallel first, then FSDP2 over the rest
-                assert mesh is not None
-                apply_plan(model, mesh["tp"], resolved)
-            shard_fsdp(model, None if mesh is None else data_mesh(mesh, grid),
-                       prepared.compute_dtype, o.offload, o.reshard_after_forward)
-            repoint_optimizers(state, model, before)
+        with Translating(where=" while the first step wrapped the model"):
+            if not fsdp:
+                model = wrap_ddp(model, device, o.static_graph, o.compression,
+                                 o.bucket_cap_mb, o.find_unused_parameters)
+            else:  # the islands phase (with_amp) set the compute dtype: FSDP's parameter dtype
+                before = parameter_names(model)
+                mesh = build_mesh(grid, device.type) \
+                    if o.strategy == "hsdp" or o.tp > 1 else None
+                if resolved is not None:  # tensor parallel first, then FSDP2 over the rest
+                    assert mesh is not None
+                    apply_plan(model, mesh["tp"], resolved)
+                shard_fsdp(model, None if mesh is None else data_mesh(mesh, grid),
+                           prepared.compute_dtype, o.offload, o.reshard_after_forward)
+                repoint_optimizers(state, model, before)
         return dataclasses.replace(prepared, model=model, process_group=dist.group.WORLD)
 
-    def micro_context(ctx: CallContext, index: int,
-                      sync: bool) -> contextlib.AbstractContextManager[Any]:
+    def _micro_context(ctx: CallContext,
+                       sync: bool) -> contextlib.AbstractContextManager[Any] | None:
         model = ctx.model
-        if sync or ctx.distributed is None:
-            if fsdp and ctx.distributed is not None:
+        if sync:
+            if fsdp:
                 _root(model).set_requires_gradient_sync(True)
             unsynced.pop(model, None)
-            return contextlib.nullcontext()
+            return None
         if not fsdp:
             if o.static_graph:  # torch's static graph breaks under no_sync (an internal
                 # assert, then gradients never reduced): all-reduce every micro-batch, exact
                 # too (what is reduced already is equal on every process)
-                return contextlib.nullcontext()
+                return None
             unsynced[model] = True
             no_sync: contextlib.AbstractContextManager[Any] = getattr(model, "no_sync")()  # noqa: B009
             return no_sync
         if o.fsdp_sync == "once":  # HSDP: neither reduce-scatter nor all-reduce until then
             unsynced[model] = True
             _root(model).set_requires_gradient_sync(False)
-        return contextlib.nullcontext()
+        return None
+
+    def micro_context(ctx: CallContext, index: int,
+                      sync: bool) -> contextlib.AbstractContextManager[Any]:
+        if ctx.distributed is None:
+            return contextlib.nullcontext()
+        # torch.distributed's failures in the forward (DDP's unused parameters found at the
+        # next forward, FSDP's all-gathers, a timeout) are explained (errors.translate)
+        return Translating(_micro_context(ctx, sync), model=_root(ctx.model),
+                           where=" in a micro-batch's forward")
 
     def reduce(ctx: UpdateContext) -> None:
         # Processes averaged sum(coef * grad) over the data-parallel processes; the engine
@@ -138,11 +150,13 @@ def _distributed(o: _Options) -> Transform:
                     f"step.flush(state) cannot apply this window: distributed(strategy="
                     f"{o.strategy!r}, fsdp_sync='once') left its gradients unsharded and "
                     "unreduced. Use fsdp_sync='every' with with_accumulation(n, mode='calls')")
-            all_reduce_grads(ctx.state.model, ctx.distributed)
+            with Translating(where=" in the all-reduce of a flushed window's gradients"):
+                all_reduce_grads(ctx.state.model, ctx.distributed)
         if ctx.divisor is None:
             return
         total = ctx.divisor.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.distributed)
+        with Translating(where=" in the all-reduce of the update's sample counts"):
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.distributed)
         world = world_size()
         ctx.weight_total = total / o.tp if o.tp > 1 else total
         divisor = total / world
