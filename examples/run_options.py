@@ -19,9 +19,7 @@ examples share.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -179,27 +177,15 @@ def nothing_to_train(out: str, done: int, stop: int, total: int, longer: str) ->
 
 
 def plot_history(run: RunFolder, monitor: Any) -> Path | None:
-    """Redraw ``run.png`` from every row of the run folder's ``metrics.jsonl`` (the steps
-    before a resume too) with the monitor's report (its verdict and this session's GPU
-    samples); the monitor's own plot shows only the steps it measured. None when there is
-    nothing to draw or matplotlib is missing."""
+    """The run's plot: after a resume, ``run.png`` redrawn from every row of the run folder's
+    ``metrics.jsonl`` (the steps before the resume too, ``MonitorReport.plot(history=)``);
+    the monitor's own plot shows only the steps it measured. None on the other processes,
+    or when no plot was written (no matplotlib)."""
     if not af.is_main_process() or monitor.plot_file is None:
         return None
-    report = monitor.report()
-    rows = run.history()
-    if len(rows) <= len(report.rows):
+    if run.checkpoint is None or not run.metrics_file.is_file():  # one session: the same
         return Path(monitor.plot_file)
-    earlier = [r for r in rows if r.get("step", 0) < report.rows[0]["step"]] \
-        if report.rows else rows
-    # each session's rows keep their own clock (time_s restarts at a resume) and the plot
-    # places GPU samples by those times: the GPU panel is left out of the whole history
-    whole = dataclasses.replace(report, rows=earlier + report.rows, gpu_samples=[])
-    try:
-        path: Path = whole.plot(run.plot_file)
-    except (ImportError, ValueError) as error:
-        warnings.warn(f"{run.plot_file}: {error}; the plot shows this session only",
-                      stacklevel=2)
-        return Path(monitor.plot_file)
+    path: Path = monitor.report().plot(run.plot_file, history=run.metrics_file)
     return path
 
 

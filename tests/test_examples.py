@@ -490,16 +490,16 @@ def test_a_run_of_2_processes_resumed_in_1_refuses_before_saying_it_resumed(tmp_
 
 @pytest.mark.slow
 def test_a_resumed_run_plots_its_whole_history(tmp_path, monkeypatch, capsys):
-    from accelfn.observe.report import MonitorReport
+    from accelfn.observe import plots
 
     drawn: list[list[int]] = []
-    plot = MonitorReport.plot
+    plot = plots.plot_report
 
-    def spy(self, path, **kwargs):
-        drawn.append([r["step"] for r in self.rows])
-        return plot(self, path, **kwargs)
+    def spy(report, path, **kwargs):
+        drawn.append([r["step"] for r in report.rows])
+        return plot(report, path, **kwargs)
 
-    monkeypatch.setattr(MonitorReport, "plot", spy)
+    monkeypatch.setattr(plots, "plot_report", spy)
     example = load_example("classify_digits")
     out = tmp_path / "digits"
     example.main(["--steps", "8", "--stop-at", "5", "--out", str(out), "--quiet"])
