@@ -25,6 +25,7 @@ __all__ = [
     "compile_modes",
     "cpu_bf16_native",
     "dcp_private_metadata_classes",
+    "dcp_stager",
     "dcp_storage_entries",
     "foreach_copy_",
     "foreach_div_",
@@ -261,6 +262,43 @@ def dcp_storage_entries(metadata: Any) -> list[tuple[Any, Any, Any, Any]]:
     ``storage_data`` (its values are the private ``filesystem._StorageInfo``)."""
     return [(index, getattr(info, "relative_path", None), getattr(info, "offset", None),
              getattr(info, "length", None)) for index, info in metadata.storage_data.items()]
+
+
+_STAGER_STAGES_TWICE: list[bool] = []  # the probe's answer, once per process
+
+
+def dcp_stager(stager: Any | None, make: Callable[[], Any]) -> Any:
+    """``stager`` (a ``torch.distributed.checkpoint.staging.DefaultStager``) when it can stage
+    again, else a new one from ``make()`` (the old one closed).
+
+    torch 2.11's ``DefaultStager`` closes its state-dict stager at the end of every
+    ``stage()``: its copy table is emptied and the next ``stage()`` raises
+    ``KeyError: <class 'type'>``. Later releases keep it open until ``close()``, and a kept
+    stager copies into the pinned buffers of the previous call. Which one this torch does is
+    probed once, by staging a one-element dict twice on the CPU.
+    """
+    if stager is not None:
+        if not _STAGER_STAGES_TWICE:
+            _STAGER_STAGES_TWICE.append(_stager_stages_twice())
+        if _STAGER_STAGES_TWICE[0]:
+            return stager
+        stager.close()
+    return make()
+
+
+def _stager_stages_twice() -> bool:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    probe = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                         use_async_staging=False, use_non_blocking_copy=False))
+    try:
+        for _ in range(2):
+            probe.stage({"probe": torch.zeros(1)})
+    except KeyError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def weights_only_unpickle(data: bytes) -> Any:

@@ -290,3 +290,40 @@ def test_zero_grad_is_the_optimizers_set_to_none_and_keeps_its_profiler_label():
 
     compat.zero_grad(Own(model.parameters(), lr=0.1))
     assert Own.calls == 1 and all(p.grad is None for p in model.parameters())
+
+
+def _cpu_stager():
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=False))
+
+
+def test_dcp_stager_stages_every_call_and_keeps_a_stager_that_can():
+    made = []
+
+    def make():
+        made.append(_cpu_stager())
+        return made[-1]
+
+    state = {"model": {"w": torch.arange(3.0)}, "step": 1, "kind": dict}
+    stager = None
+    for step in range(3):  # torch 2.11 fails the second call on a kept stager
+        stager = compat.dcp_stager(stager, make)
+        state["model"]["w"] += 1
+        staged = stager.stage(state)
+        assert torch.equal(staged["model"]["w"], torch.arange(3.0) + step + 1)
+        assert staged["model"]["w"].data_ptr() != state["model"]["w"].data_ptr()
+        assert staged["step"] == 1 and staged["kind"] is dict
+    stager.close()
+    # a stager is kept exactly when a plain one stages twice on this torch
+    plain = _cpu_stager()
+    try:
+        plain.stage({"w": torch.zeros(1)})
+        plain.stage({"w": torch.zeros(1)})
+        twice = True
+    except KeyError:
+        twice = False
+    finally:
+        plain.close()
+    assert len(made) == (1 if twice else 3)
