@@ -4,9 +4,10 @@
 
 A small language model whose output layer is tied to its embedding, with BatchNorm buffers,
 trained a few updates under FSDP2 (``distributed(strategy="fsdp")``, a ``fully_shard`` per
-block and on the root) and under DDP, each with ``with_ema``; then exported (weights, EMA,
-bfloat16). Rank 0 keeps what the shards hold, gathered another way (``DTensor.full_tensor``,
-the EMA slot's own tensors), as the reference the files are compared with.
+block and on the root), HSDP (FSDP2 over a 2-D mesh) and DDP, each with ``with_ema``; then
+exported (weights, EMA, bfloat16). Rank 0 keeps what the shards hold, gathered another way
+(``DTensor.full_tensor``, the EMA slot's own tensors), as the reference the files are
+compared with.
 """
 
 from __future__ import annotations
@@ -80,7 +81,9 @@ def run(strategy: str, out: Path, rank: int) -> dict[str, object]:
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     # buffers="copy": under FSDP2 an average of the (unsharded) BatchNorm buffers fails
     # in with_ema's fused update, which mixes them with the sharded parameters
-    step = af.with_ema(decay=0.5, buffers="copy")(af.distributed(strategy=strategy)(lm_loss))
+    options = {"strategy": "hsdp", "replicate": 1} if strategy == "hsdp" else \
+        {"strategy": strategy}  # HSDP: a 2-D mesh (1 copy, sharded over 2 processes)
+    step = af.with_ema(decay=0.5, buffers="copy")(af.distributed(**options)(lm_loss))
     batches = data()
     for i in range(STEPS):
         start = (2 * i + rank) * BATCH
@@ -104,7 +107,7 @@ def run(strategy: str, out: Path, rank: int) -> dict[str, object]:
 def main(out: Path) -> None:
     af.init_distributed()
     rank = dist.get_rank()
-    results = {strategy: run(strategy, out, rank) for strategy in ("fsdp", "ddp")}
+    results = {strategy: run(strategy, out, rank) for strategy in ("fsdp", "hsdp", "ddp")}
     save_rank_results(out, results)
 
 

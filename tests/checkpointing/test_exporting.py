@@ -1,6 +1,6 @@
 """export(): the weights in a safetensors file that loads into the plain model bitwise, from
-one process or gathered from FSDP2 shards and DDP (2 gloo processes), the EMA on request,
-tied weights written once, a dtype option; refusals before anything is written."""
+one process or gathered from FSDP2 and HSDP shards and DDP (2 gloo processes), the EMA on
+request, tied weights written once, a dtype option; refusals before anything is written."""
 
 from __future__ import annotations
 
@@ -157,13 +157,13 @@ def plain_loop() -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_export_from_fsdp2_shards_and_ddp_on_2_processes(tmp_path):
+def test_export_from_fsdp2_and_hsdp_shards_and_ddp_on_2_processes(tmp_path):
     ranks = torchrun_results(WORKER, tmp_path)
     by_hand = plain_loop()
-    for strategy in ("fsdp", "ddp"):
+    for strategy in ("fsdp", "hsdp", "ddp"):
         run = ranks[0][strategy]
         assert run["files"] == ranks[1][strategy]["files"]  # every process gets the path
-        assert run["sharded"] is (strategy == "fsdp")
+        assert run["sharded"] is (strategy != "ddp")
         assert run["untouched"] and ranks[1][strategy]["untouched"]
         model = load_plain(Path(run["files"]["weights"]))
         assert_equal(model, run["weights"])  # bitwise: what the shards hold
