@@ -1,7 +1,12 @@
-# Two entry points: `make run` (the main job) and `make test` (lint + the whole suite).
+# Entry points: `make run` (the main job), `make test` (lint, types and the whole suite: what CI
+# runs) and `make test-fast` (lint and the tests not marked slow, compile or distributed: for
+# day-to-day work). Every test process, and every process a test starts, runs torch with one
+# intra-op thread (tests/conftest.py sets it; the variables below cover what starts before it).
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+PYTEST := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest
+FAST := not slow and not compile and not distributed
 
 $(BIN)/accelfn: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -14,14 +19,24 @@ setup: $(BIN)/accelfn
 run: setup
 	$(BIN)/python examples/classify_digits.py
 
-test: setup
+lint: setup
 	$(BIN)/ruff check accelfn tests benchmarks examples docs
+
+test: lint
 	$(BIN)/python -m mypy
 	$(BIN)/python -m mypy examples
-	$(BIN)/python -m pytest -q
+	$(PYTEST) -q
+
+test-fast: lint
+	$(PYTEST) -q -m "$(FAST)"
+
+# The full dry run of benchmarks/gpu_suite.sh on the CPU (every part, tiny: minutes); `make
+# test` runs a cheap part of it.
+test-gpu-suite: setup
+	$(PYTEST) -q --gpu-suite-dry-run -m gpu_suite tests/cli/test_bench.py
 
 # The site in site/; its API reference is generated from the docstrings (mkdocstrings).
 docs: setup
 	$(BIN)/mkdocs build --strict
 
-.PHONY: setup run test docs
+.PHONY: setup run lint test test-fast test-gpu-suite docs

@@ -1,15 +1,54 @@
-"""Shared fixtures: small models, batches and step functions (no accelfn logic here)."""
+"""Shared fixtures: small models, batches and step functions (no accelfn logic here).
+
+Every test process runs torch with one intra-op thread, and so does every process a test
+starts (torchrun workers, loader worker processes, example scripts, the GPU suite's dry run):
+they inherit ``OMP_NUM_THREADS=1`` from here. The suite's processes share a few cores; torch's
+default of one thread per core oversubscribes them and makes a loaded machine many times
+slower.
+
+Tiers (markers in pyproject.toml): ``make test-fast`` leaves out ``slow``, ``compile`` and
+``distributed`` tests; ``make test`` runs them all but ``gpu_suite`` (registered here), the
+full dry run of ``benchmarks/gpu_suite.sh``, which runs with ``--gpu-suite-dry-run``
+(``make test-gpu-suite``).
+"""
 
 from __future__ import annotations
 
 import copy
 import io
+import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import nn
+
+for _variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_variable] = "1"  # inherited by every process a test starts
+torch.set_num_threads(1)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--gpu-suite-dry-run", action="store_true",
+                     help="also run the tests marked gpu_suite: the full dry run of "
+                          "benchmarks/gpu_suite.sh on the CPU (minutes)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "gpu_suite: the full dry run of benchmarks/gpu_suite.sh; run with "
+                   "--gpu-suite-dry-run (make test-gpu-suite)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--gpu-suite-dry-run"):
+        return
+    skip = pytest.mark.skip(reason="the full dry run of benchmarks/gpu_suite.sh: "
+                                   "make test-gpu-suite (or pytest --gpu-suite-dry-run)")
+    for item in items:
+        if "gpu_suite" in item.keywords:
+            item.add_marker(skip)
 
 
 class Block(nn.Module):

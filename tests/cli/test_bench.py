@@ -11,6 +11,7 @@ import io
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -241,13 +242,44 @@ def test_ddp_stage_runs_under_torchrun_on_two_cpu_processes(tmp_path: Path) -> N
     assert _number(ddp["samples_per_s"]) and "distributed" in ddp["stack"]
 
 
+GPU_SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
+
+
 @pytest.mark.slow
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_gpu_suite_parses_and_its_cheap_parts_dry_run(tmp_path: Path) -> None:
+    """The suite's script in seconds: its syntax, the parts its header lists are the parts it
+    runs, and a dry run of two parts writes the report (the full dry run: gpu_suite marker)."""
+    syntax = subprocess.run(["bash", "-n", str(GPU_SUITE)], capture_output=True, text=True,
+                            check=False)
+    assert syntax.returncode == 0, syntax.stderr
+    script = GPU_SUITE.read_text()
+    header = script.split("# Usage:")[0]
+    listed = [m.group(1) for m in re.finditer(r"^#   (\w+) {2,}\S", header, re.M)]
+    run = list(dict.fromkeys(re.findall(r"^\s*run_part (\w+) ", script, re.M)))
+    assert listed == run == ["environment", "float8", "compile", "gpu_tests", "bench_resnet50",
+                             "gpt2", "transforms", "data"]
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", str(GPU_SUITE), "--dry-run", "--only", "environment,data", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["dry_run"] is True and result["date"] and result["device"]
+    assert list(result["parts"]) == ["environment", "data"]
+    for name, part in result["parts"].items():
+        assert part["status"] == "ok" and part["result"], (name, part)
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_suite
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "gpu.json"
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--dry-run", "--out", str(out)],
+        ["bash", str(GPU_SUITE), "--dry-run", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
