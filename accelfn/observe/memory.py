@@ -48,7 +48,8 @@ class MemoryEstimate:
     ``parameters`` (buffers included), ``gradients``, ``optimizer_state``, ``activations``
     (what autograd saved for backward), ``temporaries`` (everything else: the batch,
     outputs, intermediate results) of which ``largest_temporary`` is the largest one tensor;
-    ``phase`` is where the peak falls (``"forward"``, ``"backward"`` or ``"optimizer"``).
+    ``phase`` is where the peak falls: ``"backward"``, ``"optimizer"`` (its step) or
+    ``"forward"`` (the rest of the update: forward, loss, clipping).
     """
 
     parameters: int
@@ -264,7 +265,7 @@ def estimate_memory(step: Step | Callable[..., Any], state: TrainState, batch: B
 
         def at_peak(live: dict[int, int]) -> None:
             seen["live"] = live
-            seen["phase"] = phase[0]
+            seen["phase"] = "backward" if compat.in_backward() else phase[0]
             params = list(fake.model.parameters())
             seen["parameters"] = _storage_keys([*params, *fake.model.buffers()])
             seen["gradients"] = _storage_keys([p.grad for p in params])
@@ -287,15 +288,9 @@ def estimate_memory(step: Step | Callable[..., Any], state: TrainState, batch: B
 
 
 def _phase_hooks(state: TrainState, phase: list[str]) -> list[Any]:
-    """Hooks that mark the phase: backward from the first gradient of a parameter, the
-    optimizer's step from its pre-hook."""
-    hooks = [o.register_step_pre_hook(lambda *a: phase.__setitem__(0, "optimizer"))
-             for o in state.optimizers]
-    for p in state.model.parameters():
-        if p.requires_grad:
-            mark: Callable[[Callable[[Tensor], Tensor]], Any] = p.register_hook
-            hooks.append(mark(lambda g: (phase.__setitem__(0, "backward"), g)[1]))
-    return hooks
+    """Hooks that mark the optimizer's step (the backward is autograd's own)."""
+    return [o.register_step_pre_hook(lambda *a: phase.__setitem__(0, "optimizer"))
+            for o in state.optimizers]
 
 
 def _fake_batch(batch: Batch, mode: Any) -> Batch:

@@ -14,8 +14,8 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DispatchMode", "dump_cuda_snapshot", "fake_mode", "fake_of", "is_fake",
-           "local_scalar", "record_cuda_history"]
+__all__ = ["DispatchMode", "dump_cuda_snapshot", "fake_mode", "fake_of", "in_backward",
+           "is_fake", "local_scalar", "record_cuda_history"]
 
 DispatchMode = TorchDispatchMode
 local_scalar = torch.ops.aten._local_scalar_dense.default  # Tensor.item() and friends
@@ -33,6 +33,11 @@ def fake_of(mode: Any, tensor: Tensor) -> Tensor:
 
 def is_fake(tensor: object) -> bool:
     return issubclass(type(tensor), FakeTensor)
+
+
+def in_backward() -> bool:
+    """Whether the running operator runs in autograd's backward pass."""
+    return torch._C._current_autograd_node() is not None
 
 
 def record_cuda_history(enabled: bool, max_entries: int = 100_000) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 import accelfn as af
 from accelfn.observe.memory import estimate_memory
-from accelfn.observe.memory_snapshot import memory_snapshot
+from accelfn.observe.memory_snapshots import memory_snapshot
 
 
 class Wide(nn.Module):
@@ -78,7 +78,7 @@ def test_a_snapshot_taken_by_hand_lists_a_live_activation_with_its_line(tmp_path
         kept = torch.relu(model.up(torch.randn(128, 8)))  # alive at the dump
         snapshot.dump()
     entry = next(e for e in json.loads(path.read_text())["largest"] if e["shape"] == [128, 4096])
-    assert "test_memory_snapshot.py" in entry["made at"] and entry["dtype"] == "float32"
+    assert "test_memory_snapshots.py" in entry["made at"] and entry["dtype"] == "float32"
     assert kept.shape == (128, 4096)
 
 
