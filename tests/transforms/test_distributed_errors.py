@@ -28,7 +28,8 @@ if TESTS not in sys.path:  # under torchrun: conftest sits in tests/
 
 from conftest import torchrun  # noqa: E402
 
-from accelfn.transforms.distributed.errors import DistributedError, translate  # noqa: E402
+from accelfn.transforms.distributed import DistributedError  # noqa: E402
+from accelfn.transforms.distributed.errors import translate  # noqa: E402
 
 CASES = ["unused", "shapes"]  # one launch each; a failure breaks the process group
 TIMEOUT_S = 2.0

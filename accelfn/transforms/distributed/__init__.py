@@ -2,9 +2,11 @@
 single process.
 
 Modules: ``transform`` (the transform and its place in the update), ``mesh`` (the process
-layout and its checks), ``plans`` (tensor-parallel plans), ``ddp`` and ``fsdp`` (wrapping).
+layout and its checks), ``plans`` (tensor-parallel plans), ``ddp`` and ``fsdp`` (wrapping),
+``errors`` (torch.distributed's failures said in accelfn's terms: ``DistributedError``).
 """
 
+from .errors import DistributedError
 from .transform import distributed
 
-__all__ = ["distributed"]
+__all__ = ["DistributedError", "distributed"]
