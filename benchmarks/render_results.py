@@ -171,19 +171,186 @@ def gpt2(r: dict[str, Any], name: str) -> str:
     return "\n".join(out)
 
 
+def _stage(result: dict[str, Any] | None, name: str) -> dict[str, Any]:
+    """The stage ``name`` of a bench or gpt2 result when it ran, else ``{}``."""
+    for st in (result or {}).get("stages", []):
+        if st.get("name") == name and st.get("status") == "ok":
+            found: dict[str, Any] = st
+            return found
+    return {}
+
+
+def _met(value: Any, ok: bool | None) -> str:
+    return "-" if value is None or ok is None else ("yes" if ok else "**no**")
+
+
+def headline(parts: dict[str, Any]) -> list[list[str]]:
+    """Rows of the suite's figures against their targets: [figure, this run, target, met]."""
+    res: dict[str, Any] = {k: v.get("result") for k, v in parts.items()}
+    rows: list[list[str]] = []
+    gpt = res.get("gpt2")
+    base, same = _stage(gpt, "baseline"), _stage(gpt, "accelfn_fp32")
+    if base and same:
+        ratio = same["tokens_per_s"] / base["tokens_per_s"]
+        rows.append(["GPT-2 small: accelfn step / hand-written loop (fp32, fused AdamW), "
+                     "tokens/s", _x(ratio), ">= x0.99", _met(ratio, ratio >= 0.99)])
+    bench_r = res.get("bench_resnet50") or {}
+    o = bench_r.get("overhead") or {}
+    if "ratio" in o:
+        rows.append([f"ResNet-50: accelfn / hand-written step time (`{o['stack']}`)",
+                     f"{o['ratio']:.3f}", "<= 1/0.99 = 1.010",
+                     _met(o["ratio"], o["ratio"] <= 1 / 0.99)])
+    best = max((st for st in (gpt or {}).get("stages", []) if st.get("status") == "ok"
+                and st.get("mfu") is not None), key=lambda st: st["mfu"], default=None)
+    if gpt and best:
+        rows.append([f"GPT-2 small ({gpt['model']['parameters'] / 1e6:.0f}M): MFU, best stage "
+                     f"`{best['name']}` ({best['tokens_per_s']:,.0f} tokens/s)",
+                     f"{best['mfu'] * 100:.1f}%", ">= 45%", _met(best, best["mfu"] >= 0.45)])
+    f8 = res.get("float8")
+    if f8:
+        rows.append([f"float8 / bf16 tokens/s, GPT of {f8['model']['parameters'] / 1e6:.0f}M "
+                     "parameters, both compiled", _x(f8["speedup"]), f">= x{f8['target']}",
+                     _met(f8["speedup"], f8["meets_target"])])
+    cl, fp32 = _stage(bench_r, "channels_last"), _stage(bench_r, "accelfn_data")
+    if cl:
+        compiled = cl.get("techniques", {}).get("compile")
+        rows.append([f"ResNet-50 {'compiled ' if compiled else ''}bf16 channels_last, "
+                     f"images/s (batch {bench_r['config']['batch_size']})",
+                     _f(cl["samples_per_s"], ",.0f"), ">= 5,000",
+                     _met(cl, cl["samples_per_s"] >= 5000)])
+        if fp32:
+            rows.append(["same, over fp32 eager (`accelfn_data`: data on the GPU)",
+                         _x(cl["samples_per_s"] / fp32["samples_per_s"]), "", ""])
+        if cl.get("speedup_vs_baseline") is not None:
+            rows.append(["same, over the DataLoader fp32 eager baseline",
+                         _x(cl["speedup_vs_baseline"]), "", ""])
+    regional = (res.get("compile") or {}).get("regional")
+    if regional:
+        rows.append(["regional / whole-model cold compile time (GPT-2 small)",
+                     _x(regional["compile_ratio"]), regional["targets"]["compile_ratio"],
+                     _met(regional, regional["met"]["compile_ratio"])])
+        rows.append(["regional / whole-model steady step time", _x(regional["steady_ratio"]),
+                     regional["targets"]["steady_ratio"],
+                     _met(regional, regional["met"]["steady_ratio"])])
+    comp = (res.get("transforms") or {}).get("compile") or {}
+    if "cold" in comp:
+        rows.append([f"compile on a restart with the warm cache / cold "
+                     f"({comp['cold']['layers']}-layer GPT)",
+                     f"{_x(comp['warm_over_cold'])} ({comp['compile_s_warm']:.1f} s against "
+                     f"{comp['compile_s_cold']:.1f} s)", "", ""])
+    data = res.get("data")
+    if data:
+        rows.append(["`accelfn.data` / DataLoader samples/s to the GPU "
+                     f"({data['setup']['image'][1]} px, augmentation)",
+                     _x(data["ratio_samples_per_s"]), ">= x10",
+                     _met(data, data["targets"]["ratio_at_least_10"])])
+    tests = res.get("gpu_tests")
+    if tests:
+        rows.append(["GPU-only tests", f"{tests['passed']} passed, "
+                     f"{tests['failures'] + tests['errors']} failed", "all pass",
+                     _met(tests, not tests["failures"] and not tests["errors"])])
+    return rows
+
+
+def float8(r: dict[str, Any], name: str) -> str:
+    m = r["model"]
+    rows = [[f"`{s['name']}`", f"`{s['stack']}`", _f(s["tokens_per_s"], ",.0f"),
+             _f(s["step_ms"]), f"{s['first_step_s']:.1f}", _f(s.get("peak_memory_mib"), ",.0f"),
+             f"{s['eval_loss']:.3f}"] for s in r["sides"]]
+    return "\n".join([
+        f"### `benchmarks/float8.py`: GPT of {m['parameters'] / 1e6:.0f}M parameters, "
+        f"{m['layers']} layers, {m['dim']} wide, {m['seq']} tokens, batch {r['batch_size']}",
+        "",
+        f"{r['steps']} timed steps per side after {r['warmup']} warm-up steps, interleaved; "
+        f"float8 recipe {r['float8']['recipe']}, left in bf16: "
+        f"{', '.join(r['float8']['left_in_bf16'])}.",
+        "",
+        _table(["side", "stack", "tokens/s", "step ms (median)", "first step s", "peak MiB",
+                "eval loss"], rows),
+        "",
+        f"float8 / bf16: {_x(r['speedup'])} (target x{r['target']}, met: "
+        f"{r['meets_target']})."])
+
+
+def regional_compile(r: dict[str, Any], name: str) -> str:
+    g = r["regional"]
+    m = r.get("model", {})
+    sides = [("whole", "`compiled()`"), ("regional", "`compiled(regional=True)`"),
+             ("nested", "`compiled(regional=\"nested\")`")]
+    rows = [[label, _f(g[k]["compile_s"], ".1f"),
+             _f(g["regional"].get(f"{k}_step_ms") if k != "whole" else g["whole"]["step_ms"],
+                ".1f")] for k, label in sides if k in g]
+    model = (f"GPT of {m['layers']} blocks, width {m['dim']}, sequence {m['seq']}, batch "
+             f"{m['batch']}" if m else "GPT-2 small")
+    return "\n".join([
+        f"### `benchmarks/compile.py --only regional`: {model}",
+        "",
+        "Each side's cold compile in a fresh process with an empty inductor cache; steady "
+        "step times interleaved in one process.",
+        "",
+        _table(["side", "cold compile s", "steady step ms"], rows),
+        "",
+        f"regional / whole: compile {_x(g['compile_ratio'])} (target "
+        f"{g['targets']['compile_ratio']}), steady {_x(g['steady_ratio'])} (target "
+        f"{g['targets']['steady_ratio']}, control "
+        f"{_x(g.get('control_ratio'))}); nested / whole: compile "
+        f"{_x(g.get('nested_compile_ratio'))}, steady {_x(g.get('nested_steady_ratio'))}."])
+
+
+def data_part(r: dict[str, Any], name: str) -> str:
+    st, a, d = r["setup"], r["accelfn"], r["dataloader"]
+    rows = [["`accelfn.data`", _f(a["samples_per_s"], ",.0f"), _f(a["first_batch_ms"]),
+             _f(a["epoch_boundary_max_ms"])],
+            ["DataLoader", _f(d["samples_per_s"], ",.0f"), _f(d["first_batch_ms"]),
+             _f(d["epoch_boundary_max_ms"])]]
+    return "\n".join([
+        f"### `benchmarks/data.py`: {st['samples']:,} {st['dtype']} images "
+        f"{'x'.join(str(v) for v in st['image'])}, batch {st['batch_size']}, to `{st['device']}`",
+        "",
+        f"Augmentation: {st['augmentation']}; {st['workers']} workers each; {st['repeats']} "
+        "interleaved epochs of each, medians.",
+        "",
+        _table(["pipeline", "samples/s", "first batch ms", "longest epoch boundary ms"], rows),
+        "",
+        f"accelfn.data / DataLoader: {_x(r['ratio_samples_per_s'])}; targets: "
+        + ", ".join(f"{k} {v}" for k, v in r["targets"].items()) + "."])
+
+
 def suite(r: dict[str, Any], name: str) -> str:
-    out = [f"### GPU suite: {r.get('device')}", "",
-           f"File `{name}`, {r.get('date')}, {r.get('seconds')} s, commit "
-           f"`{(r.get('git_commit') or '')[:10]}`.", ""]
-    rows = [[f"`{k}`", v["status"], _f(v.get("seconds"), ".0f")] for k, v in r["parts"].items()]
-    out.append(_table(["part", "status", "seconds"], rows))
+    m = r.get("machine") or {}
+    env = ((r["parts"].get("environment") or {}).get("result") or {})
+    versions = env.get("versions") or {}
+    driver = (env.get("driver") or {}).get("version")
+    libs = ", ".join(f"{k} {versions[k]}" for k in ("tensordict", "torchdata")
+                     if versions.get(k))
+    out = [f"### GPU suite: {r.get('device')}, {(r.get('date') or '')[:10]}", "",
+           f"File `{name}`, started {r.get('date')}, {r.get('seconds')} s of a "
+           f"{r.get('budget_s')} s budget, commit `{r.get('git_commit')}`.", "",
+           f"Machine: {_machine(m)}" + (f", driver {driver}" if driver else "") + ".", "",
+           f"These figures were measured with torch {m.get('torch')}"
+           + (f" ({libs})" if libs else "") + ".", ""]
+    rows = [[f"`{k}`", v["status"], _f(v.get("seconds"), ".0f"), v.get("note", "")]
+            for k, v in r["parts"].items()]
+    out.append(_table(["part", "status", "seconds", "note"], rows))
     out.append("")
-    renderers = {"bench_resnet50": bench, "gpt2": gpt2, "transforms": transforms}
+    head = headline(r["parts"])
+    if head:
+        out += ["Figures against their targets (each ratio from sides run in this suite):",
+                "", _table(["figure", "this run", "target", "met"], head), ""]
+    tests = (r["parts"].get("gpu_tests") or {}).get("result") or {}
+    if tests.get("failed"):
+        out += ["Failing GPU-only tests: " + ", ".join(f"`{t}`" for t in tests["failed"])
+                + ".", ""]
+    renderers = {"gpt2": gpt2, "float8": float8, "bench_resnet50": bench,
+                 "data": data_part, "compile": regional_compile, "transforms": transforms}
     for key, render_part in renderers.items():
         part = r["parts"].get(key, {})
-        if part.get("result"):
-            out += [render_part(part["result"], name).replace("### ", "#### "), ""]
-    return "\n".join(out)
+        if not part.get("result"):
+            continue
+        if key == "compile" and "regional" not in part["result"]:
+            continue
+        out += [render_part(part["result"], name).replace("### ", "#### "), ""]
+    return "\n".join(out).rstrip("\n")
 
 
 HEADER = """# Benchmark results
@@ -354,7 +521,7 @@ def checkpoint(r: dict[str, Any], name: str) -> str:
 
 def render(paths: list[Path]) -> str:
     sections: list[str] = []
-    gpu_runs = []
+    gpu_runs: list[tuple[str, str]] = []
     for path in sorted(paths):
         r = json.loads(path.read_text())
         name = f"benchmarks/results/{path.name}"
@@ -372,10 +539,11 @@ def render(paths: list[Path]) -> str:
         elif kind == "overhead":
             sections.append(overhead(r, name))
         elif kind == "benchmarks/gpu_suite.sh" and not r.get("dry_run"):
-            gpu_runs.append(suite(r, name))
-    gpu = gpu_runs or ["No GPU run is recorded yet: `benchmarks/gpu_suite.sh` writes "
-                       "`benchmarks/results/gpu-<date>.json` on a GPU machine (under 8 "
-                       "minutes on one H200), and this page then shows it."]
+            gpu_runs.append((r.get("date") or "", suite(r, name)))
+    gpu = [text for _, text in sorted(gpu_runs)] or [
+        "No GPU run is recorded yet: `benchmarks/gpu_suite.sh` writes "
+        "`benchmarks/results/gpu-<date>.json` on a GPU machine (under 8 minutes on one "
+        "H200), and this page then shows it."]
     return (HEADER + "## GPU\n\n" + "\n\n".join(gpu) + "\n\n## CPU\n\n"
             + "\n\n".join(sections) + "\n")
 
