@@ -21,7 +21,7 @@ from torchdata.nodes import BaseNode
 
 from .batch_loader import BatchLoader, is_reading_state
 from .collate import DEFAULT_PAIR_KEYS
-from .sharding import process_shard, shard_dataloader
+from .sharding import Epochs, process_shard, shard_dataloader
 from .stages import ToDevice, resolve_device
 
 __all__ = ["DataLoaderAdapter", "batch_to_tensordict", "from_dataloader"]
@@ -145,13 +145,14 @@ class _DataLoaderNode(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchd
     read the state (``reading_state()``) puts the generators back and records
     ``"redraw": True``: restoring that position starts the DataLoader for real.
 
-    Each start is one epoch, counted in the state (``"epoch"``); with a ``sampler`` (the
-    DistributedSampler that sharding put in), ``sampler.set_epoch(epoch)`` is called before
-    the DataLoader is started, so that a resumed epoch has its shuffle again.
+    Each start is one epoch, counted in ``epochs`` (shared by the adapters over one sharded
+    DataLoader) and in the state (``"epoch"``); with a ``sampler`` (the DistributedSampler
+    that sharding put in), ``sampler.set_epoch(epoch)`` is called before the DataLoader is
+    started, so that a resumed epoch has its shuffle again.
     """
 
     def __init__(self, dataloader: Iterable[Any], keys: Sequence[str] | None, pin: bool,
-                 stateful: bool, sampler: Any = None) -> None:
+                 stateful: bool, sampler: Any = None, epochs: Epochs | None = None) -> None:
         super().__init__()
         self.dataloader = dataloader
         self.keys = None if keys is None else tuple(keys)
@@ -159,7 +160,7 @@ class _DataLoaderNode(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchd
         self.stateful = stateful
         self.sampler = sampler
         self.epoch = 0  # the epoch of the current start
-        self.next_epoch = 0  # the epoch of the next start from the beginning
+        self.epochs = Epochs() if epochs is None else epochs  # the next start's, from scratch
         generator = getattr(dataloader, "generator", None)
         self._generator = generator if isinstance(generator, torch.Generator) else None
         self._it: Iterator[Any] | None = None
@@ -185,10 +186,10 @@ class _DataLoaderNode(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchd
         redraw = initial_state is None or bool(initial_state.get("redraw"))
         reading = is_reading_state()
         if initial_state is None:
-            self.epoch = self.next_epoch
+            self.epoch = self.epochs.next
         else:  # positions saved before epochs were counted are of the first one
             self.epoch = int(initial_state.get("epoch", 0))
-        self.next_epoch = self.epoch + 1
+        self.epochs.next = self.epoch + 1
         if self.sampler is not None:
             self.sampler.set_epoch(self.epoch)
         if saved is not None:
@@ -351,15 +352,16 @@ def from_dataloader(
         raise TypeError(f"from_dataloader(seed={seed!r}) takes an int, the same on every "
                         "process")
     dev, pin_memory = resolve_device(device, pin_memory)
-    sampler = None
+    sampler = epochs = None
     rank, world = process_shard() if shard else (0, 1)
     if world > 1:
-        dataloader, sampler = shard_dataloader(
-            dataloader, rank=rank, world_size=world, seed=seed)  # type: ignore[arg-type]
+        sharded = shard_dataloader(dataloader, rank=rank, world_size=world,  # type: ignore[arg-type]
+                                   seed=seed)
+        dataloader, sampler, epochs = sharded.dataloader, sharded.sampler, sharded.epochs
     stateful = callable(getattr(dataloader, "state_dict", None)) and callable(
         getattr(dataloader, "load_state_dict", None)
     )
-    node = _DataLoaderNode(dataloader, keys, bool(pin_memory), stateful, sampler)
+    node = _DataLoaderNode(dataloader, keys, bool(pin_memory), stateful, sampler, epochs)
     root: BaseNode[TensorDictBase] = node
     if dev is not None:
         # Looking ahead pulls the next batch early: only when workers, not the loop's thread,

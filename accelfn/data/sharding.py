@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import inspect
 import os
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -29,7 +31,7 @@ from torch.utils.data import (
     SequentialSampler,
 )
 
-__all__ = ["process_shard", "shard_dataloader"]
+__all__ = ["Epochs", "Sharded", "process_shard", "shard_dataloader"]
 
 # The constructor arguments a rebuilt DataLoader takes from the original's attributes of the
 # same names; the sampling ones are replaced.
@@ -38,6 +40,32 @@ _SHARD_YOURSELF = (
     "shard it yourself (e.g. sampler=torch.utils.data.DistributedSampler(dataset) in the "
     "DataLoader, its set_epoch(epoch) called before each epoch) and pass shard=False"
 )
+
+
+class Epochs:
+    """The next epoch of a sharded DataLoader, shared by every adapter built over it (a loop
+    that wraps the same DataLoader again each epoch gets a new shuffle each epoch, as the
+    DataLoader's own sampler would have given it)."""
+
+    __slots__ = ("next",)
+
+    def __init__(self) -> None:
+        self.next = 0
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """What :func:`shard_dataloader` made of a DataLoader: the DataLoader to iterate, the
+    sampler whose epoch is set before each epoch (None: the user's own), the epoch count."""
+
+    dataloader: DataLoader[Any]
+    sampler: DistributedSampler[Any] | None
+    epochs: Epochs = field(default_factory=Epochs)
+
+
+# DataLoaders sharded already, by (rank, world_size, seed): wrapped again, they continue
+_SHARDED: weakref.WeakKeyDictionary[DataLoader[Any], tuple[tuple[int, int, int], Sharded]] = \
+    weakref.WeakKeyDictionary()
 
 
 def process_shard() -> tuple[int, int]:
@@ -134,14 +162,15 @@ def _sampling(dataloader: DataLoader[Any], world_size: int) -> bool | None:
 
 
 def shard_dataloader(dataloader: DataLoader[Any], *, rank: int, world_size: int,
-                     seed: int) -> tuple[DataLoader[Any], DistributedSampler[Any] | None]:
+                     seed: int) -> Sharded:
     """Equivalent to ``DataLoader(dataset, sampler=DistributedSampler(dataset,
     num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed), **the other
     arguments)``, where ``shuffle`` is whether ``dataloader`` shuffles.
 
     Returns the DataLoader to iterate and the sampler whose epoch its owner sets before each
     epoch; a DataLoader already sampled by a DistributedSampler is returned as it is, with
-    None (its epochs are its user's). Every sample is read once per epoch across the
+    None (its epochs are its user's). The same DataLoader sharded again alike gives the same
+    result, its epoch count continued. Every sample is read once per epoch across the
     processes; when the dataset does not divide evenly, the sampler repeats a few samples so
     that each process gets as many (``DistributedSampler``'s ``drop_last=False``).
 
@@ -162,7 +191,10 @@ def shard_dataloader(dataloader: DataLoader[Any], *, rank: int, world_size: int,
         )
     shuffle = _sampling(dataloader, world_size)
     if shuffle is None:
-        return dataloader, None
+        return Sharded(dataloader, None)
+    done = _SHARDED.get(dataloader)
+    if done is not None and done[0] == (rank, world_size, seed):
+        return done[1]
     sampler: DistributedSampler[Any] = DistributedSampler(
         dataloader.dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
     arguments = {
@@ -170,4 +202,6 @@ def shard_dataloader(dataloader: DataLoader[Any], *, rank: int, world_size: int,
         for param in inspect.signature(kind.__init__).parameters
         if param not in _REPLACED and hasattr(dataloader, param)
     }
-    return kind(dataloader.dataset, sampler=sampler, **arguments), sampler
+    sharded = Sharded(kind(dataloader.dataset, sampler=sampler, **arguments), sampler)
+    _SHARDED[dataloader] = ((rank, world_size, seed), sharded)
+    return sharded

@@ -497,6 +497,15 @@ def test_the_environments_rank_shards_before_the_process_group_exists(rank_one_o
     assert train.dataloader.batch_size == 4  # the batch stays the per-process batch
 
 
+def test_a_dataloader_wrapped_again_each_epoch_gets_each_epochs_shuffle(rank_one_of_two):
+    """``for batch in from_dataloader(dl)`` inside the epoch loop, as many loops write it."""
+    dl = DataLoader(numbered(10), batch_size=4, shuffle=True)
+    read = [torch.cat([b["x"] for b in ad.from_dataloader(dl, keys=("x", "y"))]).tolist()
+            for _ in range(3)]
+    assert read == distributed_sampler_loop(10, 1)
+    assert read[0] != read[1]
+
+
 def test_one_process_leaves_the_dataloader_as_it_is():
     dl = DataLoader(numbered(10), batch_size=4, shuffle=True)
     assert ad.from_dataloader(dl, keys=("x", "y")).dataloader is dl
