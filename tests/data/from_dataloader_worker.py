@@ -4,7 +4,8 @@ Each rank wraps stock DataLoaders over the samples ``0 .. n-1`` with ``from_data
 records which samples it read, epoch by epoch: one built before the process group is set up
 (its share comes from torchrun's environment), one after (from the group), a sequential one,
 one over a dataset that does not divide evenly, and a ``StatefulDataLoader`` whose position,
-taken mid-epoch, resumes in a new adapter. Saves ``OUT/rank<r>.pt``.
+taken mid-epoch, resumes in a new adapter; then DDP trains on a sharded DataLoader. Saves
+``OUT/rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -63,6 +64,28 @@ def resume(n: int) -> dict[str, list[int]]:
             "resumed_following": resumed_following}
 
 
+def regression(model, batch):
+    """A tiny regression on the numbered samples (plain PyTorch: the test's reference uses it)."""
+    x = batch["x"].float().unsqueeze(1) / 24
+    return (model(x) - batch["y"].float().unsqueeze(1) / 240).pow(2).mean()
+
+
+def trained(epochs: int = 2) -> dict[str, torch.Tensor]:
+    """DDP fed by a sharded DataLoader: ``epochs`` epochs of updates, the final weights."""
+    import accelfn as af
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1, 1)
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    step = af.distributed(regression)
+    train = ad.from_dataloader(DataLoader(samples(24), batch_size=BATCH, shuffle=True),
+                               keys=("x", "y"))
+    for _ in range(epochs):
+        for batch in train:
+            step(state, batch)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
 def worker(out_dir: str) -> None:
     # built before the process group exists: torchrun's RANK / WORLD_SIZE say the share
     early = ad.from_dataloader(DataLoader(samples(24), batch_size=BATCH, shuffle=True),
@@ -82,6 +105,7 @@ def worker(out_dir: str) -> None:
         "unsharded": read(ad.from_dataloader(
             DataLoader(samples(24), batch_size=BATCH), keys=("x", "y"), shard=False), 1),
         "resume": resume(22),
+        "trained": trained(),
     }
     save_rank_results(out_dir, results)
 

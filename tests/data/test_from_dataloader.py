@@ -489,6 +489,28 @@ def test_under_torchrun_a_sharded_position_resumes_exactly(sharded):
         assert got["following"] == got["resumed_following"] == ref[2]
 
 
+@pytest.mark.distributed
+def test_ddp_fed_by_a_sharded_dataloader_trains_as_one_process_on_both_shares(sharded):
+    """Each update: one process on the two processes' batches together, plain PyTorch."""
+    from from_dataloader_worker import regression
+
+    torch.manual_seed(0)
+    model = nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    shares = [distributed_sampler_loop(24, rank, epochs=2) for rank in range(2)]
+    for epoch in range(2):
+        for start in range(0, 12, 4):
+            index = torch.tensor(shares[0][epoch][start:start + 4]
+                                 + shares[1][epoch][start:start + 4])
+            optimizer.zero_grad(set_to_none=True)
+            regression(model, {"x": index, "y": 10 * index}).backward()
+            optimizer.step()
+    for rank in range(2):
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(sharded[rank]["trained"][name], value.detach(),
+                                       atol=1e-6, rtol=1e-5)
+
+
 def test_the_environments_rank_shards_before_the_process_group_exists(rank_one_of_two):
     train = ad.from_dataloader(DataLoader(numbered(10), batch_size=4, shuffle=True),
                                keys=("x", "y"))
