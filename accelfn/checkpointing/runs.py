@@ -128,6 +128,13 @@ class RunFolder:
         root: where new run folders are made.
         keep: how many checkpoints [`save`][] keeps.
 
+    Attributes:
+        path: the run's folder (checkpoints ``step-*``, ``metrics.jsonl``, ``run.png``).
+        checkpoint: the checkpoint [`resume`][] loads (``None``: a new run).
+        plan: what checkpoints of this run are saved with and a resumed one must match.
+        resharded_from: after [`resume`][], the number of processes that wrote the
+            checkpoint when it differs from this run's (else ``None``).
+
     Raises:
         RunFolderError: ``resume`` names no checkpoint; ``out`` is a file, or holds another
             run's checkpoints without ``overwrite``.
@@ -262,7 +269,7 @@ class RunFolder:
 
     @property
     def extra(self) -> dict[str, Any]:
-        """What checkpoints of this run are saved with: a copy of [`plan`][]."""
+        """What checkpoints of this run are saved with: a copy of ``plan``."""
         return dict(self.plan)
 
     def history(self) -> list[dict[str, Any]]:
@@ -285,7 +292,7 @@ class RunFolder:
     # ------------------------------------------------------------------------------ resume
     def resume(self, state: Any, *, loader: Any | None = None, step: Any = None,
                plan: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
-        """Load [`checkpoint`][] into ``state`` (``None`` for a new run, which loads nothing).
+        """Load ``checkpoint`` into ``state`` (``None`` for a new run, which loads nothing).
 
         ``plan``: plain values this run was started with that a resumed run must share
         (e.g. ``{"total_steps": 1000}``: its learning-rate schedule spans them); [`save`][]
@@ -294,7 +301,7 @@ class RunFolder:
 
         With the processes that wrote it the resume is exact (loader position and RNG
         states included). With another number of processes (``allow_resharding``) everything
-        but those is restored and [`resharded_from`][] says how many wrote it.
+        but those is restored and ``resharded_from`` says how many wrote it.
 
         Raises:
             RunFolderError: the checkpoint was planned otherwise, written by another number
@@ -355,8 +362,8 @@ class RunFolder:
     # -------------------------------------------------------------------------------- save
     def save(self, state: Any, *, loader: Any | None = None, step: Any = None,
              extra: Mapping[str, Any] | None = None) -> Path:
-        """[`save`][accelfn.checkpointing.save] into [`path`][], keeping the newest ``keep``
-        checkpoints, with the run's [`plan`][] (and ``extra``) stored along."""
+        """[`save`][accelfn.checkpointing.save] into ``path``, keeping the newest ``keep``
+        checkpoints, with the run's ``plan`` (and ``extra``) stored along."""
         saved: Path = save(self.path, state, loader=loader, step=step, keep=self.keep,
                            extra={**self.plan, **(extra or {})})
         return saved
