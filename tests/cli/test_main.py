@@ -59,3 +59,20 @@ def test_doctor_refuses_a_bad_worker_count(value: str,
         main(["doctor", "--num-workers", value])
     assert exit_.value.code == 2
     assert "argument --num-workers:" in capsys.readouterr().err
+
+
+def test_doctor_names_oversubscription_and_its_fix(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import os
+
+    import torch
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (9.0, 9.0, 9.0))  # a busy 2-core machine
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    assert main(["doctor"]) == 0  # a warning, not an error
+    out = capsys.readouterr().out
+    assert "[WARNING] threads: oversubscribed: 2 torch threads on 1 free core(s)" in out
+    assert "fix: OMP_NUM_THREADS=1 in the environment" in out
