@@ -36,7 +36,8 @@ from ..core.engine import Step, lift
 from ..core.state import TrainState
 from . import memory_compat as compat
 
-__all__ = ["MemoryEstimate", "estimate_memory", "format_estimate", "oom_advice"]
+__all__ = ["MemoryEstimate", "estimate_memory", "estimate_script", "format_estimate",
+           "oom_advice"]
 
 _LEFT_OUT = ("compiled", "distributed")  # not traced: compile, process groups
 
@@ -285,6 +286,25 @@ def estimate_memory(step: Step | Callable[..., Any], state: TrainState, batch: B
             for hook in hooks:
                 hook.remove()
     return _by_kind(seen, first.peak, world_size if sharded else 1, world_size)
+
+
+def estimate_script(path: str | os.PathLike[str]) -> MemoryEstimate:
+    """The estimate of a training script's update: the script (run as a module, not as
+    ``__main__``, so its training does not start) defines ``memory_case()`` returning
+    ``(step, state, batch)``; what ``accelfn doctor --memory SCRIPT`` shows."""
+    import runpy
+
+    found = runpy.run_path(os.fspath(path), run_name="accelfn_memory_case")
+    case = found.get("memory_case")
+    if not callable(case):
+        raise ValueError(f"{os.fspath(path)} defines no memory_case(): add a function "
+                         "memory_case() that returns (step, state, batch) for one update, "
+                         "built as the script's training builds them")
+    made = case()
+    if not isinstance(made, tuple) or len(made) != 3:
+        raise ValueError(f"memory_case() of {os.fspath(path)} returned {type(made).__name__}; "
+                         "return (step, state, batch)")
+    return estimate_memory(*made)
 
 
 def _phase_hooks(state: TrainState, phase: list[str]) -> list[Any]:

@@ -16,7 +16,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import accelfn as af
-from accelfn.observe.memory import MemoryEstimate, estimate_memory, format_estimate, oom_advice
+from accelfn.observe.memory import (
+    MemoryEstimate,
+    estimate_memory,
+    estimate_script,
+    format_estimate,
+    oom_advice,
+)
 
 
 # ------------------------------------------------------------------ models and step functions
@@ -225,3 +231,23 @@ def test_bad_input_is_refused_clearly():
         estimate_memory(fn, build(), batch)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="world_size"):
         estimate_memory(fn, adamw_state(build()), batch, world_size=0)
+
+
+def test_a_script_is_estimated_through_its_memory_case(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch, accelfn as af\n"
+        "def memory_case():\n"
+        "    model = torch.nn.Linear(64, 64)\n"
+        "    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "    return af.with_clipping(lambda m, b: m(b['x']).square().mean()), state, "
+        "{'x': torch.randn(32, 64)}\n"
+        "if __name__ == '__main__':\n"
+        "    raise SystemExit('training started')\n")
+    estimate = estimate_script(script)
+    assert estimate.parameters == (64 * 64 + 64) * 4
+    assert estimate.peak >= estimate.parameters + 32 * 64 * 4
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="memory_case"):
+        estimate_script(empty)
