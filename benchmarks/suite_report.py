@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -154,13 +155,17 @@ def main(argv: list[str] | None = None) -> int:
             entry["log_tail"] = _tail(args.work / f"{name}.log")
         parts[name] = entry
 
-    commit = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                check=False, cwd=Path(__file__).resolve().parents[1]
-                                ).stdout.strip() or None
-    except OSError:
-        pass
+    # A copy of the tree without git (a snapshot sent to a GPU machine) names its commit in
+    # ACCELFN_GIT_COMMIT.
+    commit = os.environ.get("ACCELFN_GIT_COMMIT") or None
+    if commit is None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                    text=True, check=False,
+                                    cwd=Path(__file__).resolve().parents[1]
+                                    ).stdout.strip() or None
+        except OSError:
+            pass
     report = {
         "suite": "benchmarks/gpu_suite.sh",
         "date": args.started or machine.get("date"),
