@@ -4,15 +4,24 @@
     python examples/gpt.py --compile --steps 300                  # torch.compile the model
     torchrun --nproc_per_node=2 examples/gpt.py --fsdp            # FSDP2 across processes
     python examples/gpt.py --resume runs/gpt                      # continue the newest run
+    python examples/gpt.py --packing pad                          # one document a row, padded
 
-Time: 43 s on a 2-core CPU with little else running (load average 1), 4 min on the same
-machine shared with other work (load average 5); validation about 2.6 bits per byte.
+Time: 27 min for the 150 updates on a 2-core CPU shared with much other work (load average 12
+to 20, each update about 10 s); far less on an idle machine. Validation about 3.2 bits per byte.
 
 The text is the documentation of Python's standard library (every module's docstring, which
-ships with every Python), cut into documents and packed into sequences with padding at
-document ends. The loss is a mean over real tokens and the step function returns the token
-count as ``"weight"``, so accumulation and data parallelism average over tokens exactly.
-Throughput (``real_tokens_per_s``) counts those real tokens only, padding excluded.
+ships with every Python), cut into documents, each ended by an end-of-text id (256: the
+vocabulary is the 256 bytes and it). By default the training documents are written once to a
+token file (``<run>/data/train.bin``, llm.c's shard layout) and packed into rows of
+``--seq-len`` positions by ``accelfn.data.token_loader`` (best-fit, no padding but at the end
+of the data), with a document mask so that no position attends across a document boundary
+and positions restarting at each document. ``--packing pad`` instead cuts each document
+into rows of its own and pads its last row (the padding share is computation spent on
+nothing). The loss is the mean over real targets, computed by ``af.linear_cross_entropy``
+from the hidden states and the head's weight (the logits never whole in memory), and the step
+function returns their count as ``"weight"``, so accumulation and data parallelism average
+over tokens exactly. Throughput
+(``real_tokens_per_s``) counts real tokens only, and the padding share is reported.
 Transforms: activation checkpointing of the transformer blocks, bf16 autocast, token-weighted
 gradient accumulation, clipping, DDP or FSDP2, and optionally ``compiled``. Each run writes
 into ``runs/gpt/<date>-<time>`` (``--out``, ``--resume``, ``--overwrite``,
@@ -33,11 +42,13 @@ import sys
 import time
 import warnings
 
+import numpy as np
 import run_options  # examples/run_options.py: --out, --resume, --overwrite, --allow-resharding
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import accelfn as af
 from accelfn import checkpointing, data
@@ -79,29 +90,48 @@ def stdlib_text(limit_bytes: int = 1_500_000) -> list[bytes]:
     return docs
 
 
-def pack(documents: list[bytes], seq_len: int) -> TensorDict:
-    """Cut documents into sequences of ``seq_len + 1`` bytes, padding each document's end.
+EOT = 256  # the end-of-text id after each document's bytes
+VOCAB = 257
 
-    ``mask`` marks the target positions that are real bytes (padding targets are left out of
-    the loss), so sequences hold different numbers of tokens.
-    """
-    rows, masks = [], []
+
+def split(documents: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+    """(training documents, validation documents): every 20th document is held out."""
+    return ([d for i, d in enumerate(documents) if i % 20],
+            [d for i, d in enumerate(documents) if i % 20 == 0])
+
+
+def write_documents(documents: list[bytes], path: str) -> int:
+    """Write the documents' bytes, each followed by ``EOT``, as a token file; its pairs."""
+    ids = np.concatenate([np.append(np.frombuffer(d, dtype=np.uint8), EOT) for d in documents])
+    data.write_tokens(path, ids, dtype="uint16")
+    return int(sum(len(d) for d in documents))  # the pairs (input, target) within documents
+
+
+def pad_rows(documents: list[bytes], seq_len: int) -> TensorDict:
+    """Each document (its bytes, then ``EOT``) cut into rows of ``seq_len`` positions, its
+    last row padded: the batch layout of ``token_loader`` (targets -100 and document id -1
+    at padding), with one document per row."""
+    rows = []
     for doc in documents:
-        ids = torch.frombuffer(bytearray(doc), dtype=torch.uint8).long()
+        ids = torch.tensor([*doc, EOT], dtype=torch.long)
         for start in range(0, len(ids) - 1, seq_len):
             piece = ids[start:start + seq_len + 1]
-            n = len(piece)
-            row = torch.zeros(seq_len + 1, dtype=torch.long)
-            row[:n] = piece
-            mask = torch.zeros(seq_len, dtype=torch.bool)
-            mask[:n - 1] = True
+            n = len(piece) - 1
+            row = {"inputs": torch.zeros(seq_len, dtype=torch.long),
+                   "targets": torch.full((seq_len,), -100, dtype=torch.long),
+                   "document_ids": torch.full((seq_len,), -1, dtype=torch.long),
+                   "positions": torch.zeros(seq_len, dtype=torch.long)}
+            row["inputs"][:n], row["targets"][:n] = piece[:-1], piece[1:]
+            row["document_ids"][:n], row["positions"][:n] = 0, torch.arange(n)
             rows.append(row)
-            masks.append(mask)
-    return TensorDict({"tokens": torch.stack(rows), "mask": torch.stack(masks)},
+    return TensorDict({k: torch.stack([r[k] for r in rows]) for k in rows[0]},
                       batch_size=[len(rows)])
 
 
 # ------------------------------------------------------------------------------ model
+
+
+Mask = torch.Tensor | BlockMask | None  # boolean (B, 1, T, T), flex's, or plain causal
 
 
 class Block(nn.Module):
@@ -114,11 +144,17 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: Mask = None) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
-                                           v.transpose(1, 2), is_causal=True)
+        q, k, v = (z.transpose(1, 2) for z in
+                   self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2))
+        if isinstance(mask, BlockMask):
+            y = flex_attention(q, k, v, block_mask=mask)
+            assert isinstance(y, torch.Tensor)
+        elif mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
         out: torch.Tensor = x + self.mlp(self.ln2(x))
         return out
@@ -128,9 +164,13 @@ HEADS = 4  # attention heads of every block; --dim must be a multiple of them
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int = 256, dim: int = 128, depth: int = 4, heads: int = HEADS,
-                 seq_len: int = 128) -> None:
+    """``attention``: ``"causal"`` (rows of one document), ``"documents"`` (packed rows, a
+    boolean document mask) or ``"flex"`` (packed rows, flex attention's block mask)."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 128, depth: int = 4, heads: int = HEADS,
+                 seq_len: int = 128, attention: str = "documents") -> None:
         super().__init__()
+        self.attention = attention
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Embedding(seq_len, dim)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(depth))
@@ -144,24 +184,38 @@ class GPT(nn.Module):
                 if isinstance(bias, torch.Tensor):
                     nn.init.zeros_(bias)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        h = self.embed(ids) + self.pos(pos)
+    def forward(self, ids: torch.Tensor, document_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, targets: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The logits, or with ``targets`` ``(loss, count)``: the mean cross-entropy over the
+        targets that are not -100 (padding) and their number, from the hidden states and the
+        head's weight by ``af.linear_cross_entropy`` (the logits never whole in memory). The
+        loss is computed here, in ``forward``, so that DDP and FSDP see the head's use."""
+        if positions is None:
+            positions = torch.arange(ids.shape[1], device=ids.device)
+        mask: Mask = None  # one document per row (or no document_ids): causal
+        if document_ids is not None and self.attention == "documents":
+            mask = data.document_causal_mask(document_ids)
+        elif document_ids is not None and self.attention == "flex":
+            mask = data.document_block_mask(document_ids)
+        h = self.embed(ids) + self.pos(positions)
         for block in self.blocks:
-            h = block(h)
-        logits: torch.Tensor = self.head(self.ln(h))
+            h = block(h, mask)
+        h = self.ln(h)
+        if targets is not None:  # a micro-batch of padding only has loss 0 and weight 0
+            total, count = af.linear_cross_entropy(h, self.head.weight, targets,
+                                                   reduction="sum", return_count=True)
+            return total / count.clamp(min=1), count
+        logits: torch.Tensor = self.head(h)
         return logits
 
 
 def lm_step(model: nn.Module, batch: TensorDictBase) -> dict[str, torch.Tensor]:
-    """Token-mean cross-entropy over real (unpadded) targets; the token count is the weight."""
-    tokens, mask = batch["tokens"], batch["mask"]
-    logits = model(tokens[:, :-1])
-    per_token = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(),
-                                reduction="none")
-    weight = mask.flatten().float()
-    count = weight.sum()
-    return {"loss": (per_token * weight).sum() / count, "weight": count}
+    """Token-mean cross-entropy over real targets (-100 marks padding); their count is the
+    weight, so micro-batches and processes are averaged over tokens."""
+    loss, count = model(batch["inputs"], batch["document_ids"], batch["positions"],
+                        targets=batch["targets"])
+    return {"loss": loss, "weight": count}
 
 
 @torch.no_grad()
@@ -177,7 +231,8 @@ def generate(model: nn.Module, prompt: bytes, n: int, seq_len: int) -> str:
 # ------------------------------------------------------------------------------ main
 
 
-def main(argv: list[str] | None = None) -> dict[str, float | str]:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: one option a line (parallelism options go beside --fsdp)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=run_options.positive_int, default=150,
                         help="optimizer updates")
@@ -190,24 +245,60 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser.add_argument("--depth", type=run_options.positive_int, default=4)
     parser.add_argument("--lr", type=run_options.positive_float, default=2e-3)
     parser.add_argument("--text-bytes", type=run_options.positive_int, default=1_500_000)
+    parser.add_argument("--packing", choices=("best-fit", "greedy", "pad"), default="best-fit",
+                        help="documents packed into full rows with a document mask (best-fit or "
+                             "greedy, no padding but at the end of the data), or each "
+                             "document's last row padded (pad)")
+    parser.add_argument("--flex", action="store_true",
+                        help="document masks with flex_attention (CUDA: torch 2.14 has no flex "
+                             "backward on the CPU; fused under --compile)")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
     parser.add_argument("--quiet", action="store_true")
     run_options.add_arguments(parser)
+    return parser
+
+
+def strategy(args: argparse.Namespace) -> str:
+    """The ``distributed`` strategy the options ask for."""
+    return "fsdp" if args.fsdp else "ddp"
+
+
+def main(argv: list[str] | None = None) -> dict[str, float | str]:
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.dim % HEADS:
         parser.error(f"--dim {args.dim} must be a multiple of the {HEADS} attention heads")
+    if args.flex and (args.packing == "pad" or not torch.cuda.is_available()):
+        parser.error("--flex needs CUDA (torch 2.14 has no flex-attention backward on the CPU) "
+                     "and packed rows (not --packing pad)")
 
     device = af.init_distributed()
-    corpus = pack(stdlib_text(args.text_bytes), args.seq_len)
-    is_val = torch.arange(len(corpus)) % 20 == 0
-    run_options.check_batch(args.batch_size, int((~is_val).sum()), args.accumulation)
+    documents, val_documents = split(stdlib_text(args.text_bytes))
+    padded = pad_rows(documents, args.seq_len) if args.packing == "pad" else None
+    # rows of the packed data: no padding but in the last one
+    rows = len(padded) if padded is not None else -(-sum(map(len, documents)) // args.seq_len)
+    run_options.check_batch(args.batch_size, rows, args.accumulation)
     out = run_options.run_folder(args, "gpt")  # after every refusal: it makes the folder
     torch.manual_seed(0)
-    train = data.loader(corpus[~is_val], batch_size=args.batch_size, device=device, seed=0)
-    val = corpus[is_val][: 8 * args.batch_size].to(device)
+    if padded is not None:
+        train = data.loader(padded, batch_size=args.batch_size, device=device, seed=0)
+    else:
+        path = os.path.join(out, "data", "train.bin")
+        if af.is_main_process():  # written once, read by every process
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            # shuffled once here: the packer walks the documents in the file's order
+            order = torch.randperm(len(documents), generator=torch.Generator().manual_seed(0))
+            write_documents([documents[i] for i in order.tolist()], path)
+        if af.world_size() > 1:
+            torch.distributed.barrier()
+        train = data.token_loader(path, batch_size=args.batch_size, seq_len=args.seq_len,
+                                  packing=args.packing, eot=EOT, device=device)
+    val = pad_rows(val_documents, args.seq_len)[: 8 * args.batch_size].to(device)
 
-    model = GPT(dim=args.dim, depth=args.depth, seq_len=args.seq_len).to(device)
+    attention = "causal" if args.packing == "pad" else "flex" if args.flex else "documents"
+    model = GPT(dim=args.dim, depth=args.depth, seq_len=args.seq_len,
+                attention=attention).to(device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -225,7 +316,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     step = af.with_clipping(max_norm=1.0)(step)
     step = af.with_accumulation(args.accumulation)(step)
     step = af.with_amp(step)
-    step = af.distributed(strategy="fsdp" if args.fsdp else "ddp")(step)
+    step = af.distributed(strategy=strategy(args))(step)
     if args.compile:
         step = af.compiled(step)
 
@@ -235,12 +326,16 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     run_options.check_plan(info, args.steps)  # the schedule spans --steps updates
     extra = {"total_steps": args.steps}
     main_process = af.is_main_process()
-    flops = training_flops(model, corpus[:args.batch_size]["tokens"][:, :-1].to(device))
+    shape = (args.batch_size, args.seq_len)  # FLOPs depend on the shapes only
+    flops = training_flops(model, torch.zeros(shape, dtype=torch.long, device=device),
+                           torch.zeros(shape, dtype=torch.long, device=device),
+                           torch.arange(args.seq_len, device=device).expand(shape))
     if main_process:
         params = sum(p.numel() for p in model.parameters())
         print(f"step: {af.describe(step)}")
-        print(f"model: {params / 1e6:.2f}M parameters; corpus: {len(corpus)} sequences of "
-              f"{args.seq_len} bytes; {af.world_size()} process(es) on {device}")
+        print(f"model: {params / 1e6:.2f}M parameters; corpus: {len(documents)} training "
+              f"documents in {rows} rows of {args.seq_len} bytes ({args.packing}); "
+              f"{af.world_size()} process(es) on {device}")
 
     stop = min(args.steps, args.stop_at or args.steps)
     monitor: Monitor | None = None
@@ -264,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         with monitor, PreemptionGuard() as guard:
             while state.step < stop:
                 for batch in monitor.iterate(train):
-                    real_tokens += batch["mask"].sum()  # on the device: no host sync
+                    real_tokens += (batch["targets"] != -100).sum()  # no host sync
                     monitor.step(step(state, batch))
                     guard.exit_if_requested(out, state, loader=train, step=step, extra=extra)
                     if state.step >= stop:
@@ -282,13 +377,16 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         "val_bits_per_byte": round(val_loss / math.log(2), 4),
         "train_seconds": round(elapsed, 2),
         "processes": af.world_size(),
-        "strategy": "fsdp" if args.fsdp else "ddp",
+        "strategy": strategy(args),
+        "packing": args.packing,
         "out": out,
     }
+    positions = (state.step - first) * args.batch_size * args.seq_len * af.world_size()
     if monitor is not None:  # something was trained: save it
         real = int(real_tokens)  # the one read of the count
         report["real_tokens"] = real
         report["real_tokens_per_s"] = round(real / elapsed, 1) if elapsed > 0 else 0.0
+        report["padding_share"] = round(1 - real / positions, 4)
         checkpointing.save(out, state, loader=train, step=step, keep=2,  # DCP under FSDP2
                            extra=extra)
     if main_process:
@@ -297,10 +395,10 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
             report["sample"] = sample
         if monitor is not None:
             print(monitor.report())
-            positions = (state.step - first) * args.batch_size * args.seq_len * af.world_size()
             print(f"tokens/s        {report['real_tokens_per_s']:,.0f}, padding excluded: "
                   f"{report['real_tokens']:,} real target bytes of the {positions:,} positions "
-                  f"trained on, in {elapsed:.1f} s")
+                  f"trained on, in {elapsed:.1f} s (padding share "
+                  f"{float(report['padding_share']):.1%})")
         print(json.dumps(report, indent=2))
     train.close()  # stop background threads before the process group goes
     if af.world_size() > 1:

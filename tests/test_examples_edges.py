@@ -134,22 +134,29 @@ def checkpoint_names(folder) -> list[str]:
 
 
 @pytest.mark.slow
-def test_gpt_tokens_per_s_counts_only_real_tokens(tmp_path, capsys):
-    """Sequences are padded at document ends; tokens/s counted batch x seq_len positions,
-    padding included. With the whole training set in every batch, each update trains on
-    every real target of it."""
+@pytest.mark.parametrize("packing", ["pad", "best-fit"])
+def test_gpt_tokens_per_s_counts_only_real_tokens(tmp_path, capsys, packing):
+    """Padded rows (--packing pad) hold padding at document ends, packed rows only at the end
+    of the data; tokens/s counted batch x seq_len positions, padding included. With the whole
+    training set in every batch, each update trains on every real target of it."""
     gpt = load_example("gpt")
-    corpus = gpt.pack(gpt.stdlib_text(3000), 32)
-    train = corpus[torch.arange(len(corpus)) % 20 != 0]
-    real, positions = int(train["mask"].sum()), train["mask"].numel()
+    documents, _ = gpt.split(gpt.stdlib_text(3000))
+    if packing == "pad":
+        train = gpt.pad_rows(documents, 32)
+        rows, real = len(train), int((train["targets"] != -100).sum())
+    else:  # every byte of a document is a target (the last one's is EOT), in full rows
+        real = sum(map(len, documents))
+        rows = -(-real // 32)
+    positions = rows * 32
     assert real < positions  # the data have padding to leave out
-    report = gpt.main([*TINY_GPT, "--batch-size", str(len(train)), "--accumulation", "2",
-                       "--steps", "3", "--out", str(tmp_path / "gpt")])
+    report = gpt.main([*TINY_GPT, "--batch-size", str(rows), "--accumulation", "2",
+                       "--steps", "3", "--packing", packing, "--out", str(tmp_path / "gpt")])
     assert report["real_tokens"] == 3 * real
+    assert report["padding_share"] == pytest.approx(1 - real / positions, abs=1e-4)
     assert "tokens_per_s" not in report  # the old name counted padding
     assert report["real_tokens_per_s"] == pytest.approx(
         3 * real / report["train_seconds"], rel=0.02)
     printed = capsys.readouterr().out
     assert json.loads(printed[printed.rindex("\n{"):])["real_tokens"] == 3 * real
-    assert "padding excluded" in printed
+    assert "padding excluded" in printed and "padding share" in printed
     assert "tokens/s" not in printed.split("verdict:")[0]  # the monitor's count had padding
