@@ -47,12 +47,14 @@ def _text(page: str) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", page))
 
 
+@pytest.mark.slow
 def test_site_builds_strictly(site: Path) -> None:
     assert (site / "index.html").exists()
     assert set(_api_html(site)) == {"steps", "transforms", "writing-transforms", "places",
                                     "data", "checkpointing", "observe", "recipes"}
 
 
+@pytest.mark.slow
 def test_api_reference_has_the_methods(site: Path) -> None:
     ids = set(re.findall(r'id="(accelfn[\w.]*)"', "".join(_api_html(site).values())))
     for name in ("accelfn.Monitor.iterate", "accelfn.Monitor.report", "accelfn.Step.evaluate",
@@ -64,6 +66,7 @@ def test_api_reference_has_the_methods(site: Path) -> None:
     assert not [i for i in ids if "._" in i]  # nothing private
 
 
+@pytest.mark.slow
 def test_api_reference_covers_every_public_name(site: Path) -> None:
     import accelfn
     import accelfn.checkpointing
@@ -89,6 +92,7 @@ def test_api_reference_covers_every_public_name(site: Path) -> None:
     assert missing == [], f"add them to a page of docs/api/: {missing}"
 
 
+@pytest.mark.slow
 def test_api_reference_renders_sections_and_cross_references(site: Path) -> None:
     pages = _api_html(site)
     for name, page in pages.items():
@@ -113,6 +117,7 @@ _LOADS = re.compile(r'<(?:script|link|img|iframe|source|video|audio|embed)\b[^>]
                     r'\b(?:src|href)="((?:https?:)?//[^"]*)"')
 
 
+@pytest.mark.slow
 def test_site_loads_nothing_from_the_network(site: Path) -> None:
     loads = [f"{p.relative_to(site)}: {url}" for p in site.rglob("*.html")
              for url in _LOADS.findall(p.read_text())]
@@ -121,6 +126,7 @@ def test_site_loads_nothing_from_the_network(site: Path) -> None:
     assert loads == []
 
 
+@pytest.mark.slow
 def test_site_links_outside_only_where_the_docs_do(site: Path) -> None:
     """The theme adds no outside link (its footer); what remains is written in docs/ or in a
     docstring the API reference renders."""
@@ -131,6 +137,7 @@ def test_site_links_outside_only_where_the_docs_do(site: Path) -> None:
     assert sorted(url for url in outside if html.unescape(url) not in written) == []
 
 
+@pytest.mark.slow
 def test_code_is_highlighted_when_the_site_is_built(site: Path) -> None:
     index = (site / "index.html").read_text()
     assert "highlight.js" not in index and "hljs" not in index
@@ -140,6 +147,7 @@ def test_code_is_highlighted_when_the_site_is_built(site: Path) -> None:
     assert ".highlight .kn {" in css and 'href="css/pygments.css"' in index
 
 
+@pytest.mark.slow
 def test_every_transform_page_links_to_its_signature(site: Path) -> None:
     for page in sorted((DOCS / "transforms").glob("*.md")):
         built = (site / "transforms" / page.stem / "index.html").read_text()
@@ -270,11 +278,13 @@ def test_every_python_block_is_run_or_marked_a_fragment() -> None:
 
 
 @pytest.mark.parametrize("page", RUN_PAGES, ids=lambda p: str(p.relative_to(DOCS)))
+@pytest.mark.slow
 def test_python_blocks_run(page: Path) -> None:
     result = _run_all()[str(page.relative_to(ROOT))]
     assert result["ok"], result.get("error")
 
 
+@pytest.mark.slow
 def test_getting_started_code_runs() -> None:
     result = _run_all()["docs/index.md"]
     assert result["ok"], result.get("error")

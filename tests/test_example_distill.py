@@ -12,6 +12,7 @@ import importlib.util
 import os
 import sys
 
+import pytest
 import torch
 import torch.nn.functional as F
 from tensordict import TensorDict
@@ -89,6 +90,7 @@ def test_alpha_zero_is_plain_cross_entropy_and_alpha_one_the_teacher_alone():
     assert float(same["soft"].detach()) < 1e-6  # a student equal to its teacher: nothing left
 
 
+@pytest.mark.slow
 def test_distill_example_trains_and_resumes_without_training_the_teacher_again(tmp_path,
                                                                                 capsys):
     small = ["--teacher-steps", "20"]

@@ -15,6 +15,7 @@ import importlib.util
 import os
 import sys
 
+import pytest
 import torch
 from tensordict import TensorDict
 from torch import nn
@@ -171,6 +172,7 @@ def test_each_step_applies_and_leaves_only_its_own_gradients():
         assert torch.equal(p, before[name]), name
 
 
+@pytest.mark.slow
 def test_gan_example_trains_and_resumes_exactly(tmp_path, capsys):
     straight = str(tmp_path / "straight")
     report = gan.main(["--steps", "6", "--log-every", "3", "--out", straight])
@@ -190,6 +192,7 @@ def test_gan_example_trains_and_resumes_exactly(tmp_path, capsys):
     assert g_a.keys() == g_b.keys() and all(torch.equal(g_a[k], g_b[k]) for k in g_a)
 
 
+@pytest.mark.slow
 def test_the_extra_forward_benchmark_runs_and_reports_its_ratios():
     spec = importlib.util.spec_from_file_location(
         "gan_benchmark", os.path.join(ROOT, "benchmarks", "gan.py"))

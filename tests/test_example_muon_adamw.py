@@ -157,6 +157,7 @@ def test_fp16_one_grad_scaler_for_both_optimizers_equals_the_plain_loop_bitwise(
     assert skipped == ([0.0] * 5 if init_scale == 2.0**16 else [1.0, 1.0, 0.0, 0.0, 0.0])
 
 
+@pytest.mark.slow
 def test_muon_example_learns_and_resumes_exactly(tmp_path):
     small = ["--steps", "8", "--batch-size", "8", "--seq-len", "16", "--log-every", "4"]
     straight = str(tmp_path / "straight")

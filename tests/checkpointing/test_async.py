@@ -281,6 +281,7 @@ checkpointing.save(sys.argv[1], state, asynchronous=True)
 
 
 @pytest.mark.parametrize("how", ["ok", "fail"])
+@pytest.mark.slow
 def test_a_script_that_ends_lets_the_save_finish(tmp_path, how):
     proc = subprocess.run([sys.executable, "-c", EXITING, str(tmp_path), how], env=ENV,
                           capture_output=True, text=True, timeout=120)

@@ -37,6 +37,7 @@ def good_checkpoint(tmp_path_factory):
     return path, step, [p.detach().clone() for p in state.model.parameters()]
 
 
+@pytest.mark.slow
 def test_fuzz_damaged_checkpoints_never_load_wrong(good_checkpoint, tmp_path_factory, capsys):
     path, step, saved_params = good_checkpoint
     files = sorted(p.name for p in path.iterdir())

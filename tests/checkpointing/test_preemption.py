@@ -118,6 +118,7 @@ def test_handlers_need_the_main_thread():
     assert len(errors) == 1 and "main thread" in errors[0]
 
 
+@pytest.mark.slow
 def test_sigterm_mid_run_checkpoints_exits_75_and_resumes_exactly(tmp_path):
     run, out = tmp_path / "run", tmp_path / "out"
     proc = subprocess.Popen([sys.executable, str(WORKER), "preempt", str(run), str(out)],

@@ -44,6 +44,7 @@ def loads(path: Path) -> bool:
 
 
 @pytest.mark.parametrize("pause", ["writing", "committing"])
+@pytest.mark.slow
 def test_a_second_writer_is_refused_naming_the_first_which_then_commits(tmp_path, pause):
     run_dir = tmp_path / "run"
     holder = start_writer("hold", run_dir, pause)
@@ -65,6 +66,7 @@ def test_a_second_writer_is_refused_naming_the_first_which_then_commits(tmp_path
     assert sorted(p.name for p in run_dir.iterdir()) == ["step-000000002"]  # lock released
 
 
+@pytest.mark.slow
 def test_two_processes_saving_into_one_directory_leave_only_loadable_checkpoints(tmp_path,
                                                                                   capsys):
     run_dir = tmp_path / "run"
@@ -96,6 +98,7 @@ def test_two_processes_saving_into_one_directory_leave_only_loadable_checkpoints
     assert all(p.name.startswith("step-") for p in run_dir.iterdir())
 
 
+@pytest.mark.slow
 def test_the_lock_of_a_killed_writer_is_taken_over_and_its_leftovers_removed(tmp_path):
     run_dir = tmp_path / "run"
     holder = start_writer("hold", run_dir, "committing")  # renamed, no marker yet

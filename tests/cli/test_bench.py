@@ -406,6 +406,7 @@ def test_compile_benchmark_depth_section_fits_a_line_per_side(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("depths", ["12", "12,12", "12,1", "6,x"])
+@pytest.mark.slow
 def test_compile_benchmark_refuses_depths_it_cannot_fit(depths: str) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "compile.py"), "--only", "depth",

@@ -27,6 +27,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == f"accelfn {accelfn.__version__}"
 
 
+@pytest.mark.slow
 def test_module_entry_point_runs_the_same_command() -> None:
     proc = subprocess.run([sys.executable, "-m", "accelfn", "--version"], capture_output=True,
                           text=True, timeout=120, check=False)

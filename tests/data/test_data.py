@@ -194,6 +194,7 @@ def test_map_dataset_loads_in_worker_threads_that_persist_across_epochs():
     assert set(torch.cat([b["pid"] for b in epochs[0]]).tolist()) == {os.getpid()}
 
 
+@pytest.mark.slow
 def test_process_workers_persist_across_epochs():
     with ad.loader(MapDataset(40), batch_size=4, num_workers=2, worker_type="process") as loader:
         epochs = [list(loader) for _ in range(2)]
@@ -333,6 +334,7 @@ def test_process_workers_exit_when_the_trainer_is_killed(method):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
 def test_a_dead_unreaped_trainer_counts_as_dead():
     """A SIGKILLed trainer whose supervisor has not reaped it is a zombie: workers must not
     take it for alive (``os.kill(pid, 0)`` would)."""

@@ -155,6 +155,7 @@ def test_a_sample_transform_that_is_not_callable_is_refused(source):
         ad.loader(source(), batch_size=4, shuffle=False, sample_transform=5)
 
 
+@pytest.mark.slow
 def test_mp_context_is_checked_and_only_taken_with_worker_processes():
     with pytest.raises(ValueError, match=r"mp_context='bogus'.*spawn"):
         ad.loader(samples(), batch_size=4, worker_type="process", mp_context="bogus")

@@ -228,6 +228,7 @@ class Crashing:
         return {"x": torch.tensor(float(i))}
 
 
+@pytest.mark.slow
 def test_e_a_dead_worker_process_is_reported_and_the_next_epoch_starts_new_ones(tmp_path):
     flag = tmp_path / "crash"
     loader = ad.loader(
@@ -257,6 +258,7 @@ def _load_or_die(flag: str, idx: torch.Tensor) -> list[int]:
     return idx.tolist()
 
 
+@pytest.mark.slow
 def test_e_a_pool_broken_in_an_unfinished_epoch_is_replaced_at_the_next(tmp_path):
     import functools
     import time

@@ -564,6 +564,7 @@ def _global_draws(num_workers: int, epochs: int = 2) -> list[TensorDict]:
         return [b.clone() for _ in range(epochs) for b in loader]
 
 
+@pytest.mark.slow
 def test_numpy_and_python_random_are_seeded_per_sample_in_worker_processes():
     two = _global_draws(2)
     for key in ("np", "py"):

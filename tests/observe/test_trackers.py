@@ -283,6 +283,7 @@ def test_missing_packages_name_the_extra(monkeypatch: pytest.MonkeyPatch) -> Non
         MlflowSink()
 
 
+@pytest.mark.slow
 def test_accelfn_works_without_wandb_and_mlflow(tmp_path: Path) -> None:
     code = (
         "import sys\n"
