@@ -82,7 +82,8 @@ def oversubscription(cpu: CpuLoad | None = None, *, own_load: float = 0.0) -> Fi
     busy = cpu.threads * cpu.local_processes
     per_process = max(1, free // cpu.local_processes)
     procs = (f"{cpu.local_processes} processes x {cpu.threads} threads" if
-             cpu.local_processes > 1 else f"{cpu.threads} torch threads")
+             cpu.local_processes > 1 else
+             f"{cpu.threads} torch thread{'s' if cpu.threads != 1 else ''}")
     load = f", load average {cpu.load:.1f}" if cpu.load is not None else ""
     fix = (f"OMP_NUM_THREADS={per_process} in the environment (torchrun sets 1 only when "
            f"it starts more than one process), or torch.set_num_threads({per_process}) at the "
@@ -99,7 +100,7 @@ def oversubscription(cpu: CpuLoad | None = None, *, own_load: float = 0.0) -> Fi
             f"oversubscribed: the load average {cpu.load:.1f} exceeds the {cpu.cores} "
             f"usable core(s): other work competes for the CPU, timings are slow and vary",
             fix + "; or run when the machine is less busy" if cpu.threads > per_process else
-            f"{procs} are already within the free cores: run when the machine is less busy "
+            f"{procs}: within the free cores already; run when the machine is less busy "
             "(timings taken now are not comparable with an idle machine's)")
     return Finding("threads", "ok", f"{procs} on {free} free core(s) ({cpu.cores} usable"
                    f"{load})")

@@ -31,7 +31,7 @@ def test_a_load_above_the_cores_is_oversubscription_even_with_one_thread() -> No
     found = oversubscription(CpuLoad(cores=2, local_processes=1, threads=1, load=10.0))
     assert found.severity == "warning"
     assert "load average 10.0 exceeds the 2 usable core(s)" in found.message
-    assert "1 torch threads are already within the free cores" in (found.fix or "")
+    assert "1 torch thread: within the free cores already" in (found.fix or "")
     found = oversubscription(CpuLoad(cores=4, local_processes=1, threads=2, load=4.5),
                              own_load=0.0)
     assert found.severity == "warning" and "2 torch threads on" in found.message
