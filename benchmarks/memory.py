@@ -1,0 +1,258 @@
+"""Memory of a GPT of at least 50M parameters: the estimate, the logits, adaptive accumulation.
+
+Prints, for one AdamW update of a GPT (58.7M parameters, vocabulary 32768, 8 tokens x 64):
+
+* ``estimate_memory``'s peak against the peak measured during a real update (the live
+  tensor storage, followed operator by operator; on ``--device cuda``
+  ``torch.cuda.max_memory_allocated``), as a ratio;
+* the measured peak of the update with ``linear_cross_entropy`` against the full logits and
+  ``F.cross_entropy`` (the plain code a user writes), as a ratio, on 16 sequences with plain
+  SGD: with AdamW the peak is the optimizer step's (its state and foreach temporaries), where
+  the loss plays no part (that peak is reported too);
+* adaptive accumulation's chosen count, the model standing in for a device that runs out
+  of memory above 2 samples per micro-batch (it raises ``torch.OutOfMemoryError``, as a
+  full GPU does), and its step time once settled against ``with_accumulation(count)`` set
+  by hand: the sides interleave, rotating which goes first; the figure is the median over
+  rounds of each side's thread CPU time per update (wall time on CUDA).
+
+    python benchmarks/memory.py [--rounds 7] [--threads 1] [--device cpu|cuda] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import accelfn as af
+from accelfn.observe.memory import estimate_memory
+
+VOCAB, DIM, DEPTH, HEADS, SEQ, BATCH = 32768, 512, 8, 8, 64, 8
+FITS = 2  # samples per micro-batch the stand-in device holds
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(DIM), nn.LayerNorm(DIM)
+        self.qkv, self.proj = nn.Linear(DIM, 3 * DIM), nn.Linear(DIM, DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 4 * DIM), nn.GELU(), nn.Linear(4 * DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, DIM // HEADS).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, DIM))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
+
+
+class GPT(nn.Module):
+    def __init__(self, fits: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.pos = nn.Parameter(torch.zeros(SEQ, DIM))
+        self.blocks = nn.ModuleList(Block() for _ in range(DEPTH))
+        self.ln = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.fits = fits
+
+    def hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.fits is not None and ids.shape[0] > self.fits:
+            raise torch.OutOfMemoryError("out of memory (the stand-in device holds "
+                                         f"{self.fits} samples per micro-batch)")
+        x = self.emb(ids) + self.pos[:ids.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        out: torch.Tensor = self.ln(x)
+        return out
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(self.hidden(ids))
+        return out
+
+
+def full_logits(model: nn.Module, batch: TensorDict) -> torch.Tensor:
+    return F.cross_entropy(model(batch["ids"]).flatten(0, 1), batch["targets"].flatten())
+
+
+def fused_loss(model: GPT, batch: TensorDict) -> torch.Tensor:
+    hidden = model.hidden(batch["ids"])
+    return af.linear_cross_entropy(hidden, model.head.weight, batch["targets"])
+
+
+def make_batch(device: torch.device, size: int = BATCH) -> TensorDict:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, VOCAB, (size, SEQ + 1), generator=g)
+    return TensorDict({"ids": ids[:, :-1], "targets": ids[:, 1:]}, batch_size=[size]).to(device)
+
+
+def new_state(device: torch.device, fits: int | None = None,
+              sgd: bool = False) -> af.TrainState:
+    model = GPT(fits).to(device)
+    optimizer = (torch.optim.SGD(model.parameters(), lr=1e-3) if sgd else
+                 torch.optim.AdamW(model.parameters(), lr=1e-4))
+    return af.TrainState(model, optimizer)
+
+
+class StoragePeak(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
+    """The peak bytes of live tensor storage: storages present at the start plus each one an
+    operator makes, alive until its last reference (autograd's included) goes."""
+
+    def __init__(self, present: list[torch.Tensor]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.live: dict[int, int] = {}
+        self.total = self.peak = 0
+        for t in present:
+            self.add(t)
+
+    def add(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        if s._cdata not in self.live:
+            self.live[s._cdata] = s.nbytes()
+            self.total += s.nbytes()
+            weakref.finalize(s, self.drop, s._cdata)
+        self.peak = max(self.peak, self.total)
+
+    def drop(self, key: int) -> None:
+        self.total -= self.live.pop(key, 0)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                self.add(leaf)
+        return out
+
+
+def measured_peak(step: Callable[..., Any], state: af.TrainState, batch: TensorDict) -> int:
+    """The peak of the second update (the first makes AdamW's state, as the estimate's)."""
+    step(state, batch)
+    device = batch["ids"].device
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step(state, batch)
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated())
+    present: list[Any] = [*state.model.parameters(), *state.model.buffers(), *batch.values(),
+               *[v for o in state.optimizers for e in o.state.values() for v in e.values()
+                 if isinstance(v, torch.Tensor)]]
+    meter = StoragePeak(present)
+    with meter:
+        step(state, batch)
+    return meter.peak
+
+
+def timed(step: Callable[..., Any], state: af.TrainState, batch: TensorDict) -> float:
+    if batch["ids"].device.type == "cuda":
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step(state, batch)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+    start = time.thread_time()
+    step(state, batch)
+    return time.thread_time() - start
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", default=None, help="write the JSON here too")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    batch = make_batch(device)
+    began = time.time()
+    params = sum(p.numel() for p in GPT().parameters())
+
+    # 1. the estimate against the measured peak
+    step = af.with_clipping(max_norm=1.0)(full_logits)
+    estimate = estimate_memory(step, new_state(device), batch)
+    full = measured_peak(step, new_state(device), batch)
+    # 2. linear_cross_entropy against the full logits: with AdamW, and where the loss counts
+    fused_adamw = measured_peak(af.with_clipping(max_norm=1.0)(fused_loss), new_state(device),
+                                batch)
+    wide = make_batch(device, 2 * BATCH)
+    logits_sgd = measured_peak(step, new_state(device, sgd=True), wide)
+    fused_sgd = measured_peak(af.with_clipping(max_norm=1.0)(fused_loss),
+                              new_state(device, sgd=True), wide)
+    # 3. adaptive accumulation: the count it settles on, then its time against that count
+    adaptive_state = new_state(device, fits=FITS)
+    adaptive = af.with_accumulation(1, adaptive=True)(full_logits)
+    counts = [int(adaptive(adaptive_state, batch)["micro_batches"]) for _ in range(2)]
+    chosen = counts[-1]
+    by_hand_state = new_state(device, fits=FITS)
+    by_hand = af.with_accumulation(chosen)(full_logits)
+    for _ in range(2):  # both settled and warm
+        by_hand(by_hand_state, batch)
+    adaptive(adaptive_state, batch)
+    sides = {"adaptive": (adaptive, adaptive_state), "by_hand": (by_hand, by_hand_state)}
+    per_round: dict[str, list[float]] = {name: [] for name in sides}
+    for r in range(args.rounds):
+        order = list(sides) if r % 2 == 0 else list(reversed(sides))
+        for name in order:
+            side_step, side_state = sides[name]
+            per_round[name].append(timed(side_step, side_state, batch))
+    medians = {name: statistics.median(times) for name, times in per_round.items()}
+    report = {
+        "benchmark": "memory",
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores"
+                   + (f", {torch.cuda.get_device_name()}" if device.type == "cuda" else
+                      ", CPU only"),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "torch": torch.__version__, "threads": args.threads, "device": device.type,
+        "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:] if argv is None
+                                                             else argv),
+        "model": {"parameters": params, "vocab": VOCAB, "dim": DIM, "depth": DEPTH,
+                  "batch": BATCH, "seq": SEQ, "optimizer": "AdamW"},
+        "measured_by": ("torch.cuda.max_memory_allocated" if device.type == "cuda" else
+                        "peak of live tensor storage, operator by operator"),
+        "estimate": {"peak_bytes": estimate.peak, "measured_peak_bytes": full,
+                     "ratio": round(estimate.peak / full, 4), "line": str(estimate)},
+        "linear_cross_entropy": {
+            "sgd_batch": 2 * BATCH, "peak_bytes": fused_sgd, "full_logits_peak_bytes": logits_sgd,
+            "ratio": round(fused_sgd / logits_sgd, 4),
+            "adamw": {"batch": BATCH, "peak_bytes": fused_adamw, "full_logits_peak_bytes": full,
+                      "ratio": round(fused_adamw / full, 4)}},
+        "adaptive_accumulation": {
+            "device_holds_samples": FITS, "batch": BATCH, "counts": counts,
+            "chosen": chosen, "rounds": args.rounds,
+            "adaptive_s": round(medians["adaptive"], 4),
+            "by_hand_s": round(medians["by_hand"], 4),
+            "ratio": round(medians["adaptive"] / medians["by_hand"], 4),
+            "target": "<= 1.02", "meets_target": medians["adaptive"] / medians["by_hand"] <= 1.02,
+            "adaptive_s_each": [round(t, 4) for t in per_round["adaptive"]],
+            "by_hand_s_each": [round(t, 4) for t in per_round["by_hand"]]},
+        "seconds": round(time.time() - began, 1),
+    }
+    print(json.dumps(report, indent=2))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as file:
+            json.dump(report, file, indent=2)
+            file.write("\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
