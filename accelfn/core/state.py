@@ -49,15 +49,11 @@ class Window(Protocol):
 
 
 def _mark(scheduler: Any) -> Any:
-    """How many times ``scheduler`` was stepped, as far as it tells (host state, no sync):
-    its ``last_epoch``, or for a ``ChainedScheduler`` (which has none) its first scheduler's."""
+    """How many times ``scheduler`` was stepped (host state): its ``last_epoch``, or for a
+    ``ChainedScheduler`` (which has none) its first scheduler's."""
+    chained = getattr(scheduler, "_schedulers", None) or [None]
     mark = getattr(scheduler, "last_epoch", None)
-    if mark is not None:
-        return mark
-    chained = getattr(scheduler, "_schedulers", None)
-    if isinstance(chained, (list, tuple)) and chained:
-        return _mark(chained[0])
-    return None
+    return mark if mark is not None or chained[0] is None else _mark(chained[0])
 
 
 def _per_update(scheduler: Any) -> bool:
