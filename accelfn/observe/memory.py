@@ -208,7 +208,11 @@ def _fake_state(state: TrainState, mode: Any) -> TrainState:
         copied = copy.deepcopy(optimizer, memo)
         copied.__dict__.pop("step", None)  # a scheduler's wrapper of the original's step
         optimizers.append(copied)
-    return TrainState(fake_model, optimizers)
+    fake = TrainState(fake_model, optimizers)
+    count = state.get_slot("accumulation")  # the micro-batch count adaptive accumulation found
+    if count is not None and hasattr(count, "count"):
+        fake.slot("accumulation", lambda: copy.copy(count))
+    return fake
 
 
 def _fakes(mode: Any) -> Iterator[Tensor]:
@@ -261,7 +265,10 @@ def estimate_memory(step: Step | Callable[..., Any], state: TrainState, batch: B
         phase = ["forward"]
 
         def pack(t: Tensor) -> Tensor:
-            saved.add(t.untyped_storage()._cdata)
+            storage = t.untyped_storage()
+            if storage._cdata not in saved:  # forgotten when freed: its address is reused
+                saved.add(storage._cdata)
+                weakref.finalize(storage, saved.discard, storage._cdata)
             return t
 
         def at_peak(live: dict[int, int]) -> None:

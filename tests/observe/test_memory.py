@@ -251,3 +251,22 @@ def test_a_script_is_estimated_through_its_memory_case(tmp_path):
     empty.write_text("x = 1\n")
     with pytest.raises(ValueError, match="memory_case"):
         estimate_script(empty)
+
+
+def test_adaptive_accumulation_is_estimated_with_the_count_it_found():
+    build, fn, batch = gpt_case()
+
+    class Limited(GPT):
+        def forward(self, ids):
+            if ids.shape[0] > 2:
+                raise torch.OutOfMemoryError("out of memory above 2 samples (test)")
+            return super().forward(ids)
+
+    step = af.with_accumulation(1, adaptive=True)(fn)
+    state = adamw_state(Limited())
+    fresh = estimate_memory(af.with_accumulation(4)(fn), adamw_state(build()), batch)
+    assert int(step(state, batch)["micro_batches"]) == 4
+    found = estimate_memory(step, state, batch)
+    whole = estimate_memory(af.with_accumulation(1)(fn), adamw_state(build()), batch)
+    assert found == fresh and found.peak < whole.peak
+    assert int(step(state, batch)["micro_batches"]) == 4  # the state's count is its own
