@@ -332,3 +332,26 @@ def test_relative_links_resolve() -> None:
             if not (page.parent / target).resolve().exists():
                 broken.append(f"{page.relative_to(ROOT)} -> {target}")
     assert broken == []
+
+
+def test_readme_and_the_docs_home_give_the_same_times_measured_at_a_stated_load() -> None:
+    readme = (ROOT / "README.md").read_text()
+    index = (DOCS / "index.md").read_text()
+    row = re.compile(r"^\| `examples/(?P<name>\w+)\.py` \|.*\| (?P<time>[\d.]+ (?:s|min)) \|$",
+                     re.M)
+    item = re.compile(r"^\s+- `(?P<name>\w+)\.py`: [^(]*\((?P<time>[\d.]+ (?:s|min))", re.M)
+    in_readme = {m["name"]: m["time"] for m in row.finditer(readme)}
+    in_index = {m["name"]: m["time"] for m in item.finditer(index)}
+    assert len(in_readme) >= 8 and in_readme == in_index
+    for text in (readme, index):
+        flat = " ".join(text.split())
+        assert "2-core CPU at load average 1 to 3" in flat
+        assert "77 s at load average 9 to 10" in flat  # the same machine, shared
+
+
+def test_the_readme_test_command_is_what_ci_runs() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == "make test"
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(r"^make test +# ", readme, re.M)
+
