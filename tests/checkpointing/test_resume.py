@@ -68,6 +68,7 @@ def single(tmp_path_factory):
     return SimpleNamespace(run=run, out=out, first=first, left=left)
 
 
+@pytest.mark.slow
 def test_a_process_killed_while_saving_leaves_the_last_committed_checkpoint(single):
     assert single.first.returncode == -signal.SIGKILL, single.first.stderr[-3000:]
     assert "killed while committing step-000000007" in single.first.stdout
@@ -80,6 +81,7 @@ def test_a_process_killed_while_saving_leaves_the_last_committed_checkpoint(sing
         ckpt.load(single.run / "step-000000007", state)
 
 
+@pytest.mark.slow
 def test_resume_in_a_new_process_is_bitwise_exact_mid_epoch(single):
     reference = load(single.out / "reference.pt")
     resumed = load(single.out / "resumed.pt")

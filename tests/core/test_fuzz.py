@@ -22,6 +22,7 @@ from __future__ import annotations
 import copy
 from collections import Counter
 
+import pytest
 import torch
 from conftest import classify
 from fuzz_helpers import assert_untouched, fresh_state, snapshot
@@ -127,6 +128,7 @@ def build(config):
     return step
 
 
+@pytest.mark.slow
 def test_fuzz_steps_with_malformed_batches_and_configurations(capsys):
     outcomes: Counter[str] = Counter()
 

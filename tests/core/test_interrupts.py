@@ -71,6 +71,7 @@ STACKS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stack", list(STACKS))
 def test_an_interrupt_at_any_line_leaves_no_gradients_and_no_half_update(stack):
     build = STACKS[stack]
