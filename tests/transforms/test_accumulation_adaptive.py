@@ -191,6 +191,23 @@ def test_one_process_out_of_memory_makes_both_retry_with_one_count(two_processes
 
 
 @pytest.mark.distributed
+def test_two_processes_equal_the_plain_loop_on_the_whole_batch(two_processes):
+    """The plain single-process loop over the global batch (16 samples, 8 micro-batches of
+    2, each loss weighted by its share): equal within float32 rounding."""
+    from adaptive_worker import PER_RANK, STEPS
+    from reference import reference_update
+
+    model = Limited(limit=100).net
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i in range(STEPS):
+        batch = {k: v for k, v in make_batch(n=2 * PER_RANK, seed=i, td=False).items()}
+        reference_update(model, optimizer, batch, classify, micro=8)
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(two_processes[0]["backward"]["params"][name], value.detach(),
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.distributed
 def test_no_finer_split_in_one_process_raises_in_every_process(two_processes):
     zero, one = two_processes
     assert "another process of the run ran out of memory" in zero["stuck"]
