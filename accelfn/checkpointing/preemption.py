@@ -73,7 +73,7 @@ def _write_marker(rank: int, code: int, step: int, path: Any) -> None:
         import warnings
 
         warnings.warn(f"could not write the preemption marker into {folder} ({error}); the "
-                      "launcher will report a failure (exit 1) instead of 75", stacklevel=3)
+                      "launcher will report a failure (exit 1), not a preemption", stacklevel=3)
 
 _DEFAULT_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
