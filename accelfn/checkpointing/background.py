@@ -27,9 +27,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..core import compat
 from .collective import rank_world
 
-__all__ = ["AsyncSave", "save_group", "stage", "start", "wait_previous"]
+__all__ = ["AsyncSave", "save_group", "stage", "start", "wait_previous", "writing"]
 
 _lock = threading.Lock()
 _pending: AsyncSave | None = None
@@ -57,6 +58,9 @@ class AsyncSave:
         self._error: BaseException | None = None
         self._reported = False
         self._thread: threading.Thread | None = None
+        self._decided = threading.Event()  # set once: the thread writes, or was cancelled
+        self._decision = threading.Lock()
+        self._write = False
 
     def done(self) -> bool:
         """Whether the save has finished: committed, or failed with nothing committed."""
@@ -91,6 +95,9 @@ class AsyncSave:
         return f"AsyncSave(step={self.step}, directory={str(self.directory)!r}: {status})"
 
     def _run(self, work: Callable[[], Path]) -> None:
+        self._decided.wait()  # the caller registers this save, then lets it write
+        if not self._write:
+            return  # cancelled: the caller undid the save (nobody waits for it)
         try:
             self._path = work()
         except BaseException as error:  # nothing escapes a thread: it is wait()'s to raise
@@ -98,19 +105,58 @@ class AsyncSave:
         finally:
             self._done.set()
 
+    def _decide(self, write: bool) -> bool:
+        """Let the thread write (``True``) or cancel it; the first decision holds. Whether
+        this one was it."""
+        with self._decision:
+            if self._decided.is_set():
+                return False
+            self._write = write
+            self._decided.set()
+            return True
 
-def start(directory: Path, step: int, work: Callable[[], Path]) -> AsyncSave:
-    """Run ``work`` (write, verify, commit) in a background thread; the handle of it."""
+    @property
+    def writing(self) -> bool:
+        """Whether the background thread was let write (it owns the save's lock and files)."""
+        return self._decided.is_set() and self._write
+
+
+def start(directory: Path, step: int, work: Callable[[], Path],
+          abandon: Callable[[], None]) -> AsyncSave:
+    """Run ``work`` (write, verify, commit) in a background thread; the handle of it.
+
+    The thread starts, the save is registered as this process' pending one, and only then is
+    the thread let write: an interrupt anywhere before that cancels it (``abandon`` then
+    undoes the caller's part: the lock, the temporary directory), so no pending save is left
+    that nobody runs and every later ``save()`` or ``load()`` would wait for."""
     global _pending
     handle = AsyncSave(directory, step)
-    # Not a daemon: an interpreter that exits lets the save finish (and commit) first.
-    thread = threading.Thread(target=handle._run, args=(work,), daemon=False,
-                              name=f"accelfn-checkpoint-step-{step}")
-    handle._thread = thread
-    with _lock:
-        _pending = handle
-    thread.start()
+    try:
+        # Not a daemon: an interpreter that exits lets the save finish (and commit) first.
+        thread = threading.Thread(target=handle._run, args=(work,), daemon=False,
+                                  name=f"accelfn-checkpoint-step-{step}")
+        handle._thread = thread
+        thread.start()
+        with _lock:
+            _pending = handle
+        handle._decide(True)
+    except BaseException:
+        if handle._decide(False):  # not let write yet: nothing runs in the background
+            with _lock:
+                if _pending is handle:
+                    _pending = None
+            abandon()
+        raise
     return handle
+
+
+def writing(directory: Path) -> bool:
+    """Whether this process' pending save into ``directory`` was let write in the
+    background (it owns its lock and files from then on)."""
+    with _lock:
+        handle = _pending
+    return handle is not None and handle.directory == directory and handle.writing \
+        and not handle.done()
 
 
 def wait_previous(caller: str) -> None:
@@ -186,10 +232,9 @@ def stage(obj: Any) -> Any:
             return stager.stage(obj)
         finally:
             stager.close()
-    if _pinned is None:
-        # Non-blocking copies into pinned memory, then one synchronisation: the call returns
-        # once the copy is complete.
-        _pinned = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                               use_async_staging=False,
-                                               use_non_blocking_copy=True))
+    # Non-blocking copies into pinned memory, then one synchronisation: the call returns
+    # once the copy is complete. Kept between saves where this torch's stager allows it.
+    _pinned = compat.dcp_stager(_pinned, lambda: DefaultStager(StagingOptions(
+        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False,
+        use_non_blocking_copy=True)))
     return _pinned.stage(obj)

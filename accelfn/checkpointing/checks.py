@@ -21,6 +21,7 @@ from ..core.state import TrainState
 from .format import LOADER_FORMAT, CheckpointError
 
 __all__ = [
+    "check_finite",
     "check_loader",
     "check_optimizer_state",
     "check_slots",
@@ -93,11 +94,25 @@ def compare_models(saved: dict[str, list[Any]], here: dict[str, list[Any]]) -> N
     )
 
 
-def compare_stacks(saved: dict[str, Any] | None, here: dict[str, Any] | None) -> None:
-    if saved is None or here is None or saved["transforms"] == here["transforms"]:
+def _layout_free(transforms: list[str]) -> list[str]:
+    return [t for t in transforms if not t.startswith("distributed(")]
+
+
+def compare_stacks(saved: dict[str, Any] | None, here: dict[str, Any] | None,
+                   resharding: bool = False) -> None:
+    """The step is the checkpointed run's (built-ins in any order, gradient transforms in
+    theirs). With ``resharding``, ``distributed(...)`` is left out: its strategy and mesh are
+    the layout being changed (HSDP 2x2 into FSDP over 2, or into one process), and it keeps
+    no state of its own in a checkpoint."""
+    if saved is None or here is None:
         return
-    added = sorted(set(here["transforms"]) - set(saved["transforms"]))
-    removed = sorted(set(saved["transforms"]) - set(here["transforms"]))
+    theirs, ours = saved["transforms"], here["transforms"]
+    if resharding:
+        theirs, ours = _layout_free(theirs), _layout_free(ours)
+    if theirs == ours:
+        return
+    added = sorted(set(ours) - set(theirs))
+    removed = sorted(set(theirs) - set(ours))
     order = "" if added or removed else "; its gradient transforms run in another order"
     raise CheckpointError(
         f"the checkpoint was saved by the step {saved['describe']!r}, this step is "
@@ -279,3 +294,37 @@ def check_loader(saved: Any, loader: Any) -> None:
         raise CheckpointError(f"the checkpoint's loader position is malformed: {found}; it is "
                               "forged or damaged (load an earlier checkpoint, or pass "
                               "loader=None and start the loader at a new epoch)")
+
+
+# ------------------------------------------------------------------------------ values
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard
+
+
+def check_finite(state: TrainState, name: str = "") -> None:
+    """Refuse a restored state whose parameters or optimizer state hold NaN or Inf (a
+    diverged or forged checkpoint): one device check of all of them, then, on failure only,
+    the first such tensor by name. This process' shards only (load() agrees on the outcome)."""
+    named: list[tuple[str, torch.Tensor]] = [
+        (f"parameter {n}", p) for n, p in state.model.named_parameters()]
+    for i, optimizer in enumerate(state.optimizers):
+        for index, (param, entry) in enumerate(optimizer.state.items()):
+            del param
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    named.append((f"optimizer {i}'s state {key!r} of parameter {index}", value))
+    tensors = [(what, _local(t).detach()) for what, t in named
+               if t.is_floating_point() or t.is_complex()]
+    tensors = [(what, t) for what, t in tensors if t.numel()]
+    if not tensors:
+        return
+    flags = torch.stack([torch.isfinite(t).all().to("cpu", non_blocking=True)
+                         for _, t in tensors])
+    if bool(flags.all()):
+        return
+    bad = next(what for (what, _), ok in zip(tensors, flags.tolist()) if not ok)
+    where = f"state {name!r}: " if name else ""
+    raise CheckpointError(
+        f"{where}the checkpoint's {bad} holds NaN or Inf: the run it comes from had diverged, "
+        "or the file was forged. Load an earlier checkpoint, or pass allow_nonfinite=True to "
+        "load it anyway")

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import stat
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -221,13 +222,21 @@ def is_committed(path: Path) -> bool:
 
 
 def checkpoints(directory: str | os.PathLike[str]) -> list[Path]:
-    """Equivalent to the ``step-*`` directories with a commit marker, oldest first (by step)."""
+    """Equivalent to the ``step-*`` directories with a commit marker, oldest first (by step).
+
+    A ``step-*`` entry that is a symbolic link is not the run's own checkpoint (it could lead
+    to any folder): it is never listed, so never loaded as the newest nor deleted by rotation,
+    and a warning names it."""
     root = Path(directory)
     if not root.is_dir():
         return []
     found = []
     for entry in root.iterdir():
         key = parse_name(entry.name)
+        if key is not None and entry.is_symlink():
+            warnings.warn(f"{entry} is a symbolic link (to {os.readlink(entry)}), not a "
+                          "checkpoint of this run: it is ignored", RuntimeWarning, stacklevel=2)
+            continue
         if key is not None and entry.is_dir() and is_committed(entry):
             found.append((key, entry))
     return [path for _, path in sorted(found)]

@@ -87,6 +87,11 @@ def _dropping(*parts: str) -> Iterator[None]:
 
 
 def _resolve(path: Path) -> Path:
+    if parse_name(path.name) is not None and path.is_symlink():
+        raise CheckpointError(
+            f"{path} is refused: it is a symbolic link (to {os.readlink(path)}), not a "
+            "checkpoint directory of its run folder; a link could lead to any folder. Load the "
+            "directory it points to by its own path if you trust it")
     if is_committed(path):
         return path
     if parse_name(path.name) is not None and path.is_dir():
@@ -125,9 +130,10 @@ def _named(name: str) -> Iterator[None]:
         raise CheckpointError(f"state {name!r}: {error}") from error
 
 
-def _compare(record: dict[str, Any], state: TrainState, step: Step | None) -> None:
+def _compare(record: dict[str, Any], state: TrainState, step: Step | None,
+             resharding: bool) -> None:
     checks.compare_models(record["model"], checks.model_signature(state.model))
-    checks.compare_stacks(record["stack"], checks.stack_signature(step))
+    checks.compare_stacks(record["stack"], checks.stack_signature(step), resharding)
     checks.compare_optimizers(record["optimizer"], state)
     checks.compare_schedulers(record["scheduler"], state)
 
@@ -143,7 +149,7 @@ def _read_and_check(path: Path, states: dict[str, TrainState], loader: Any,
     check_names(list(records), states)
     for name, state in states.items():
         with _named(name):
-            _compare(records[name], state, steps[name])
+            _compare(records[name], state, steps[name], allow_resharding)
     same_world = int(meta["world_size"]) == world
     if not same_world and not allow_resharding:
         raise CheckpointError(
@@ -228,6 +234,7 @@ def load(
     loader: Any | None = None,
     step: Steps = None,
     allow_resharding: bool = False,
+    allow_nonfinite: bool = False,
 ) -> CheckpointInfo:
     """Equivalent to ``state.load_state_dict``, ``loader.load_state_dict`` and setting every RNG.
 
@@ -255,10 +262,13 @@ def load(
             before anything is restored (e.g. FSDP2 shards the model before shards are
             loaded). A step refused for another stack prepares nothing. For several states,
             ``{name: step}`` (some names only, or None).
-        allow_resharding: load a checkpoint written by another number of processes:
-            model, optimizer, scheduler and transform state are restored (sharded ones are
-            resharded by DCP), RNG states and loader positions are not (they belonged to
-            processes that no longer exist); ``loader`` must be None.
+        allow_resharding: load a checkpoint written by another number of processes or
+            another layout (``distributed``'s strategy and mesh may differ from the saved
+            step's): model, optimizer, scheduler and transform state are restored (sharded
+            ones are resharded by DCP), RNG states and loader positions are not (they
+            belonged to processes that no longer exist); ``loader`` must be None.
+        allow_nonfinite: load a checkpoint whose parameters or optimizer state hold NaN
+            or Inf (refused by default: a diverged run's, or a forged one).
 
     Returns:
         [`CheckpointInfo`][] with the step, ``extra`` and the names of the parts restored.
@@ -311,6 +321,9 @@ def load(
     restored: list[str] = []
     try:
         restored += _restore_states(resolved, states, checked, dropped)
+        if not allow_nonfinite:  # a failure rolls back what was restored, as any
+            for name, own in states.items():
+                checks.check_finite(own, name)
         if checked.rank_state is not None:
             for part, setter in checked.rng_setters:
                 setter()

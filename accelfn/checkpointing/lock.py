@@ -141,9 +141,13 @@ class WriterLock:
         body = json.dumps(self.me)
         for _ in range(5):
             if self._create(body):
-                self._beat = threading.Thread(target=self._heartbeat, daemon=True,
-                                              name="accelfn-checkpoint-lock")
-                self._beat.start()
+                try:
+                    self._beat = threading.Thread(target=self._heartbeat, daemon=True,
+                                                  name="accelfn-checkpoint-lock")
+                    self._beat.start()
+                except BaseException:  # interrupted: the lock must not outlive this call
+                    self.release()
+                    raise
                 return self
             text = _read(self.path)
             if text is None:
@@ -164,8 +168,8 @@ class WriterLock:
 
     def _create(self, body: str) -> bool:
         aside = self.root / f"{LOCK_FILE}.{self.me['token']}"
-        aside.write_text(body)
         try:
+            aside.write_text(body)
             os.link(aside, self.path)
             return True
         except FileExistsError:
@@ -227,12 +231,16 @@ class WriterLock:
                 "stalled; nothing was committed", holder, self.path)
 
     def release(self) -> None:
+        """Give the lock up (nothing if this save does not hold it): also after an
+        interrupted [`acquire`][], which may have taken it."""
         self._stop.set()
-        if self._beat is not None:
+        if self._beat is not None and self._beat.is_alive():
             self._beat.join()
         if self.holds():
             with contextlib.suppress(OSError):
                 self.path.unlink()
+        with contextlib.suppress(OSError):  # the aside copy an interrupted _create left
+            (self.root / f"{LOCK_FILE}.{self.me['token']}").unlink()
 
     def __enter__(self) -> WriterLock:
         return self.acquire()

@@ -199,30 +199,27 @@ def save(
     error: BaseException | None = None
     lock: WriterLock | None = None
     tmp: Path | None = None
-    try:
-        work = _gather(states, loader, named_steps(step, states, "save"), extra, sharded,
-                       rank, world, keep)
-        if rank == 0:
-            root.mkdir(parents=True, exist_ok=True)
-            lock = WriterLock(root).acquire()
-            tmp = root / f"{TMP_PREFIX}step-{number:09d}-{secrets.token_hex(4)}"
-            tmp.mkdir()
-    except BaseException as exc:  # every process must hear of it
-        error = exc
-    try:
+    try:  # one try from the lock to the hand-off: an interrupt at any line releases both
+        try:
+            work = _gather(states, loader, named_steps(step, states, "save"), extra, sharded,
+                           rank, world, keep)
+            if rank == 0:
+                root.mkdir(parents=True, exist_ok=True)
+                lock = WriterLock(root)  # first: an interrupted acquire is released too
+                lock.acquire()
+                tmp = root / f"{TMP_PREFIX}step-{number:09d}-{secrets.token_hex(4)}"
+                tmp.mkdir()
+        except BaseException as exc:  # every process must hear of it
+            error = exc
         # every process raises the type save() documents for the failure, as the failing
         # one does (another failure: a RuntimeError naming it)
         agree(error, "preparing the checkpoint", RuntimeError,
               like=(TypeError, ValueError, RuntimeError, OSError))
         tmp = Path(from_rank0(str(tmp)))
-    except BaseException:
-        _abandon(rank, tmp, lock)
-        raise
-    shards = tmp / SHARDED_DIR
-    if not asynchronous:
-        work.write_shards = lambda: save_sharded(shards, work.parts)
-        return _finish(root, tmp, work, lock, rank, world, None)
-    try:
+        shards = tmp / SHARDED_DIR
+        if not asynchronous:  # (_finish abandons on its own failures too: harmless twice)
+            work.write_shards = lambda: save_sharded(shards, work.parts)
+            return _finish(root, tmp, work, lock, rank, world, None)
         try:  # the only copy made in the loop: what is written from here on
             staged = background.stage({  # (only rank 0 writes the payload)
                 "payload": work.payload if rank == 0 else {}, "per_rank": work.per_rank,
@@ -235,11 +232,13 @@ def save(
             future = start_sharded(shards, staged["dcp"], group)
             work.write_shards, work.shards_running = lambda: wait_sharded(future, shards), True
         del staged
+        return background.start(root, number,
+                                lambda: _finish(root, tmp, work, lock, rank, world, group),
+                                lambda: _abandon(rank, tmp, lock))
     except BaseException:
-        _abandon(rank, tmp, lock)
+        if not background.writing(root):  # else the background thread owns lock and files
+            _abandon(rank, tmp, lock)
         raise
-    return background.start(root, number,
-                            lambda: _finish(root, tmp, work, lock, rank, world, group))
 
 
 def _abandon(rank: int, tmp: Path | None, lock: WriterLock | None) -> None:
@@ -397,8 +396,10 @@ def _commit(root: Path, tmp: Path, work: _Work, written: Digests, lock: WriterLo
             except BaseException as exc:
                 error = exc
         agree(error, "committing the checkpoint", OSError, group)
-    except BaseException:
-        if rank == 0:  # never committed: nobody may take it for a checkpoint
+    except BaseException as exc:
+        if rank == 0 and files.is_committed(final):  # every process had checked its files
+            exc.add_note(f"{final} was committed before this error: it is complete and loads")
+        elif rank == 0:  # never committed: nobody may take it for a checkpoint
             files.remove_checkpoint(final)
         raise
     return final

@@ -323,6 +323,24 @@ def test_a_different_transform_stack_is_refused_but_not_another_order(saved):
     assert ckpt.load(path, fresh, loader=loader, step=reordered).step == 3
 
 
+def test_another_distributed_layout_is_refused_unless_resharding():
+    """distributed's strategy and mesh are the layout: another one is a different stack for an
+    exact resume, and the layout being changed under allow_resharding."""
+    from accelfn.checkpointing.checks import compare_stacks, stack_signature
+
+    hsdp = stack_signature(af.with_clipping(af.distributed(strategy="hsdp", replicate=2)(
+        noisy)))
+    fsdp = stack_signature(af.with_clipping(af.distributed(strategy="fsdp")(noisy)))
+    alone = stack_signature(af.with_clipping(noisy))
+    with pytest.raises(ckpt.CheckpointError, match=r"added: distributed\(fsdp\)"):
+        compare_stacks(hsdp, fsdp)
+    compare_stacks(hsdp, fsdp, resharding=True)
+    compare_stacks(hsdp, alone, resharding=True)
+    with pytest.raises(ckpt.CheckpointError, match=r"removed: with_clipping"):
+        compare_stacks(hsdp, stack_signature(af.distributed(strategy="fsdp")(noisy)),
+                       resharding=True)
+
+
 def test_other_mismatches_are_refused_with_the_fix(saved):
     _, path, _, _ = saved
     refused(path, "optimizer is AdamW .* this one is SGD", build=lambda: setup(opt="sgd"))

@@ -339,5 +339,65 @@ def test_refused_on_every_rank_before_anything_changes(results, case, words):
         assert got["unchanged"] and got["step"] == 0
 
 
+def reshard_worker(out_dir: str) -> None:
+    """2 processes, FSDP2 over both: resume each layout's checkpoint (HSDP 2x2, FSDP 2 x TP 2,
+    written by 4 processes) with ``allow_resharding``, then one more update on this rank's
+    rows."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from accelfn import checkpointing
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    af.init_distributed()
+    rank = dist.get_rank()
+    results: dict = {}
+    for name in SAVED:
+        build = CASES[name][0]
+        torch.manual_seed(1)  # other weights: all must come from the checkpoint
+        model = build()
+        state = af.TrainState(model, _optimizer(model, False))
+        step = af.with_clipping(max_norm=MAX_NORM)(af.with_accumulation(2)(
+            af.distributed(strategy="fsdp")(classify)))
+        checkpointing.load(os.path.join(out_dir, name), state, step=step,
+                           allow_resharding=True)
+        loaded = _full(model)
+        metrics = step(state, {k: v[RANK_ROWS[rank]] for k, v in global_batch(STEPS).items()})
+        results[name] = {"loaded": loaded, "after": _full(model), "step": state.step,
+                         "norm": metrics["grad_norm"].clone()}
+    save_rank_results(os.path.join(out_dir, "reshard"), results)
+
+
+@pytest.mark.parametrize("case", SAVED)
+def test_a_checkpoint_of_the_layout_resumes_in_fsdp_over_two_processes(results, out_dir, case):
+    """Resharding between multi-process layouts: 4 processes (HSDP 2x2, or FSDP 2 x TP 2)
+    wrote it, 2 processes (FSDP over 2) continue it, equal to one process going on."""
+    from conftest import torchrun
+
+    folder = out_dir / "reshard"
+    if not (folder / "rank0.pt").exists():  # one launch for every case
+        folder.mkdir(exist_ok=True)
+        torchrun(__file__, out_dir, "reshard", timeout=300, nproc=2)
+    got = [torch.load(folder / f"rank{r}.pt", weights_only=True)[case] for r in range(2)]
+    build, _, _, _ = CASES[case]
+    torch.manual_seed(0)
+    model = build()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i in range(STEPS + 1):
+        norm = reference_update(model, optimizer, global_batch(i), classify,
+                                max_norm=MAX_NORM)["grad_norm"]
+    for rank in range(2):
+        assert got[rank]["step"] == STEPS + 1
+        for name, p in model.named_parameters():
+            assert torch.equal(got[rank]["loaded"][name], results[0][case]["params"][name])
+            torch.testing.assert_close(got[rank]["after"][name], p.detach(), atol=1e-5,
+                                       rtol=1e-5, msg=f"{case} rank {rank} {name}")
+        torch.testing.assert_close(got[rank]["norm"], norm, atol=1e-5, rtol=1e-5)
+
+
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    if sys.argv[2:] == ["reshard"]:
+        reshard_worker(sys.argv[1])
+    else:
+        worker(sys.argv[1])
