@@ -8,10 +8,14 @@ Time: 7 s on a 2-core CPU shared with other work (load average 3), 8 epochs.
 
 The step function is pure; speed comes from the transforms stacked on it. Batches come from
 an accelfn.data pipeline that augments them on the device (random crop with padding,
-normalisation). A progress bar runs while training; the final report gives held-out accuracy,
-samples/s and the monitor's bottleneck verdict. The run folder gets one JSON line per update
-(metrics.jsonl, continued by --resume) and a plot of loss, learning rate, throughput, data
-wait and memory (run.png, needs matplotlib), whose path is printed at the end.
+normalisation). A progress bar runs while training (a resumed run's continues from where
+it stood); after each epoch the held-out digits are evaluated, summed on the device and
+logged with ``Monitor.log`` (val_loss, val_accuracy) beside the training rows. The final
+report gives held-out accuracy, samples/s and the monitor's bottleneck verdict. The run
+folder gets one JSON line per update (metrics.jsonl, continued by --resume) and a plot of
+its whole history: loss with the validation loss, learning rate, validation accuracy,
+throughput, data wait and memory (run.png, needs matplotlib), whose path is printed at the
+end.
 
 Each run writes into a folder of its own, ``runs/digits/<date>-<time>`` (``--out`` chooses
 another; one holding another run's checkpoints is refused unless ``--overwrite``).
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Iterable
 
 import run_options  # examples/run_options.py: --out, --resume, --overwrite, --allow-resharding
 import torch
@@ -33,9 +38,7 @@ from torch import nn
 
 import accelfn as af
 from accelfn import data
-from accelfn.checkpointing.preemption import PreemptionGuard
 from accelfn.data.datasets import digits
-from accelfn.observe.monitor import Monitor
 
 
 class Block(nn.Module):
@@ -71,6 +74,20 @@ def digit_step(model: nn.Module, batch: TensorDictBase) -> dict[str, torch.Tenso
     logits = model(batch["image"])
     loss = F.cross_entropy(logits, batch["label"], label_smoothing=0.05)
     return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).float().mean()}
+
+
+def evaluate(step: af.Step, state: af.TrainState, loader: Iterable[TensorDictBase],
+             device: torch.device) -> dict[str, torch.Tensor]:
+    """Held-out loss and accuracy over every process's share, as device tensors: summed on
+    the device (no host sync), to be read when written out."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+    for batch in loader:
+        result = step.evaluate(state, batch)
+        n = torch.tensor(float(len(batch)), dtype=torch.float64, device=device)
+        sums += torch.stack([result["loss"].double() * n, result["accuracy"].double() * n, n])
+    if af.world_size() > 1:
+        torch.distributed.all_reduce(sums)
+    return {"val_loss": sums[0] / sums[2], "val_accuracy": sums[1] / sums[2]}
 
 
 def main(argv: list[str] | None = None) -> dict[str, float | str]:
@@ -134,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
               f"{af.world_size()} process(es)")
 
     stop = min(total, args.stop_at or total)
-    monitor: Monitor | None = None
+    monitor: af.Monitor | None = None
     elapsed = 0.0
     if state.step >= stop:  # a resumed run with nothing left to train
         if main_process:
@@ -143,13 +160,15 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                 "Its learning-rate schedule ends there: to train longer, start a new run "
                 f"(without --resume) with more updates, e.g. --steps {2 * total}"))
     else:
-        monitor = Monitor(total=stop - state.step, progress=not args.quiet, desc="digits",
-                          samples_per_step=args.batch_size * af.world_size(), log_every=10,
-                          sync_check_step=3,  # one step runs under the host-sync probe
-                          state=state,  # rows numbered by state.step: a resumed run continues
-                          jsonl=run.metrics_file, plot=run.plot_file)
+        monitor = af.Monitor(total=stop, initial=state.step,  # a resumed run's bar goes on
+                             progress=not args.quiet, desc="digits",
+                             samples_per_step=args.batch_size * af.world_size(), log_every=10,
+                             sync_check_step=3,  # one step runs under the host-sync probe
+                             state=state,  # rows numbered by state.step: a resume continues
+                             jsonl=run.metrics_file,  # and the plot draws the whole file
+                             plot=run.plot_file)
         start = time.perf_counter()
-        with monitor, PreemptionGuard() as guard:  # SIGTERM: checkpoint at the next step, exit 75
+        with monitor, af.PreemptionGuard() as guard:  # SIGTERM: checkpoint, exit 75
             while state.step < stop:
                 for batch in monitor.iterate(train):
                     metrics = step(state, batch)
@@ -158,18 +177,12 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                                             extra=run.extra)
                     if state.step >= stop:
                         break
+                # the end of an epoch (or of the run): the held-out digits, beside the rows
+                monitor.log(evaluate(step, state, test, device))
         elapsed = time.perf_counter() - start
         state.sync()  # settle the last update's deferred non-finite decision
 
-    correct = count = 0.0
-    for batch in test:
-        result = step.evaluate(state, batch)
-        correct += float(result["accuracy"]) * len(batch)
-        count += len(batch)
-    stats = torch.tensor([correct, count], dtype=torch.float64, device=device)
-    if af.world_size() > 1:
-        torch.distributed.all_reduce(stats)
-    accuracy = float(stats[0] / stats[1])
+    accuracy = float(evaluate(step, state, test, device)["val_accuracy"])
 
     report: dict[str, float | str] = {
         "updates": state.step,
@@ -185,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     if monitor is not None:  # something was trained: save it
         report["samples_per_s"] = round(monitor.report().samples_per_s or 0.0, 1)
         run.save(state, loader=train, step=step)
-        plot = run_options.plot_history(run, monitor)  # the steps before a resume too
+        plot = monitor.plot_file  # the whole run's, the steps before a resume too
         if plot is not None:
             report["plot"] = str(plot)
     if main_process:

@@ -19,8 +19,11 @@ channels_last; the step stacks checkpointing, clipping, accumulation, AMP, distr
 and optionally compile. The EMA is warmed up (``with_ema(decay=0.99, warmup=True)``), so that
 the average of a short run is not held back by the random initialisation; the report gives
 the validation accuracy of the weights and of their EMA, with a line explaining the two.
-Each run writes into ``runs/images/<date>-<time>`` (``--out``, ``--resume``,
-``--overwrite``, ``--allow-resharding`` as in classify_digits.py).
+Every ``--eval-every`` updates (and at the end) the validation loss and accuracy, summed on
+the device, are logged with ``Monitor.log`` beside the training rows. Each run writes into
+``runs/images/<date>-<time>`` (``--out``, ``--resume``, ``--overwrite``,
+``--allow-resharding`` as in classify_digits.py): metrics.jsonl, continued by --resume, and
+run.png of the whole run (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import argparse
 import json
 import os
 import time
+from collections.abc import Iterable
 
 import run_options  # examples/run_options.py: --out, --resume, --overwrite, --allow-resharding
 import torch
@@ -38,7 +42,6 @@ from tensordict import TensorDict, TensorDictBase
 
 import accelfn as af
 from accelfn import data
-from accelfn.checkpointing.preemption import PreemptionGuard
 from accelfn.data.datasets import digits
 
 
@@ -110,6 +113,20 @@ def resnet_step(model: torch.nn.Module, batch: TensorDictBase) -> dict[str, torc
     return {"loss": loss, "accuracy": (logits.argmax(-1) == batch["label"]).float().mean()}
 
 
+def evaluate(step: af.Step, state: af.TrainState, loader: Iterable[TensorDictBase],
+             device: torch.device, **options: str) -> dict[str, torch.Tensor]:
+    """Validation loss and accuracy over every process's share (``weights="ema"``: of the
+    EMA), as device tensors: summed on the device, read only when written out."""
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
+    for batch in loader:
+        result = step.evaluate(state, batch, **options)
+        n = torch.tensor(float(len(batch)), dtype=torch.float64, device=device)
+        sums += torch.stack([result["loss"].double() * n, result["accuracy"].double() * n, n])
+    if af.world_size() > 1:
+        torch.distributed.all_reduce(sums)
+    return {"val_loss": sums[0] / sums[2], "val_accuracy": sums[1] / sums[2]}
+
+
 def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--folder", default=None, help="an image folder (one folder a class)")
@@ -130,6 +147,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser.add_argument("--lr", type=run_options.positive_float, default=0.1)
     parser.add_argument("--ema-decay", type=ema_decay, default=0.99,
                         help="the EMA's decay (warmed up: min(decay, (1 + n) / (10 + n)))")
+    parser.add_argument("--eval-every", type=run_options.positive_int, default=30,
+                        help="log the validation loss and accuracy every this many updates")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--quiet", action="store_true")
     run_options.add_arguments(parser)
@@ -200,6 +219,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
 
     stop = min(args.steps, args.stop_at or args.steps)
     monitor: af.Monitor | None = None
+    final: dict[str, torch.Tensor] | None = None
     elapsed = 0.0
     if state.step >= stop:  # a resumed run with nothing left to train
         if main_process:
@@ -208,11 +228,13 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                 "Its learning-rate schedule ends there: to train longer, start a new run "
                 f"(without --resume) with more updates, e.g. --steps {2 * args.steps}"))
     else:
-        monitor = af.Monitor(total=stop - state.step, progress=not args.quiet, desc=args.model,
+        monitor = af.Monitor(total=stop, initial=state.step,  # a resumed run's bar goes on
+                             progress=not args.quiet, desc=args.model,
                              log_every=10, sync_check_step=None,
-                             samples_per_step=args.batch_size * af.world_size())
+                             samples_per_step=args.batch_size * af.world_size(),
+                             state=state, jsonl=run.metrics_file, plot=run.plot_file)
         start = time.perf_counter()
-        with monitor, PreemptionGuard() as guard:
+        with monitor, af.PreemptionGuard() as guard:
             while state.step < stop:
                 for batch in monitor.iterate(train):
                     monitor.step(step(state, batch))
@@ -220,21 +242,19 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                                             extra=run.extra)
                     if state.step >= stop:
                         break
+                    if state.step % args.eval_every == 0:
+                        monitor.log(evaluate(step, state, val, device))
+            final = evaluate(step, state, val, device)  # the trained weights', logged too
+            monitor.log(final)
         elapsed = time.perf_counter() - start
         state.sync()
 
-    totals = torch.zeros(3, dtype=torch.float64, device=device)
-    for batch in val:
-        n = float(len(batch))
-        own = step.evaluate(state, batch)["accuracy"].double() * n
-        ema = step.evaluate(state, batch, weights="ema")["accuracy"].double() * n
-        totals += torch.stack([own, ema, torch.tensor(n, dtype=torch.float64, device=device)])
-    if af.world_size() > 1:
-        torch.distributed.all_reduce(totals)
+    own = (final or evaluate(step, state, val, device))["val_accuracy"]
+    ema = evaluate(step, state, val, device, weights="ema")["val_accuracy"]
     report: dict[str, float | str] = {
         "updates": state.step,
-        "val_accuracy": round(float(totals[0] / totals[2]), 4),
-        "val_accuracy_ema": round(float(totals[1] / totals[2]), 4),
+        "val_accuracy": round(float(own), 4),
+        "val_accuracy_ema": round(float(ema), 4),
         "train_seconds": round(elapsed, 2),
         "processes": af.world_size(),
         "out": out,
@@ -242,6 +262,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     if monitor is not None:  # something was trained: save it
         report["samples_per_s"] = round(monitor.report().samples_per_s or 0.0, 1)
         run.save(state, loader=train, step=step)
+        if monitor.plot_file is not None:  # the whole run's, the steps before a resume too
+            report["plot"] = str(monitor.plot_file)
     if main_process:
         if monitor is not None:
             print(monitor.report())

@@ -13,7 +13,9 @@ checkpoint, a run folder or ``runs/<name>``, ``--overwrite``, ``--allow-reshardi
 checks made before anything is loaded) is ``accelfn.checkpointing.RunFolder``; this module
 turns its errors into usage errors (exit status 2, the message after ``<script>: error:``),
 prints what a resumed run left behind, and holds the argparse types and messages the
-examples share.
+examples share. A resumed run's picture needs nothing here: ``af.Monitor(state=state,
+jsonl=run.metrics_file, plot=run.plot_file, total=..., initial=state.step)`` continues the
+progress bar from the resumed step and draws ``run.png`` from the whole ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import accelfn as af
-from accelfn.checkpointing.format import CheckpointInfo
+from accelfn.checkpointing import CheckpointInfo
 from accelfn.checkpointing.runs import PlanMismatchError, RunFolder, RunFolderError
 
 
@@ -174,19 +176,6 @@ def nothing_to_train(out: str, done: int, stop: int, total: int, longer: str) ->
                 f"nothing to train. {longer}")
     return (f"{out}: already at --stop-at {stop} ({done} of {total} updates); raise --stop-at "
             "or leave it out to continue")
-
-
-def plot_history(run: RunFolder, monitor: Any) -> Path | None:
-    """The run's plot: after a resume, ``run.png`` redrawn from every row of the run folder's
-    ``metrics.jsonl`` (the steps before the resume too, ``MonitorReport.plot(history=)``);
-    the monitor's own plot shows only the steps it measured. None on the other processes,
-    or when no plot was written (no matplotlib)."""
-    if not af.is_main_process() or monitor.plot_file is None:
-        return None
-    if run.checkpoint is None or not run.metrics_file.is_file():  # one session: the same
-        return Path(monitor.plot_file)
-    path: Path = monitor.report().plot(run.plot_file, history=run.metrics_file)
-    return path
 
 
 if __name__ == "__main__":

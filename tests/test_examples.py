@@ -381,8 +381,17 @@ def test_digits_example_writes_a_plot_prints_its_path_and_continues_its_log(tmp_
     assert bar and bar[-1].startswith("digits 7/7 [") and sum("7/7" in b for b in bar) == 1
     report = example.main(["--steps", "12", "--out", str(out), "--resume", str(out)])
     assert report["plot"] == str(out / "run.png")
+    # the resumed run's bar continues from update 7 to 12, the last line once
+    bar = [line for line in capsys.readouterr().err.splitlines() if line.startswith("digits ")]
+    assert [line.split()[1] for line in bar] == ["8/12", "9/12", "10/12", "11/12", "12/12"]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(12))  # the resumed run continued it
+    training = [r for r in rows if "iter_s" in r]
+    assert [r["step"] for r in training] == list(range(12))  # the resumed run continued it
+    # each run logged the held-out digits at its last update, beside the training rows
+    logged = [r for r in rows if "iter_s" not in r]
+    assert [(r["step"], sorted(r)) for r in logged] == [
+        (s, ["step", "val_accuracy", "val_loss"]) for s in (6, 11)]
+    assert round(logged[-1]["val_accuracy"], 4) == report["held_out_accuracy"]
 
 
 @pytest.mark.slow

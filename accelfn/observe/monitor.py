@@ -102,7 +102,8 @@ class Monitor:
             e.g. [`WandbSink`][accelfn.observe.trackers.WandbSink],
             [`MlflowSink`][accelfn.observe.trackers.MlflowSink] (rank 0 only).
         plot: write [`MonitorReport.plot`][] here when the monitor closes (its path is
-            then `plot_file`).
+            then `plot_file`); with ``state`` and ``jsonl`` it draws the whole file, the
+            steps before a resume included.
         samples_per_step: samples in one step, when a step does not say.
         tokens_per_step: tokens in one step, when a step does not say.
         flops_per_step: FLOPs of one step (see [`training_flops`][], [`count_flops`][]).
@@ -123,6 +124,8 @@ class Monitor:
         keep_rows: how many of the latest rows [`rows`][] keeps. The report and the plot
             need none of them (running aggregates, a bounded picture): memory stays
             bounded however long the run.
+        initial: where the progress bar starts: after a resume ``state.step``, with ``total``
+            the whole run's (its rate and time left count this process's steps only).
     """
 
     def __init__(self, *, log_every: int = 50, warmup: int = 2, total: int | None = None,
@@ -138,13 +141,16 @@ class Monitor:
                  sync_allow: Iterable[str] = (),
                  model: nn.Module | None = None, diagnostics: Diagnostics | None = None,
                  profiler: Profiler | None = None, thresholds: Thresholds | None = None,
-                 file: IO[str] | None = None, keep_rows: int = 1000) -> None:
+                 file: IO[str] | None = None, keep_rows: int = 1000, initial: int = 0) -> None:
         if log_every < 1:
             raise ValueError(f"Monitor(log_every={log_every}): must be >= 1")
         if warmup < 0:
             raise ValueError(f"Monitor(warmup={warmup}): must be >= 0")
         if keep_rows < 0:
             raise ValueError(f"Monitor(keep_rows={keep_rows}): must be >= 0")
+        if initial < 0 or (total is not None and initial > total):
+            raise ValueError(f"Monitor(initial={initial}): the steps done before this run "
+                             f"(state.step after a resume), from 0 to total={total}")
         check_interval(f"Monitor(gpu_interval={gpu_interval})", gpu_interval)
         self.log_every, self.warmup, self.total = log_every, warmup, total
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
@@ -161,6 +167,7 @@ class Monitor:
         self.thresholds = thresholds or Thresholds()
         self._main = is_main_process()
         self._want_progress, self._desc, self._file = progress, desc, file
+        self._initial = initial
         self._paths = {"jsonl": jsonl, "csv": csv, "tensorboard": tensorboard}
         self._extra_sinks = list(sinks)
         for sink in self._extra_sinks:
@@ -213,7 +220,7 @@ class Monitor:
             open_sinks(sinks + self._extra_sinks, self._next_step)
             self._sinks = sinks + self._extra_sinks
             if self._want_progress:
-                self._bar = make_bar(self.total, self._desc, self._file)
+                self._bar = make_bar(self.total, self._desc, self._file, initial=self._initial)
             _log.info("monitor: rows from step %d to %s", self._next_step,
                       ", ".join(type(s).__name__ for s in self._sinks) or "no sink")
         self._started = True
@@ -284,8 +291,9 @@ class Monitor:
             self._bar = None
         _log.info("monitor: %s", report.verdict)
         if self._plot_path is not None and self._main and report.rows:
+            history = self._paths["jsonl"] if self.state is not None else None
             try:
-                self.plot_file = report.plot(self._plot_path)
+                self.plot_file = report.plot(self._plot_path, history=history)
                 _log.info("monitor: plot written to %s", self.plot_file)
             except ImportError as exc:
                 warnings.warn(f"Monitor(plot=...): {exc}; no plot written", stacklevel=2)
@@ -455,7 +463,6 @@ class Monitor:
         self._pending.append(PendingLog(step=int(step), event=event, snaps=snaps,
                                         py_metrics=py))
         self.flush()
-
 
     @property
     def rows(self) -> list[dict[str, Any]]:

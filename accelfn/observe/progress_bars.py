@@ -5,7 +5,8 @@ bar redrawn with ``\\r``. Anywhere else (a log file, a pipe, CI, a notebook's ca
 stream) redrawing would pile every update into one endless line, so the bar writes a plain
 line each ``every`` of the way (10% by default; every ``interval`` seconds when the total is
 unknown) and its last line once, when it closes. Bars show on rank 0 only when
-``torch.distributed`` is initialised.
+``torch.distributed`` is initialised. A resumed run's bar starts at ``initial`` (the steps
+done before it) and its rate counts only the steps done since.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ def is_terminal(file: IO[str]) -> bool:
         return False
 
 
-def _line(desc: str, n: int, total: int | None, elapsed: float, postfix: str) -> str:
-    """``desc 30/100 [######..............]  30% 12.0 it/s 2.5s loss=0.3``."""
-    rate = n / max(elapsed, 1e-9)
+def _line(desc: str, n: int, total: int | None, elapsed: float, postfix: str,
+          initial: int = 0) -> str:
+    """``desc 30/100 [######..............]  30% 12.0 it/s 2.5s loss=0.3``; the rate counts
+    the steps since ``initial``."""
+    rate = (n - initial) / max(elapsed, 1e-9)
     if total:
         frac = min(n / total, 1.0)
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
@@ -58,9 +61,9 @@ class _SimpleBar:
     """A one-line bar redrawn with ``\\r``, for terminals when tqdm is not installed."""
 
     def __init__(self, total: int | None, desc: str, file: IO[str],
-                 interval: float = 0.2) -> None:
+                 interval: float = 0.2, initial: int = 0) -> None:
         self.total, self.desc, self.file, self.interval = total, desc, file, interval
-        self.n = 0
+        self.n = self.initial = initial
         self.postfix = ""
         self._t0 = time.perf_counter()
         self._last = 0.0
@@ -77,7 +80,7 @@ class _SimpleBar:
 
     def _draw(self, now: float) -> None:
         self.file.write("\r" + _line(self.desc, self.n, self.total, now - self._t0,
-                                     self.postfix))
+                                     self.postfix, self.initial))
         self.file.flush()
 
     def close(self) -> None:
@@ -92,27 +95,32 @@ class LineBar:
     With a ``total``, one line each time another ``every`` of it is done (``every=0.1``:
     10%, 20%, ... 90%); without one, a line every ``interval`` seconds. The last line is
     written by [`close`][] (after the caller has set the final postfix), once: not when it
-    would repeat the last line written.
+    would repeat the last line written. ``initial``: the count it starts from (a resumed
+    run's steps so far); its next line is at the next multiple of ``every`` after it.
     """
 
     def __init__(self, total: int | None, desc: str, file: IO[str], *, every: float = 0.1,
-                 interval: float = 10.0) -> None:
+                 interval: float = 10.0, initial: int = 0) -> None:
         if not 0 < every <= 1:
             raise ValueError(f"progress bar every={every}: a fraction of the total in (0, 1]")
         self.total, self.desc, self.file = total, desc, file
         self.every, self.interval = every, interval
-        self.n = 0
+        self.n = self.initial = initial
         self.postfix = ""
         self._t0 = self._last = time.perf_counter()
-        self._mark = 1  # the next multiple of every * total to report
+        self._mark = self._reached() + 1  # the next multiple of every * total to report
         self._written: int | None = None  # n of the last line written
         self._closed = False
+
+    def _reached(self) -> int:
+        """How many multiples of ``every * total`` ``n`` has reached (0 without a total)."""
+        return math.floor(self.n / (self.every * self.total) + 1e-9) if self.total else 0
 
     def update(self, n: int = 1) -> None:
         self.n += n
         now = time.perf_counter()
         if self.total:
-            reached = math.floor(self.n / (self.every * self.total) + 1e-9)
+            reached = self._reached()
             if reached >= self._mark:
                 self._mark = reached + 1
                 if self.n < self.total:  # the end is written by close()
@@ -126,8 +134,8 @@ class LineBar:
     def _write(self, now: float) -> None:
         self._last = now
         self._written = self.n
-        self.file.write(_line(self.desc, self.n, self.total, now - self._t0, self.postfix)
-                        + "\n")
+        self.file.write(_line(self.desc, self.n, self.total, now - self._t0, self.postfix,
+                              self.initial) + "\n")
         self.file.flush()
 
     def close(self) -> None:
@@ -148,20 +156,26 @@ def row_postfix(row: dict[str, Any]) -> str:
 
 
 def make_bar(total: int | None, desc: str, file: IO[str] | None, *,
-             every: float = 0.1) -> Bar:
+             every: float = 0.1, initial: int = 0) -> Bar:
     """A console progress bar on ``file`` (default ``sys.stderr``).
 
     In a terminal: tqdm when installed, else a built-in one-line bar. Elsewhere: a
-    [`LineBar`][] writing a plain line each ``every`` of ``total``.
+    [`LineBar`][] writing a plain line each ``every`` of ``total``. ``initial``: the count
+    it starts from, e.g. the steps a resumed run had done (``total`` is then the whole
+    run's); rates and the time left count only the steps since.
     """
+    if initial < 0 or (total is not None and initial > total):
+        raise ValueError(f"progress bar initial={initial}: the steps already done, from 0 to "
+                         f"the total ({total})")
     file = file if file is not None else sys.stderr
     if not is_terminal(file):
-        return LineBar(total, desc, file, every=every)
+        return LineBar(total, desc, file, every=every, initial=initial)
     try:
         from tqdm import tqdm
     except ImportError:
-        return _SimpleBar(total, desc, file)
-    bar: Bar = tqdm(total=total, desc=desc, file=file, dynamic_ncols=True, leave=True)
+        return _SimpleBar(total, desc, file, initial=initial)
+    bar: Bar = tqdm(total=total, desc=desc, file=file, dynamic_ncols=True, leave=True,
+                    initial=initial)
     return bar
 
 
