@@ -40,6 +40,9 @@ from .data import datasets
 from .observe.diagnostics import Diagnostics
 from .observe.environment import doctor
 from .observe.flops import training_flops
+from .observe.logs import configure_logging
+from .observe.memory import MemoryEstimate, estimate_memory, estimate_script, format_estimate
+from .observe.memory_snapshots import MemorySnapshot, memory_snapshot
 from .observe.monitor import Monitor
 from .observe.profiling import Profiler, profiled
 from .observe.sync_probe import SyncProbe
@@ -72,7 +75,7 @@ from .transforms.activation_checkpointing import checkpointed
 from .transforms.amp import with_amp
 from .transforms.clipping import with_clipping
 from .transforms.compile import compiled
-from .transforms.distributed import distributed
+from .transforms.distributed import DistributedError, distributed
 from .transforms.ema import ema_state_dict, ema_weights, with_ema
 from .transforms.float8 import with_float8
 from .transforms.nonfinite import with_nonfinite
@@ -86,8 +89,11 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointLockedError",
     "Diagnostics",
+    "DistributedError",
     "EarlyStopping",
     "GradientTransform",
+    "MemoryEstimate",
+    "MemorySnapshot",
     "Monitor",
     "NonFiniteError",
     "PreemptionGuard",
@@ -103,6 +109,7 @@ __all__ = [
     "checkpointed",
     "checkpointing",
     "compiled",
+    "configure_logging",
     "data",
     "datasets",
     "describe",
@@ -110,7 +117,10 @@ __all__ = [
     "doctor",
     "ema_state_dict",
     "ema_weights",
+    "estimate_memory",
+    "estimate_script",
     "find_blocks",
+    "format_estimate",
     "freeze",
     "init_distributed",
     "is_channels_last",
@@ -118,6 +128,7 @@ __all__ = [
     "is_norm_layer",
     "lift",
     "linear_cross_entropy",
+    "memory_snapshot",
     "no_decay_names",
     "one_cycle",
     "param_groups",

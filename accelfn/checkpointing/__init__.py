@@ -20,16 +20,19 @@ digests, listing and rotation), ``lock`` (one writer per folder), ``checks`` (wh
 checkpoint must match), ``states`` (one state or several by name, one optimizer or several
 each), ``dcp`` (sharded state through torch.distributed.checkpoint), ``rng``
 (RNG states), ``collective`` (agreeing across processes), ``saving`` and ``loading`` (the two
-calls), ``background`` (asynchronous saves), ``preemption``.
+calls), ``background`` (asynchronous saves), ``preemption``, ``runs`` (a run's folder:
+checkpoints, metrics, resuming the newest run) and ``exporting`` (weights for other tools).
 """
 
 from .background import AsyncSave
+from .exporting import export
 from .files import checkpoints, latest
 from .format import CheckpointError, CheckpointInfo
 from .loading import load
 from .lock import CheckpointLockedError
 from .preemption import EXIT_PREEMPTED, PreemptionGuard
 from .rng import rng_state, set_rng_state
+from .runs import PlanMismatchError, RunFolder, RunFolderError
 from .saving import save
 
 __all__ = [
@@ -38,8 +41,12 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointLockedError",
+    "PlanMismatchError",
     "PreemptionGuard",
+    "RunFolder",
+    "RunFolderError",
     "checkpoints",
+    "export",
     "latest",
     "load",
     "rng_state",

@@ -2,7 +2,8 @@
 
 torch changes its private functions between releases without notice. Keeping each one here,
 with a test in ``tests/core/test_compat.py`` that fails loudly when torch changes it, means a
-torch upgrade breaks one file, in a known place. The torch range accelfn is tested with is
+torch upgrade breaks one file, in a known place (and ``compat_memory`` for the fake tensors
+and allocator history of the memory tools). The torch range accelfn is tested with is
 stated in ``pyproject.toml``.
 """
 
@@ -115,13 +116,15 @@ def foreach_copy_(targets: list[Tensor], sources: list[Tensor]) -> None:
     """``torch._foreach_copy_``: copy ``sources`` into ``targets`` in one fused call.
 
     DTensors (FSDP2's sharded parameters), for which torch registers no sharding strategy of
-    the fused copy, are copied one by one (``Tensor.copy_``, which DTensor implements).
+    the fused copy and which one fused call cannot mix with plain tensors (FSDP2's
+    unsharded buffers), are copied one pair at a time (``Tensor.copy_``, which DTensor
+    implements).
     """
-    try:
-        torch._foreach_copy_(targets, sources)
-    except NotImplementedError:  # raised by DTensor's dispatch before anything is copied
+    if any(hasattr(t, "device_mesh") for t in targets):
         for target, source in zip(targets, sources, strict=True):
             target.copy_(source)
+        return
+    torch._foreach_copy_(targets, sources)
 
 
 def foreach_norm(tensors: list[Tensor], ord: float = 2.0) -> list[Tensor]:

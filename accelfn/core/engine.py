@@ -221,6 +221,10 @@ class Step:
                     return None  # leaves the handler: the failed pass's tensors can go
                 raise checks.out_of_memory(describe(self), self.transforms, self.spec,
                                            error) from error
+            sharding = self.spec.sharding
+            explained = sharding.explain(ctx, error) if sharding and sharding.explain else None
+            if explained is not None:
+                raise explained from error
             raise
 
     def _agrees(self, ctx: CallContext) -> bool:

@@ -83,6 +83,8 @@ class Sharding:
     micro: Callable[[CallContext, int, bool], Context]
     reduce: Callable[[UpdateContext], None]
     abort: Callable[[CallContext], None] | None = None
+    # a failed forward or backward's error in the strategy's terms (None: as it is)
+    explain: Callable[[CallContext, BaseException], BaseException | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

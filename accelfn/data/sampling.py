@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torchdata.nodes import BaseNode
 
 from .batch_loader import is_reading_state
+from .sharding import process_shard
 
 __all__ = [
     "DataLoaderDraws",
@@ -54,15 +54,14 @@ def mix_seed(*values: int) -> int:
 
 
 def resolve_shard(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    """``(rank, world_size)``: the explicit values, else ``torch.distributed``'s, else ``(0, 1)``.
+    """``(rank, world_size)``: the explicit values, else ``torch.distributed``'s, else
+    torchrun's ``RANK`` and ``WORLD_SIZE``, else ``(0, 1)``.
 
     Raises:
         ValueError: only one of ``rank`` / ``world_size`` given, or ``rank`` out of range.
     """
     if rank is None and world_size is None:
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
+        return process_shard()  # torchrun's RANK / WORLD_SIZE before the group exists, too
     if rank is None or world_size is None:
         raise ValueError(
             f"got rank={rank!r} and world_size={world_size!r}: pass both, or neither to use "

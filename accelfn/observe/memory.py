@@ -29,12 +29,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
+from ..core import compat_memory as compat
 from ..core.batch import Batch
 from ..core.engine import Step, lift
 from ..core.state import TrainState
-from . import memory_compat as compat
 
 __all__ = ["MemoryEstimate", "estimate_memory", "estimate_script", "format_estimate",
            "oom_advice"]
@@ -160,7 +159,7 @@ class _Live(compat.DispatchMode):  # type: ignore[misc,no-untyped-call]  # untyp
         if self.fake and func is compat.local_scalar:  # .item() of a fake tensor: no value
             return _answer(args[0])
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_flatten(out)[0]:
+        for leaf in compat.leaves(out):
             if isinstance(leaf, Tensor):
                 self.add(leaf)
         if self.total > self.peak:

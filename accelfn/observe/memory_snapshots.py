@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten
 
-from . import memory_compat as compat
+from ..core import compat_memory as compat
 from .memory import MemoryEstimate, oom_advice
 
 __all__ = ["MemorySnapshot", "memory_snapshot"]
@@ -48,12 +47,12 @@ class _Origins(compat.DispatchMode):  # type: ignore[misc,no-untyped-call]  # un
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         inputs = None
-        for leaf in tree_flatten(out)[0]:
+        for leaf in compat.leaves(out):
             if isinstance(leaf, Tensor) and leaf.device.type == "cpu":
                 storage = leaf.untyped_storage()
                 key = storage._cdata
                 if inputs is None:  # views, in-place and out= results made nothing new
-                    inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                    inputs = {t.untyped_storage()._cdata for t in compat.leaves((args, kwargs))
                               if isinstance(t, Tensor)}
                 if key not in self.made and key not in inputs:
                     self.made[key] = (weakref.ref(storage), tuple(leaf.shape),

@@ -110,14 +110,16 @@ class _EmaWeights:
         self.n_averaged = torch.zeros((), dtype=torch.int64, device=device)
         self.updates = torch.zeros((), dtype=torch.int64, device=device)
         self.formula = formula
-        # averaged (floating) entries, grouped by device and dtype for one foreach call each;
-        # other buffers (BatchNorm's num_batches_tracked) are averaged and truncated back to
-        # integers, as AveragedModel does with either formula
-        self.groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+        # averaged (floating) entries, grouped by device, dtype and whether they are DTensors
+        # (FSDP2's sharded parameters beside its plain buffers: one foreach call takes one
+        # kind) for one foreach call each; other buffers (BatchNorm's num_batches_tracked) are
+        # averaged and truncated back to integers, as AveragedModel does with either formula
+        self.groups: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
         self.truncated: list[int] = []
         for i, v in enumerate(self.values):
             if v.is_floating_point() or v.is_complex():
-                self.groups.setdefault((v.device, v.dtype), []).append(i)
+                self.groups.setdefault((v.device, v.dtype, hasattr(v, "device_mesh")),
+                                       []).append(i)
             else:
                 self.truncated.append(i)
         self._constants: dict[float, Tensor] = {}
@@ -194,10 +196,14 @@ class _EmaWeights:
         else:
             step_weight = self._constant(1.0 - decay)
         weight = torch.where(n == 0, self._constant(1.0), step_weight) * due
-        for (device, _), index in self.groups.items():
+        for (device, _, sharded), index in self.groups.items():
             w = weight.to(device)
-            compat.foreach_lerp_([self.values[i] for i in index],
-                                 [sources[i].detach() for i in index], [w] * len(index))
+            values = [self.values[i] for i in index]
+            ends = [sources[i].detach() for i in index]
+            if sharded:  # each DTensor's shard, laid out as its source's (cloned from it)
+                values = [v.to_local() for v in values]  # type: ignore[attr-defined]
+                ends = [e.to_local() for e in ends]  # type: ignore[attr-defined]
+            compat.foreach_lerp_(values, ends, [w] * len(index))
 
     def _weighted_sum(self, sources: list[Tensor], decay: Tensor | float, due: Tensor) -> None:
         """torchvision's ExponentialMovingAverage avg_fn: ``decay * ema + (1 - decay) * w``

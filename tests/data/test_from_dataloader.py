@@ -619,3 +619,17 @@ def test_epochs_are_counted_through_a_position_taken_before_iterating(rank_one_o
                                keys=("x", "y"))
     again.load_state_dict(position)
     assert read_epochs(again, 2) == distributed_sampler_loop(10, 1)[1:]
+
+
+def test_a_loader_built_before_the_process_group_shards_by_torchruns_environment(monkeypatch):
+    """accelfn.data.loader() given no rank: torchrun's RANK and WORLD_SIZE when the process
+    group is not up yet (a loader built before the first step)."""
+    from tensordict import TensorDict
+
+    from accelfn import data as ad
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    loader = ad.loader(TensorDict(x=torch.arange(10), batch_size=[10]), batch_size=2,
+                       shuffle=False)
+    assert [b["x"].tolist() for b in loader] == [[1, 3], [5, 7]]

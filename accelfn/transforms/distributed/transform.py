@@ -21,7 +21,7 @@ from ...core.processes import init_distributed, world_size
 from ...core.protocol import CallContext, Prepared, Transform, UpdateContext, configure
 from ...core.state import TrainState
 from .ddp import all_reduce_grads, wrap_ddp
-from .errors import Translating
+from .errors import Translating, translate
 from .fsdp import check_optimizers, parameter_names, repoint_optimizers, shard_fsdp
 from .mesh import build_mesh, data_mesh, layout
 from .plans import apply_plan, check_plan, resolve_plan
@@ -176,8 +176,16 @@ def _distributed(o: _Options) -> Transform:
         compat.fsdp_drop_unreduced_grads(root)
         root.set_requires_gradient_sync(True)
 
+    def explain(ctx: CallContext, error: BaseException) -> BaseException | None:
+        # a failure in a micro-batch's backward (DDP's gradient all-reduce, FSDP's
+        # reduce-scatter) in accelfn's terms; the forward's are explained by micro_context
+        if ctx.distributed is None:
+            return None
+        return translate(error, model=_root(ctx.model), where=" in a micro-batch's backward")
+
     # DDP keeps nothing the engine's zero_grad does not clear
-    part = Sharding(shard, micro_context, reduce, abort=abort if fsdp else None)
+    part = Sharding(shard, micro_context, reduce, abort=abort if fsdp else None,
+                    explain=explain)
     return Transform("distributed", part, options=_option_values(o), label=_label(o))
 
 

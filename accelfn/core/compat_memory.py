@@ -1,4 +1,5 @@
-"""The private torch APIs the memory estimate and snapshots use, each behind one name.
+"""The private torch APIs the memory estimate and snapshots use, each behind one name (kept
+beside ``compat``, whose rule it follows, so that ``import accelfn`` does not import them).
 
 Fake tensors (``torch._subclasses.fake_tensor``) carry a shape, a dtype and a device but no
 memory; a dispatch mode (``torch.utils._python_dispatch``) sees every operator. CUDA's
@@ -13,9 +14,10 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 __all__ = ["DispatchMode", "dump_cuda_snapshot", "fake_mode", "fake_of", "in_backward",
-           "is_fake", "local_scalar", "record_cuda_history"]
+           "is_fake", "leaves", "local_scalar", "record_cuda_history"]
 
 DispatchMode = TorchDispatchMode
 local_scalar = torch.ops.aten._local_scalar_dense.default  # Tensor.item() and friends
@@ -49,3 +51,8 @@ def record_cuda_history(enabled: bool, max_entries: int = 100_000) -> None:
 def dump_cuda_snapshot(path: str) -> None:
     """Write the recorded CUDA allocator history (PyTorch's memory viewer reads it)."""
     torch.cuda.memory._dump_snapshot(path)  # type: ignore[no-untyped-call]
+
+
+def leaves(tree: Any) -> list[Any]:
+    """The leaves of nested lists, tuples and dicts (``torch.utils._pytree.tree_flatten``)."""
+    return list(tree_flatten(tree)[0])
