@@ -47,7 +47,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="the full dry run of benchmarks/gpu_suite.sh: "
                                    "make test-gpu-suite (or pytest --gpu-suite-dry-run)")
     for item in items:
-        if "gpu_suite" in item.keywords:
+        if item.get_closest_marker("gpu_suite") is not None:
             item.add_marker(skip)
 
 
