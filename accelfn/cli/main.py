@@ -3,7 +3,8 @@
 ``accelfn`` alone prints the help; ``accelfn --version`` the installed version.
 ``accelfn doctor [--json] [--num-workers N]`` checks the machine (see
 :mod:`accelfn.observe.environment`); ``accelfn bench`` runs the staged case study (see
-:mod:`accelfn.cli.bench`).
+:mod:`accelfn.cli.bench`); ``accelfn launch <torchrun arguments>`` is torchrun whose exit
+status is 75 when the workers saved on preemption (see :mod:`accelfn.cli.launch`).
 
 Each subcommand is one ``add_<name>(subparsers)`` function that builds its parser and sets
 ``func`` (taking the parsed arguments, returning the exit status); :data:`COMMANDS` lists
@@ -19,6 +20,7 @@ from typing import Any
 
 from .. import __version__
 from .bench import add_bench
+from .launch import add_launch
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -55,7 +57,7 @@ def add_doctor(subparsers: Any) -> None:
     p.set_defaults(func=_run_doctor)
 
 
-COMMANDS: list[Callable[[Any], None]] = [add_doctor, add_bench]
+COMMANDS: list[Callable[[Any], None]] = [add_doctor, add_bench, add_launch]
 
 
 def build_parser() -> argparse.ArgumentParser:

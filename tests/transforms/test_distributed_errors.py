@@ -194,3 +194,19 @@ def test_unknown_errors_pass_through_and_known_ones_are_not_translated_twice():
 
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2])
+
+
+def test_a_failure_in_a_micro_batchs_backward_is_explained_too():
+    """DDP's gradient all-reduce runs inside the backward: the engine hands its error to the
+    strategy's place (``Sharding.explain``), which names where it happened."""
+    from types import SimpleNamespace
+
+    import accelfn as af
+
+    explain = af.distributed()(squared).spec.sharding.explain
+    ctx = SimpleNamespace(distributed=object(), model=nn.Linear(2, 2))
+    got = explain(ctx, RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
+    assert isinstance(got, af.DistributedError) and got.kind == "timeout"
+    assert "backward" in str(got)
+    assert explain(ctx, ValueError("not torch.distributed's")) is None
+    assert explain(SimpleNamespace(distributed=None, model=None), RuntimeError("x")) is None
