@@ -20,6 +20,10 @@ loop that computes this loss and calls ``backward()`` and the optimizer by hand.
 writes into ``runs/distill/<date>-<time>`` (``--out``, ``--resume``, ``--overwrite``,
 ``--allow-resharding`` as in classify_digits.py); the checkpoint is the student's state, with
 the teacher's weights in its extra data (a resumed run does not train the teacher again).
+The student's training rows go to the run's ``metrics.jsonl`` through an ``af.Monitor``
+(its progress bar continues from where a resumed run stood), with its held-out loss and
+accuracy every ``--eval-every`` updates, summed on the device and logged with
+``Monitor.log``.
 """
 
 from __future__ import annotations
@@ -78,17 +82,26 @@ def train(step: af.Step, state: af.TrainState, loader: data.BatchLoader, updates
                 break
 
 
-def accuracy(model: nn.Module, loader: data.BatchLoader) -> float:
-    """Held-out accuracy, counted over every process."""
+def evaluate(model: nn.Module, loader: data.BatchLoader) -> dict[str, torch.Tensor]:
+    """Held-out cross-entropy and accuracy over every process, as device tensors: summed on
+    the device, read only when written out (``Monitor.log``) or printed."""
     device = next(model.parameters()).device
-    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, correct, count
     with torch.no_grad():
         for batch in loader:
-            hits = (model(batch["image"]).argmax(-1) == batch["label"]).sum()
-            counts += torch.stack([hits.double(), torch.tensor(float(len(batch)), device=device)])
+            logits = model(batch["image"])
+            loss = F.cross_entropy(logits, batch["label"], reduction="sum")
+            hits = (logits.argmax(-1) == batch["label"]).sum()
+            n = torch.tensor(float(len(batch)), dtype=torch.float64, device=device)
+            sums += torch.stack([loss.double(), hits.double(), n])
     if af.world_size() > 1:
-        torch.distributed.all_reduce(counts)
-    return round(float(counts[0] / counts[1]), 4)
+        torch.distributed.all_reduce(sums)
+    return {"val_loss": sums[0] / sums[2], "val_accuracy": sums[1] / sums[2]}
+
+
+def accuracy(model: nn.Module, loader: data.BatchLoader) -> float:
+    """Held-out accuracy, counted over every process."""
+    return round(float(evaluate(model, loader)["val_accuracy"]), 4)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float | str]:
@@ -99,7 +112,11 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser.add_argument("--temperature", type=run_options.positive_float, default=4.0)
     parser.add_argument("--alpha", type=float, default=0.9,
                         help="weight of the teacher's soft targets (0: the labels alone)")
+    parser.add_argument("--eval-every", type=run_options.positive_int, default=100,
+                        help="log the student's held-out loss and accuracy every this many "
+                             "updates")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     run_options.add_arguments(parser)
     args = parser.parse_args(argv)
     if not 0.0 <= args.alpha <= 1.0:
@@ -146,7 +163,19 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                 f"Pass --steps N with N > {state.step} (and --resume) to train longer"))
     trained = state.step < args.steps
     start = time.perf_counter()
-    train(step, state, train_loader, args.steps)
+    if trained:  # the student's rows and its held-out loss go to the run's metrics.jsonl
+        monitor = af.Monitor(total=args.steps, initial=state.step,  # a resume's bar goes on
+                             progress=not args.quiet, desc="student", log_every=50,
+                             sync_check_step=None, samples_per_step=64 * af.world_size(),
+                             state=state, jsonl=run.metrics_file)
+        with monitor:
+            while state.step < args.steps:
+                for batch in monitor.iterate(train_loader):
+                    monitor.step(step(state, batch))
+                    if state.step % args.eval_every == 0 or state.step >= args.steps:
+                        monitor.log(evaluate(student, test))
+                    if state.step >= args.steps:
+                        break
     elapsed = time.perf_counter() - start
 
     report: dict[str, float | str] = {

@@ -439,7 +439,7 @@ BAD_ARGUMENTS = [  # (example, arguments, what its one-line error says)
     ("muon_adamw", ["--accumulation", "9", "--batch-size", "8"],
      "--accumulation 9 cannot split a batch of 8 samples into 9 micro-batches"),
 ]
-NO_QUIET = ("custom_transform", "hand_written_loop", "gan", "distill", "muon_adamw")
+NO_QUIET = ("custom_transform", "hand_written_loop", "gan", "muon_adamw")
 
 
 @pytest.mark.parametrize(("name", "args", "message"), BAD_ARGUMENTS,
