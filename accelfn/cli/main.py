@@ -1,7 +1,8 @@
 """The ``accelfn`` command line.
 
 ``accelfn`` alone prints the help; ``accelfn --version`` the installed version.
-``accelfn doctor [--json] [--num-workers N]`` checks the machine (see
+``accelfn doctor [--json] [--num-workers N] [--memory SCRIPT]`` checks the machine (and
+estimates a script's peak memory per update; see
 :mod:`accelfn.observe.environment`); ``accelfn bench`` runs the staged case study (see
 :mod:`accelfn.cli.bench`); ``accelfn launch <torchrun arguments>`` is torchrun whose exit
 status is 75 when the workers saved on preemption (see :mod:`accelfn.cli.launch`).
@@ -14,6 +15,7 @@ them, so a new subcommand is one function and one entry.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -41,6 +43,19 @@ def _run_doctor(args: argparse.Namespace) -> int:
 
     report = doctor(num_workers=args.num_workers)
     print(report.to_json() if args.json else str(report))
+    if args.memory is not None:  # the script's update, estimated before it trains
+        from ..observe.memory import estimate_script, format_estimate
+
+        if not os.path.isfile(args.memory):
+            print(f"accelfn doctor: error: --memory {args.memory}: no such file",
+                  file=sys.stderr)
+            return 2
+        try:
+            estimate = estimate_script(args.memory)
+        except ValueError as error:
+            print(f"accelfn doctor: error: --memory {args.memory}: {error}", file=sys.stderr)
+            return 2
+        print(format_estimate(estimate))
     return 0 if report.ok else 1
 
 
@@ -54,6 +69,9 @@ def add_doctor(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--num-workers", type=non_negative_int, default=None, metavar="N",
                    help="data-loader workers you plan to use, checked against the CPU cores")
+    p.add_argument("--memory", default=None, metavar="SCRIPT",
+                   help="also estimate one update's peak memory by kind for a training script "
+                        "defining memory_case() -> (step, state, batch), without training")
     p.set_defaults(func=_run_doctor)
 
 

@@ -77,3 +77,38 @@ def test_doctor_names_oversubscription_and_its_fix(monkeypatch: pytest.MonkeyPat
     out = capsys.readouterr().out
     assert "[WARNING] threads: oversubscribed: 2 torch threads on 1 free core(s)" in out
     assert "fix: OMP_NUM_THREADS=1 in the environment" in out
+
+
+_CASE = '''
+import torch
+import accelfn as af
+
+def loss(model, batch):
+    return torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+
+def memory_case():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    state = af.TrainState(model, torch.optim.AdamW(model.parameters()))
+    batch = {"x": torch.randn(16, 32), "y": torch.randint(0, 10, (16,))}
+    return af.with_accumulation(2)(loss), state, batch
+
+if __name__ == "__main__":
+    raise SystemExit("trained")
+'''
+
+
+def test_doctor_memory_estimates_a_scripts_update_without_training(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from accelfn.observe.memory import estimate_script, format_estimate
+
+    script = tmp_path / "train.py"
+    script.write_text(_CASE)
+    main(["doctor", "--memory", str(script)])
+    printed = capsys.readouterr().out
+    assert format_estimate(estimate_script(script)) in printed  # the estimate's own line
+    assert "memory: peak" in printed and "optimizer state" in printed
+    (tmp_path / "none.py").write_text("x = 1\n")
+    assert main(["doctor", "--memory", str(tmp_path / "none.py")]) == 2
+    assert "defines no memory_case()" in capsys.readouterr().err
+    assert main(["doctor", "--memory", str(tmp_path / "missing.py")]) == 2
