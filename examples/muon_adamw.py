@@ -24,7 +24,10 @@ over the first 50 updates, written into its groups by the loop (nanochat's sched
 The text is the source of Python's own ``argparse`` module, as bytes. Each run writes into
 ``runs/muon/<date>-<time>`` (``--out``, ``--resume``, ``--overwrite``,
 ``--allow-resharding`` as in classify_digits.py). ``tests/test_example_muon_adamw.py`` shows
-the step bitwise equal to the plain loop over the same two optimizers.
+the step bitwise equal to the plain loop over the same two optimizers. The training rows go
+to the run's ``metrics.jsonl`` through an ``af.Monitor`` (no progress bar: the loop prints
+its own lines), with the held-out loss every ``--eval-every`` updates, summed on the device
+and logged with ``Monitor.log``.
 """
 
 from __future__ import annotations
@@ -125,6 +128,20 @@ def text_sequences(seq_len: int) -> TensorDict:
     return TensorDict({"tokens": rows}, batch_size=[len(rows)])
 
 
+def evaluate(step: af.Step, state: af.TrainState, loader: data.BatchLoader,
+             device: torch.device) -> dict[str, torch.Tensor]:
+    """The held-out loss over every process's share (and in bits per byte), as device
+    tensors: summed on the device, read only when written out."""
+    losses = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in loader:
+        losses += torch.stack([step.evaluate(state, batch)["loss"].double() * len(batch),
+                               torch.tensor(float(len(batch)), device=device)])
+    if af.world_size() > 1:
+        torch.distributed.all_reduce(losses)
+    loss = losses[0] / losses[1]
+    return {"val_loss": loss, "val_bits_per_byte": loss / math.log(2)}
+
+
 def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=run_options.positive_int, default=150,
@@ -135,6 +152,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser.add_argument("--accumulation", type=run_options.positive_int, default=2)
     parser.add_argument("--seq-len", type=run_options.positive_int, default=64)
     parser.add_argument("--log-every", type=run_options.positive_int, default=25)
+    parser.add_argument("--eval-every", type=run_options.positive_int, default=50,
+                        help="log the held-out loss every this many updates")
     parser.add_argument("--seed", type=int, default=0)
     run_options.add_arguments(parser)
     args = parser.parse_args(argv)
@@ -174,31 +193,38 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
             f"--resume) with more updates, e.g. --steps {2 * args.steps}"))
     trained = state.step < stop
     report: dict[str, float | str] = {}
-    start = time.perf_counter()
-    while state.step < stop:
-        for batch in train:
-            for group in muon.param_groups:  # nanochat's momentum warm-up, by update
-                group["momentum"] = muon_momentum(state.step)
-            metrics = step(state, batch)
-            if state.step % args.log_every == 0 or state.step == stop:
-                m = af.reduce_metrics(metrics)  # one host read every few updates
-                report = {k: round(float(m[k]), 6) for k in ("loss", "grad_norm", "lr/muon",
-                                                             "lr/adamw")}
-                if main_process:
-                    print(f"update {state.step}: " + ", ".join(f"{k} {v:.4g}"
-                                                                for k, v in report.items()))
-            if state.step >= stop:
-                break
-    elapsed = time.perf_counter() - start
+    final: dict[str, torch.Tensor] | None = None
+    elapsed = 0.0
+    if trained:  # the rows and the held-out loss go to the run's metrics.jsonl
+        monitor = af.Monitor(progress=False, log_every=args.log_every, sync_check_step=None,
+                             samples_per_step=args.batch_size * af.world_size(),
+                             state=state, jsonl=run.metrics_file)
+        start = time.perf_counter()
+        with monitor:
+            while state.step < stop:
+                for batch in monitor.iterate(train):
+                    for group in muon.param_groups:  # nanochat's momentum warm-up, by update
+                        group["momentum"] = muon_momentum(state.step)
+                    metrics = step(state, batch)
+                    monitor.step(metrics)
+                    if state.step % args.log_every == 0 or state.step == stop:
+                        m = af.reduce_metrics(metrics)  # one host read every few updates
+                        report = {k: round(float(m[k]), 6)
+                                  for k in ("loss", "grad_norm", "lr/muon", "lr/adamw")}
+                        if main_process:
+                            print(f"update {state.step}: " + ", ".join(
+                                f"{k} {v:.4g}" for k, v in report.items()))
+                    if state.step >= stop:
+                        break
+                    if state.step % args.eval_every == 0:
+                        monitor.log(evaluate(step, state, val, device))
+            elapsed = time.perf_counter() - start
+            final = evaluate(step, state, val, device)  # the trained weights', logged too
+            monitor.log(final)
 
-    losses = torch.zeros(2, dtype=torch.float64, device=device)
-    for batch in val:
-        losses += torch.stack([step.evaluate(state, batch)["loss"].double() * len(batch),
-                               torch.tensor(float(len(batch)), device=device)])
-    if af.world_size() > 1:
-        torch.distributed.all_reduce(losses)
+    val_bits = (final or evaluate(step, state, val, device))["val_bits_per_byte"]
     report.update({"updates": state.step,
-                   "val_bits_per_byte": round(float(losses[0] / losses[1]) / math.log(2), 4),
+                   "val_bits_per_byte": round(float(val_bits), 4),
                    "train_seconds": round(elapsed, 2), "processes": af.world_size(),
                    "out": out})
     if trained:

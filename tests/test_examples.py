@@ -394,6 +394,36 @@ def test_digits_example_writes_a_plot_prints_its_path_and_continues_its_log(tmp_
     assert round(logged[-1]["val_accuracy"], 4) == report["held_out_accuracy"]
 
 
+# name: (its arguments, the names it logs, the report's key for the last logged value's)
+LOGGING_CASES = {
+    "classify_images": ([*TINY_IMAGES], ["val_accuracy", "val_loss"], "val_accuracy"),
+    "distill": (["--teacher-steps", "10", "--quiet"], ["val_accuracy", "val_loss"],
+                "student_accuracy"),
+    "muon_adamw": ([*TINY_MUON], ["val_bits_per_byte", "val_loss"], "val_bits_per_byte"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LOGGING_CASES))
+def test_examples_log_held_out_metrics_beside_the_training_rows(name, tmp_path):
+    """Every --eval-every updates and at the end, in the run's metrics.jsonl, a resumed run's
+    after the first run's; the last is the value the report gives."""
+    import json
+
+    args, names, key = LOGGING_CASES[name]
+    example = load_example(name)
+    out = str(tmp_path / name)
+    first = ["--steps", "3"] if name == "distill" else ["--steps", "6", "--stop-at", "3"]
+    example.main([*args, *first, "--eval-every", "2", "--out", out])
+    report = example.main([*args, "--steps", "6", "--eval-every", "2", "--resume", out])
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in rows if "iter_s" in r] == list(range(6))
+    logged = [r for r in rows if "iter_s" not in r]
+    # after updates 2 and 3 (the first run's end), 4 and 6: at the latest training row
+    assert [(r["step"], sorted(r)) for r in logged] == [(s, ["step", *names]) for s in (1, 2, 3, 5)]
+    assert round(logged[-1][names[0]], 4) == report[key]
+
+
 @pytest.mark.slow
 def test_examples_with_the_sync_check_off_print_nothing_about_it(tmp_path, capsys):
     gpt = load_example("gpt")
