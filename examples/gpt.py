@@ -20,8 +20,13 @@ into rows of its own and pads its last row (the padding share is computation spe
 nothing). The loss is the mean over real targets, computed by ``af.linear_cross_entropy``
 from the hidden states and the head's weight (the logits never whole in memory), and the step
 function returns their count as ``"weight"``, so accumulation and data parallelism average
-over tokens exactly. Throughput
-(``real_tokens_per_s``) counts real tokens only, and the padding share is reported.
+over tokens exactly. Throughput (``real_tokens_per_s``) counts real tokens only, and the
+padding share is reported. Measured with ``--seq-len 512 --dim 64 --depth 2 --steps 100
+--accumulation 2``, three runs of each with other random draws: padding leaves 26% of the
+positions empty. At the same updates and real tokens (``--batch-size 8`` padded, 6 packed:
+300k) the validation loss is 2.57 padded and 2.62 packed (2.66 with the rows shuffled in
+blocks of 1024 rather than as one); at the same batch shape packed rows train 1.33 times the
+real tokens per update (2.55 in one run).
 Transforms: activation checkpointing of the transformer blocks, bf16 autocast, token-weighted
 gradient accumulation, clipping, DDP or FSDP2, and optionally ``compiled``. Each run writes
 into ``runs/gpt/<date>-<time>`` (``--out``, ``--resume``, ``--overwrite``,
@@ -292,8 +297,11 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
             write_documents([documents[i] for i in order.tolist()], path)
         if af.world_size() > 1:
             torch.distributed.barrier()
+        # the corpus is small: its rows are packed ahead and shuffled as one block (a large
+        # corpus keeps the default blocks of 1024 rows, shuffled within each)
         train = data.token_loader(path, batch_size=args.batch_size, seq_len=args.seq_len,
-                                  packing=args.packing, eot=EOT, device=device)
+                                  packing=args.packing, eot=EOT, device=device,
+                                  shuffle_rows=rows)
     val = pad_rows(val_documents, args.seq_len)[: 8 * args.batch_size].to(device)
 
     attention = "causal" if args.packing == "pad" else "flex" if args.flex else "documents"
