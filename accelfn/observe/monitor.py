@@ -102,8 +102,7 @@ class Monitor:
             e.g. [`WandbSink`][accelfn.observe.trackers.WandbSink],
             [`MlflowSink`][accelfn.observe.trackers.MlflowSink] (rank 0 only).
         plot: write [`MonitorReport.plot`][] here when the monitor closes (its path is
-            then `plot_file`); with ``state`` and ``jsonl`` it draws the whole file, the
-            steps before a resume included.
+            then `plot_file`); with ``state`` and ``jsonl``, of the whole file (resumes too).
         samples_per_step: samples in one step, when a step does not say.
         tokens_per_step: tokens in one step, when a step does not say.
         flops_per_step: FLOPs of one step (see [`training_flops`][], [`count_flops`][]).
@@ -124,8 +123,7 @@ class Monitor:
         keep_rows: how many of the latest rows [`rows`][] keeps. The report and the plot
             need none of them (running aggregates, a bounded picture): memory stays
             bounded however long the run.
-        initial: where the progress bar starts: after a resume ``state.step``, with ``total``
-            the whole run's (its rate and time left count this process's steps only).
+        initial: the bar's start, ``state.step`` after a resume (its rate: this run's steps).
     """
 
     def __init__(self, *, log_every: int = 50, warmup: int = 2, total: int | None = None,
@@ -142,17 +140,14 @@ class Monitor:
                  model: nn.Module | None = None, diagnostics: Diagnostics | None = None,
                  profiler: Profiler | None = None, thresholds: Thresholds | None = None,
                  file: IO[str] | None = None, keep_rows: int = 1000, initial: int = 0) -> None:
-        if log_every < 1:
-            raise ValueError(f"Monitor(log_every={log_every}): must be >= 1")
-        if warmup < 0:
-            raise ValueError(f"Monitor(warmup={warmup}): must be >= 0")
-        if keep_rows < 0:
-            raise ValueError(f"Monitor(keep_rows={keep_rows}): must be >= 0")
-        if initial < 0 or (total is not None and initial > total):
-            raise ValueError(f"Monitor(initial={initial}): the steps done before this run "
-                             f"(state.step after a resume), from 0 to total={total}")
+        for name, value, low in (("log_every", log_every, 1), ("warmup", warmup, 0),
+                                 ("keep_rows", keep_rows, 0), ("initial", initial, 0)):
+            if value < low:
+                raise ValueError(f"Monitor({name}={value}): must be >= {low}")
+        if total is not None and initial > total:
+            raise ValueError(f"Monitor(initial={initial}): more steps done than total={total}")
         check_interval(f"Monitor(gpu_interval={gpu_interval})", gpu_interval)
-        self.log_every, self.warmup, self.total = log_every, warmup, total
+        self.log_every, self.warmup, self.total, self._initial = log_every, warmup, total, initial
         self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
         if not isinstance(peak_dtype, torch.dtype):
             _dtype_key(peak_dtype)  # an unknown name raises here, not as a missing MFU
@@ -167,7 +162,6 @@ class Monitor:
         self.thresholds = thresholds or Thresholds()
         self._main = is_main_process()
         self._want_progress, self._desc, self._file = progress, desc, file
-        self._initial = initial
         self._paths = {"jsonl": jsonl, "csv": csv, "tensorboard": tensorboard}
         self._extra_sinks = list(sinks)
         for sink in self._extra_sinks:
@@ -176,8 +170,7 @@ class Monitor:
                     f"Monitor(sinks=[...]): {type(sink).__name__} is not a sink: it needs "
                     "open(start_step), write(rows) and close(report) methods (see "
                     "accelfn.observe.sinks.Sink)")
-        self.state = state
-        self._plot_path = plot
+        self.state, self._plot_path = state, plot
         #: where [`close`][] wrote the plot (``None``: not asked for, or not written)
         self.plot_file: Path | None = None
         self._gpu = GPUSampler(gpu_index, interval=gpu_interval) \
