@@ -27,8 +27,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import accelfn as af
-from accelfn.checkpointing import CheckpointInfo
-from accelfn.checkpointing.runs import PlanMismatchError, RunFolder, RunFolderError
+from accelfn.checkpointing import CheckpointInfo, PlanMismatchError, RunFolder, RunFolderError
 
 
 class UsageError(SystemExit):
@@ -81,7 +80,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def open_run(args: argparse.Namespace, name: str) -> RunFolder:
-    """The run's [`RunFolder`][accelfn.checkpointing.runs.RunFolder] (call after
+    """The run's [`RunFolder`][accelfn.checkpointing.RunFolder] (call after
     ``af.init_distributed()``); a usage error, with what to pass, when it does not fit.
     Sets ``args.resume`` to the checkpoint it resumes, and keeps the folder in ``args``."""
     try:
