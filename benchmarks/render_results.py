@@ -1,7 +1,8 @@
 """Render benchmark JSON files as the Markdown results page (``docs/results.md``).
 
 Every figure on the page comes from the JSON files given, each written by ``accelfn bench``,
-``benchmarks/transforms.py``, ``benchmarks/gpt2.py``, ``benchmarks/overhead.py`` or
+``benchmarks/transforms.py``, ``benchmarks/gpt2.py``, ``benchmarks/overhead.py``,
+``benchmarks/scale_out.py`` or
 ``benchmarks/gpu_suite.sh``; the page
 says which file, machine, date and command each table comes from.
 
@@ -519,6 +520,64 @@ def checkpoint(r: dict[str, Any], name: str) -> str:
             f"asynchronous save committed {r['async_time_to_commit_s']:.2f} s after the call.")
 
 
+def scale_out(r: dict[str, Any], name: str) -> str:
+    m, mach = r["model"], r["machine"]
+    rows = []
+    for s in r["sides"]:
+        if s["status"] != "ok":
+            rows.append([f"`{s['side']}`", "-", "-", "-", "-", "-", "-", "-", "-",
+                         f"{s['status']}: {s['reason'][-200:]}"])
+            continue
+        formula = s["formula"].split("(")[0].replace("host:", "").strip()
+        where = " on the host" if "host:" in s["formula"] else ""
+        low, high = min(s["step_ms_all"]), max(s["step_ms_all"])
+        transient = (None if s["training_mib"] is None or s["state_mib"] is None
+                     else s["training_mib"] - s["state_mib"])
+        rows.append([f"`{s['side']}`", s["what"],
+                     f"{_f(s['step_ms'], ',.0f')} ({low:,.0f}-{high:,.0f})",
+                     _x(r["step_time_ratios"].get(f"{s['side']}/ddp")),
+                     _f(s["peak_rss_steps_mib"], ",.0f"), _f(s["training_mib"], ",.0f"),
+                     _f(s["state_mib"], ",.0f"), _f(transient, ",.0f"),
+                     f"{_f(s['formula_mib'], ',.0f')} (`{formula}`{where})",
+                     _f(s["ru_maxrss_mib"], ",.0f")])
+    ratios = r["step_time_ratios"]
+    plain = "; ".join(f"`{k}` {_x(v)}" for k, v in ratios.items() if "/plain_" in k)
+    load = mach.get("load_average") or [None]
+    end = mach.get("load_average_end") or [None]
+    base = next((s["base_rss_mib"] for s in r["sides"] if s["status"] == "ok"), None)
+    return "\n".join([
+        f"### Scale-out memory: GPT of {m['parameters'] / 1e6:.1f}M parameters on "
+        f"{r['world']} CPU processes",
+        "",
+        f"`{r['command']}` -> `{name}`, {mach['date']}, {mach['cpu']}, {mach['cpu_cores']} "
+        f"cores, torch {mach['torch']}, load average {load[0]} at the start, {end[0]} at the "
+        f"end. {m['layers']} blocks, {m['dim']} wide, vocabulary {m['vocab']} (tied head), "
+        f"{r['batch_size']} x {m['seq']} tokens per process, {r['optimizer']}; {r['steps']} "
+        f"timed updates after {r['warmup']} warm-up update(s); each side is one fresh launch "
+        f"(gloo, one thread per process), the sides one after the other.",
+        "",
+        f"Step time: the slowest process' per update, median. Memory per process, the "
+        f"largest of the {r['world']}: **peak**, resident over the timed updates (counted "
+        f"after the warm-up, once `malloc_trim` has handed back the heap memory that "
+        f"building the whole model left free); **training**, that peak less the resident "
+        f"memory of a process that has imported torch and joined the group ({base} MiB "
+        f"here); **state**, the storages of the process' parameters, gradients and AdamW "
+        f"state, against the formula of the [distributed guide](distributed.md) (16 bytes "
+        f"per parameter, `R` = {r['replicate']}, `W` = {r['world']}); **lifetime peak**, "
+        f"`ru_maxrss`, which includes building the whole model before it is sharded. On a "
+        f"CPU the device and the host are the same memory: `offload=\"cpu\"` keeps the "
+        f"shards where FSDP keeps them and adds copies. **training - state** is what each "
+        f"update holds for a while (activations, gathered blocks, unsharded gradients, "
+        f"communication buffers). Step times are of sides launched one after the other on "
+        f"a shared machine: a ratio within the range of the updates is no difference.",
+        "",
+        _table(["side", "what", "step ms (range)", "vs `ddp`", "peak MiB", "training MiB",
+                "state MiB", "training - state MiB", "formula MiB", "lifetime peak MiB"],
+               rows),
+        "",
+        f"accelfn / plain step time: {plain}."])
+
+
 def render(paths: list[Path]) -> str:
     sections: list[str] = []
     gpu_runs: list[tuple[str, str]] = []
@@ -538,6 +597,8 @@ def render(paths: list[Path]) -> str:
             sections.append(checkpoint(r, name))
         elif kind == "overhead":
             sections.append(overhead(r, name))
+        elif kind == "scale_out":
+            sections.append(scale_out(r, name))
         elif kind == "benchmarks/gpu_suite.sh" and not r.get("dry_run"):
             gpu_runs.append((r.get("date") or "", suite(r, name)))
     gpu = [text for _, text in sorted(gpu_runs)] or [
