@@ -3,6 +3,8 @@
     python examples/gpt.py                                        # one CPU or GPU
     python examples/gpt.py --compile --steps 300                  # torch.compile the model
     torchrun --nproc_per_node=2 examples/gpt.py --fsdp            # FSDP2 across processes
+    torchrun --nproc_per_node=4 examples/gpt.py --hsdp 2          # 2 replicas, each sharded
+    torchrun --nproc_per_node=4 examples/gpt.py --fsdp --tp 2     # MLPs tensor parallel
     python examples/gpt.py --resume runs/gpt                      # continue the newest run
     python examples/gpt.py --packing pad                          # one document a row, padded
 
@@ -57,9 +59,6 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 import accelfn as af
 from accelfn import checkpointing, data
-from accelfn.checkpointing.preemption import PreemptionGuard
-from accelfn.observe.flops import training_flops
-from accelfn.observe.monitor import Monitor
 
 # ------------------------------------------------------------------------------ data
 
@@ -259,6 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "backward on the CPU; fused under --compile)")
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
+    parser.add_argument("--hsdp", type=run_options.positive_int, default=None, metavar="R",
+                        help="HSDP: FSDP2 over R replicas (shard inside a node, replicate "
+                             "across nodes)")
+    parser.add_argument("--tp", type=run_options.positive_int, default=None, metavar="K",
+                        help="tensor parallelism of the blocks' MLPs over K consecutive "
+                             "processes (with --fsdp or --hsdp; each group reads one batch)")
+    parser.add_argument("--eval-every", type=run_options.positive_int, default=50,
+                        help="log the validation loss every this many updates")
     parser.add_argument("--quiet", action="store_true")
     run_options.add_arguments(parser)
     return parser
@@ -266,7 +273,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 def strategy(args: argparse.Namespace) -> str:
     """The ``distributed`` strategy the options ask for."""
-    return "fsdp" if args.fsdp else "ddp"
+    return "hsdp" if args.hsdp else "fsdp" if args.fsdp else "ddp"
+
+
+def parallelism(args: argparse.Namespace) -> af.Transform:
+    """``af.distributed`` as the options ask: the strategy, HSDP's replicas, the
+    tensor-parallel plan (the MLPs' first Linear column-wise, the second row-wise: one
+    all-reduce per MLP; the rest is FSDP2's only)."""
+    plan = None
+    if args.tp:
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = {"blocks.*.mlp.0": ColwiseParallel(), "blocks.*.mlp.2": RowwiseParallel()}
+    return af.distributed(strategy=strategy(args), replicate=args.hsdp, tp=args.tp or 1,
+                          tensor_parallel=plan)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float | str]:
@@ -274,20 +294,33 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     args = parser.parse_args(argv)
     if args.dim % HEADS:
         parser.error(f"--dim {args.dim} must be a multiple of the {HEADS} attention heads")
+    if args.hsdp and args.fsdp:
+        parser.error("--hsdp is FSDP2 over replicas: pass --hsdp R or --fsdp, not both")
+    if args.tp and not (args.fsdp or args.hsdp):
+        parser.error("--tp shards the MLPs inside FSDP2's mesh: pass --fsdp or --hsdp too")
+    if args.tp and (4 * args.dim) % args.tp:
+        parser.error(f"--tp {args.tp} must divide the MLP width 4 x --dim ({4 * args.dim})")
     if args.flex and (args.packing == "pad" or not torch.cuda.is_available()):
         parser.error("--flex needs CUDA (torch 2.14 has no flex-attention backward on the CPU) "
                      "and packed rows (not --packing pad)")
 
     device = af.init_distributed()
+    # a tensor-parallel group (--tp consecutive processes) reads one batch: the data is
+    # sharded by data-parallel rank
+    tp = args.tp or 1
+    rank = torch.distributed.get_rank() if af.world_size() > 1 else 0
+    dp_rank, dp_size = (rank // tp, af.world_size() // tp) if tp > 1 else (None, None)
     documents, val_documents = split(stdlib_text(args.text_bytes))
     padded = pad_rows(documents, args.seq_len) if args.packing == "pad" else None
     # rows of the packed data: no padding but in the last one
     rows = len(padded) if padded is not None else -(-sum(map(len, documents)) // args.seq_len)
     run_options.check_batch(args.batch_size, rows, args.accumulation)
-    out = run_options.run_folder(args, "gpt")  # after every refusal: it makes the folder
+    run = run_options.open_run(args, "gpt")  # after every refusal: it makes the folder
+    out = str(run.path)
     torch.manual_seed(0)
     if padded is not None:
-        train = data.loader(padded, batch_size=args.batch_size, device=device, seed=0)
+        train = data.loader(padded, batch_size=args.batch_size, device=device, seed=0,
+                            rank=dp_rank, world_size=dp_size)
     else:
         path = os.path.join(out, "data", "train.bin")
         if af.is_main_process():  # written once, read by every process
@@ -301,7 +334,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         # corpus keeps the default blocks of 1024 rows, shuffled within each)
         train = data.token_loader(path, batch_size=args.batch_size, seq_len=args.seq_len,
                                   packing=args.packing, eot=EOT, device=device,
-                                  shuffle_rows=rows)
+                                  shuffle_rows=rows, rank=dp_rank, world_size=dp_size)
     val = pad_rows(val_documents, args.seq_len)[: 8 * args.batch_size].to(device)
 
     attention = "causal" if args.packing == "pad" else "flex" if args.flex else "documents"
@@ -324,18 +357,18 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     step = af.with_clipping(max_norm=1.0)(step)
     step = af.with_accumulation(args.accumulation)(step)
     step = af.with_amp(step)
-    step = af.distributed(strategy=strategy(args))(step)
+    step = parallelism(args)(step)
     if args.compile:
         step = af.compiled(step)
 
     if args.resume:
         step.prepare(state)  # FSDP2 shards the model before its state is loaded
-    info = run_options.resume(args, state, loader=train, step=step)
-    run_options.check_plan(info, args.steps)  # the schedule spans --steps updates
+    # the schedule spans --steps updates: another plan is refused before anything loads
+    run_options.resume(args, state, loader=train, step=step, total=args.steps)
     extra = {"total_steps": args.steps}
     main_process = af.is_main_process()
     shape = (args.batch_size, args.seq_len)  # FLOPs depend on the shapes only
-    flops = training_flops(model, torch.zeros(shape, dtype=torch.long, device=device),
+    flops = af.training_flops(model, torch.zeros(shape, dtype=torch.long, device=device),
                            torch.zeros(shape, dtype=torch.long, device=device),
                            torch.arange(args.seq_len, device=device).expand(shape))
     if main_process:
@@ -346,7 +379,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
               f"{af.world_size()} process(es) on {device}")
 
     stop = min(args.steps, args.stop_at or args.steps)
-    monitor: Monitor | None = None
+    monitor: af.Monitor | None = None
+    result = None
     elapsed = 0.0
     first = state.step
     # the targets that are real bytes (padding left out), summed on the device as batches
@@ -359,12 +393,13 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                 "Its learning-rate schedule ends there: to train longer, start a new run "
                 f"(without --resume) with more updates, e.g. --steps {2 * args.steps}"))
     else:
-        monitor = Monitor(total=stop - state.step, progress=not args.quiet, desc="gpt",
-                          samples_per_step=args.batch_size * af.world_size(),
-                          flops_per_step=flops * af.world_size(), log_every=10,
-                          sync_check_step=None)
+        monitor = af.Monitor(total=stop, initial=state.step,  # a resumed run's bar goes on
+                             progress=not args.quiet, desc="gpt",
+                             samples_per_step=args.batch_size * af.world_size() // tp,
+                             flops_per_step=flops * af.world_size() // tp, log_every=10,
+                             sync_check_step=None, state=state, jsonl=run.metrics_file)
         start = time.perf_counter()
-        with monitor, PreemptionGuard() as guard:
+        with monitor, af.PreemptionGuard() as guard:
             while state.step < stop:
                 for batch in monitor.iterate(train):
                     real_tokens += (batch["targets"] != -100).sum()  # no host sync
@@ -372,12 +407,18 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                     guard.exit_if_requested(out, state, loader=train, step=step, extra=extra)
                     if state.step >= stop:
                         break
-        elapsed = time.perf_counter() - start
+                    if state.step % args.eval_every == 0:  # read when the sink writes
+                        monitor.log({"val_loss": step.evaluate(state, val)["loss"]})
+            elapsed = time.perf_counter() - start
+            result = step.evaluate(state, val)  # the trained weights', logged too
+            monitor.log({"val_loss": result["loss"]})  # beside the last update's row
         state.sync()
         if af.world_size() > 1:
             torch.distributed.all_reduce(real_tokens)  # every process's batches
+            real_tokens //= tp  # a tensor-parallel group's processes read the same batch
 
-    result = step.evaluate(state, val)
+    if result is None:
+        result = step.evaluate(state, val)
     val_loss = float(result["loss"])
     report: dict[str, float | str] = {
         "updates": state.step,
@@ -389,7 +430,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         "packing": args.packing,
         "out": out,
     }
-    positions = (state.step - first) * args.batch_size * args.seq_len * af.world_size()
+    positions = (state.step - first) * args.batch_size * args.seq_len * af.world_size() // tp
     if monitor is not None:  # something was trained: save it
         real = int(real_tokens)  # the one read of the count
         report["real_tokens"] = real
@@ -398,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         checkpointing.save(out, state, loader=train, step=step, keep=2,  # DCP under FSDP2
                            extra=extra)
     if main_process:
-        if not args.fsdp:
+        if strategy(args) == "ddp":  # a sharded model is not one process' to sample from
             sample = generate(model.eval(), b"The ", 60, args.seq_len)
             report["sample"] = sample
         if monitor is not None:

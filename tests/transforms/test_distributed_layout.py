@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 from conftest import Net, classify, make_batch
-from test_distributed_scale_out import MLPNet, tp_plan
+from test_distributed_scale_out import MLPBlock, MLPNet, tp_plan
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
@@ -71,6 +71,17 @@ def test_a_plan_resolves_to_the_modules_its_patterns_name_in_model_order():
     # SequenceParallel shards activations, no weight: any module, no width to check
     assert list(resolve_plan(model, {"blocks.*.norm": SequenceParallel()}, tp=3)) == [
         "blocks.0.norm", "blocks.1.norm"]
+
+
+def test_a_plan_names_the_models_own_modules_under_checkpointeds_scope():
+    """checkpointed hands the step its model inside a scope module (under "module"): the
+    patterns still name the model's modules, and resolve to the scope's names."""
+    model = MLPNet()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    scoped = af.checkpointed(blocks=(MLPBlock,))(classify).prepare(state).model
+    assert hasattr(scoped, "accelfn_checkpoint_key")
+    resolved = resolve_plan(scoped, {"blocks.*.up": ColwiseParallel()}, tp=2)
+    assert list(resolved) == ["module.blocks.0.up", "module.blocks.1.up"]
 
 
 @pytest.mark.parametrize("plan, tp, words", [

@@ -77,7 +77,12 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str
     order; a ``ValueError`` for a pattern matching no module, a module matched twice, or a
     sharded width (``out_features`` for ColwiseParallel, ``in_features`` for RowwiseParallel)
     not divisible by ``tp``. Changes nothing."""
-    modules = [(name, module) for name, module in model.named_modules() if name]
+    # checkpointed's scope (the model under "module", marked by its key) is no name of the
+    # user's model: the patterns name the model's own modules
+    scoped = hasattr(model, "accelfn_checkpoint_key")
+    modules = [(name.removeprefix("module.") if scoped else name, module)
+               for name, module in model.named_modules() if name and not (scoped and
+                                                                          name == "module")]
     owner: dict[str, str] = {}
     resolved: dict[str, Any] = {}
     for pattern, style in plan.items():
@@ -108,7 +113,8 @@ def resolve_plan(model: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str
                     f"divide; pick tp among the divisors of {width[1]} or leave the layer "
                     "out of the plan")
             resolved[name] = style
-    return {name: resolved[name] for name, _ in modules if name in resolved}
+    order = [name for name, _ in modules if name in resolved]
+    return {("module." + name if scoped else name): resolved[name] for name in order}
 
 
 def apply_plan(model: nn.Module, tp_mesh: Any, resolved: Mapping[str, Any]) -> None:
