@@ -40,6 +40,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Iterable
 from types import FrameType
 from typing import Any, NoReturn
@@ -227,8 +228,6 @@ class PreemptionGuard:
         waited for first; if it failed unseen, its error is a warning here (this save is
         what the restart needs), and with ``asynchronous=True`` the save is waited for too.
         """
-        import warnings
-
         from .background import AsyncSave, wait_previous
         from .saving import save
 
@@ -249,9 +248,9 @@ class PreemptionGuard:
             dist.destroy_process_group()
         at = checkpoint_step(named_states(state, "save"))
         _write_marker(int(os.environ.get("RANK", rank)), self.exit_code, at, path)
-        if rank == 0:
-            print(f"preempted at step {at}: saved {path}; exiting with status "
-                  f"{self.exit_code}", file=sys.stderr, flush=True)
+        if rank == 0:  # a warning, as the library's messages are: filterable, on stderr
+            warnings.warn(f"preempted at step {at}: saved {path}; exiting with status "
+                          f"{self.exit_code}", RuntimeWarning, stacklevel=2)
         sys.exit(self.exit_code)
 
     def exit_if_requested(self, directory: str | os.PathLike[str], state: States,
