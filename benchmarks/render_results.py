@@ -578,6 +578,51 @@ def scale_out(r: dict[str, Any], name: str) -> str:
         f"accelfn / plain step time: {plain}."])
 
 
+def memory(r: dict[str, Any], name: str) -> str:
+    """benchmarks/memory.py: the estimate against the measured peak, linear_cross_entropy's
+    peak against the full logits', adaptive accumulation against its count set by hand."""
+    m, e, lce, ad = r["model"], r["estimate"], r["linear_cross_entropy"], \
+        r["adaptive_accumulation"]
+    load = ", ".join(str(x) for x in r.get("load_average", []))
+    mib = 2 ** 20
+    return "\n".join([
+        f"### Memory ({r['date']}, {r['machine']}, load average {load})",
+        "",
+        f"[`{name}`]({name}); `{r['command']}`. A GPT of {m['parameters'] / 1e6:.1f}M "
+        f"parameters ({m['depth']} blocks, {m['dim']} wide, vocabulary {m['vocab']}, "
+        f"{m['optimizer']}), measured as the {r['measured_by']}.",
+        "",
+        _table(["figure", "accelfn", "against", "ratio"], [
+            ["`estimate_memory` peak vs measured", f"{e['peak_bytes'] / mib:,.1f} MiB",
+             f"{e['measured_peak_bytes'] / mib:,.1f} MiB", f"{e['ratio']}"],
+            [f"`linear_cross_entropy` peak vs full logits (SGD, batch {lce['sgd_batch']})",
+             f"{lce['peak_bytes'] / mib:,.1f} MiB",
+             f"{lce['full_logits_peak_bytes'] / mib:,.1f} MiB", f"{lce['ratio']}"],
+            [f"the same with AdamW (batch {lce['adamw']['batch']}: the optimizer step's "
+             "peak)", f"{lce['adamw']['peak_bytes'] / mib:,.1f} MiB",
+             f"{lce['adamw']['full_logits_peak_bytes'] / mib:,.1f} MiB",
+             f"{lce['adamw']['ratio']}"],
+            [f"adaptive accumulation step (settles at {ad['chosen']} micro-batches) vs that "
+             f"count by hand, median of {ad['rounds']} interleaved", f"{ad['adaptive_s']} s",
+             f"{ad['by_hand_s']} s", f"{ad['ratio']} (target {ad['target']})"],
+        ])])
+
+
+def lm_data(r: dict[str, Any], name: str) -> str:
+    """benchmarks/lm_data.py: the token loader against an np.memmap loop."""
+    s, t = r["setup"], r["token_loader_vs_np_memmap"]
+    return "\n".join([
+        f"### Language-model data ({s['date']}, {s['machine']}, {s['cpu_cores']} cores, load "
+        f"average {s['load_average_before']} before, {s['load_average_after']} after)",
+        "",
+        f"[`{name}`]({name}): `accelfn.data.token_loader` against nanoGPT's `np.memmap` "
+        f"slicing loop, batches of {t['batch_size']} x {t['seq_len']} tokens, median of "
+        f"{t['repeats']} interleaved repeats: {t['token_loader_tokens_per_s']:,} against "
+        f"{t['np_memmap_tokens_per_s']:,} tokens/s, **x{t['ratio']}** (target >= 0.9). "
+        "Packing against padding: docs/data.md's language-model section.",
+    ])
+
+
 def render(paths: list[Path]) -> str:
     sections: list[str] = []
     gpu_runs: list[tuple[str, str]] = []
@@ -599,12 +644,16 @@ def render(paths: list[Path]) -> str:
             sections.append(overhead(r, name))
         elif kind == "scale_out":
             sections.append(scale_out(r, name))
+        elif kind == "memory":
+            sections.append(memory(r, name))
+        elif kind == "lm_data":
+            sections.append(lm_data(r, name))
         elif kind == "benchmarks/gpu_suite.sh" and not r.get("dry_run"):
             gpu_runs.append((r.get("date") or "", suite(r, name)))
     gpu = [text for _, text in sorted(gpu_runs)] or [
         "No GPU run is recorded yet: `benchmarks/gpu_suite.sh` writes "
-        "`benchmarks/results/gpu-<date>.json` on a GPU machine (under 8 minutes on one "
-        "H200), and this page then shows it."]
+        "`benchmarks/results/gpu-<date>.json` on a GPU machine, and this page then shows "
+        "it."]
     return (HEADER + "## GPU\n\n" + "\n\n".join(gpu) + "\n\n## CPU\n\n"
             + "\n\n".join(sections) + "\n")
 
