@@ -147,9 +147,13 @@ class MemorySnapshot:
         for obj in gc.get_objects():
             if type(obj) not in (Tensor, torch.nn.Parameter) or obj.device.type != "cpu":
                 continue
-            key = obj.untyped_storage()._cdata
+            try:
+                storage = obj.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # no storage: vmap's batched tensors
+                continue
+            key = storage._cdata
             if key not in found:
-                found[key] = {"bytes": obj.untyped_storage().nbytes(), "shape": list(obj.shape),
+                found[key] = {"bytes": storage.nbytes(), "shape": list(obj.shape),
                               "dtype": str(obj.dtype).removeprefix("torch."),
                               "made at": "not recorded (outside the recorded updates)"}
         ordered = sorted(found.values(), key=lambda entry: -entry["bytes"])

@@ -19,7 +19,7 @@ from conftest import roundtrip
 from tensordict import TensorDict
 
 import accelfn.data as ad
-from accelfn.data import sampling
+from accelfn.data import sharding
 
 N = 103  # not a multiple of the batch sizes used below, to exercise short final batches
 
@@ -462,10 +462,10 @@ def test_shards_follow_torch_distributed(monkeypatch):
     world = 4
     shards = []
     for r in range(world):
-        monkeypatch.setattr(sampling.dist, "is_available", lambda: True)
-        monkeypatch.setattr(sampling.dist, "is_initialized", lambda: True)
-        monkeypatch.setattr(sampling.dist, "get_rank", lambda r=r: r)
-        monkeypatch.setattr(sampling.dist, "get_world_size", lambda: world)
+        monkeypatch.setattr(sharding.dist, "is_available", lambda: True)
+        monkeypatch.setattr(sharding.dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(sharding.dist, "get_rank", lambda r=r: r)
+        monkeypatch.setattr(sharding.dist, "get_world_size", lambda: world)
         loader = ad.loader(make_td(), batch_size=5, seed=0)
         assert loader.config["rank"] == r and loader.config["world_size"] == world
         shards.append(set(epoch_labels(loader).tolist()))
