@@ -588,7 +588,7 @@ def memory(r: dict[str, Any], name: str) -> str:
     return "\n".join([
         f"### Memory ({r['date']}, {r['machine']}, load average {load})",
         "",
-        f"[`{name}`]({name}); `{r['command']}`. A GPT of {m['parameters'] / 1e6:.1f}M "
+        f"File `{name}`; `{r['command']}`. A GPT of {m['parameters'] / 1e6:.1f}M "
         f"parameters ({m['depth']} blocks, {m['dim']} wide, vocabulary {m['vocab']}, "
         f"{m['optimizer']}), measured as the {r['measured_by']}.",
         "",
@@ -615,7 +615,7 @@ def lm_data(r: dict[str, Any], name: str) -> str:
         f"### Language-model data ({s['date']}, {s['machine']}, {s['cpu_cores']} cores, load "
         f"average {s['load_average_before']} before, {s['load_average_after']} after)",
         "",
-        f"[`{name}`]({name}): `accelfn.data.token_loader` against nanoGPT's `np.memmap` "
+        f"File `{name}`: `accelfn.data.token_loader` against nanoGPT's `np.memmap` "
         f"slicing loop, batches of {t['batch_size']} x {t['seq_len']} tokens, median of "
         f"{t['repeats']} interleaved repeats: {t['token_loader_tokens_per_s']:,} against "
         f"{t['np_memmap_tokens_per_s']:,} tokens/s, **x{t['ratio']}** (target >= 0.9). "

@@ -8,7 +8,7 @@
     python examples/gpt.py --resume runs/gpt                      # continue the newest run
     python examples/gpt.py --packing pad                          # one document a row, padded
 
-Time: 27 min for the 150 updates on a 2-core CPU shared with much other work (load average 12
+Time: 27 min on a 2-core CPU shared with much other work, for the 150 updates (load average 12
 to 20, each update about 10 s); far less on an idle machine. Validation about 3.2 bits per byte.
 
 The text is the documentation of Python's standard library (every module's docstring, which
