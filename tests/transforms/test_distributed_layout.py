@@ -195,3 +195,40 @@ def test_muon_over_sharded_parameters_is_refused_naming_the_alternative(strategy
 
 def test_muon_with_ddp_is_accepted():
     check_optimizers(_muon_and_adamw(Net()), "ddp", 1)
+
+
+# ------------------------------------------------------------------------------ orders
+@pytest.mark.parametrize("options", [
+    {"strategy": "hsdp", "replicate": 2},
+    {"strategy": "fsdp", "tp": 2, "tensor_parallel": {"blocks.*.up": ColwiseParallel()}},
+    {"strategy": "hsdp", "replicate": 2, "tp": 2,
+     "tensor_parallel": {"blocks.*.up": ColwiseParallel()}},
+    {"strategy": "fsdp", "offload": "cpu", "reshard_after_forward": False},
+], ids=["hsdp", "fsdp_tp", "hsdp_tp", "fsdp_offload"])
+def test_every_stacking_order_with_the_other_builtins_builds_the_same_update(options):
+    """The scale-out strategies fill the one Sharding place, as DDP and FSDP do: all 120
+    orders with with_amp, with_accumulation, with_clipping and checkpointed build the same
+    update (tests/transforms/test_distributed_scale_out.py trains one order in 4 processes)."""
+    import dataclasses
+    import itertools
+
+    registry = {"distributed": af.distributed(**options), "amp": af.with_amp(),
+                "accumulation": af.with_accumulation(2), "clipping": af.with_clipping(),
+                "checkpointed": af.checkpointed()}
+
+    def stack(names):
+        step = classify
+        for name in names:
+            step = registry[name](step)
+        return step
+
+    reference = stack(list(registry))
+    places = [f.name for f in dataclasses.fields(reference.spec)]
+    assert reference.spec.sharding is not None
+    orders = list(itertools.permutations(registry))
+    assert len(orders) == 120
+    for order in orders:
+        step = stack(order)
+        for place in places:
+            assert getattr(step.spec, place) is getattr(reference.spec, place), (order, place)
+        assert set(step.transforms) == set(reference.transforms), order
