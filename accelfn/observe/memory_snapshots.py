@@ -4,6 +4,9 @@ On CUDA this is PyTorch's own allocator history (``_record_memory_history``), du
 pickle that PyTorch's memory viewer opens. The CPU has no such history, hence this module's
 own: a dispatch mode notes where each tensor of the recorded updates was made, and the dump
 lists the largest tensors alive (shape, dtype, bytes, the line that made them) as JSON.
+
+[`Monitor`][accelfn.observe.monitor.Monitor]'s ``memory_snapshot=`` runs one around its loop:
+[`snapshot_option`][] reads that option.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ from __future__ import annotations
 import gc
 import json
 import os
+import time
 import traceback
+import warnings
 import weakref
 from types import TracebackType
 from typing import Any
@@ -20,9 +25,15 @@ import torch
 from torch import Tensor
 
 from ..core import compat_memory as compat
-from .memory import MemoryEstimate, oom_advice
+from ..core.batch import Batch
+from ..core.state import TrainState
+from .findings import Finding
+from .logs import get_logger
+from .memory import MemoryEstimate, estimate_memory, oom_advice
 
-__all__ = ["MemorySnapshot", "memory_snapshot"]
+__all__ = ["MemorySnapshot", "memory_snapshot", "snapshot_option"]
+
+_log = get_logger("observe")
 
 _OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError)
 _OURS = (f"{os.sep}torch{os.sep}", f"{os.sep}accelfn{os.sep}", f"{os.sep}tensordict{os.sep}")
@@ -42,10 +53,13 @@ class _Origins(compat.DispatchMode):  # type: ignore[misc,no-untyped-call]  # un
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.made: dict[int, tuple[Any, tuple[int, ...], str, str]] = {}
+        self.paused = False  # the operators of an estimate: fake tensors, not the run's
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         inputs = None
         for leaf in compat.leaves(out):
             if isinstance(leaf, Tensor) and leaf.device.type == "cpu":
@@ -71,7 +85,8 @@ class MemorySnapshot:
     the CPU it is JSON: the largest live tensors, with shape, dtype, bytes and the line that
     made them (for tensors of the recorded updates). With an ``estimate`` (see
     [`estimate_memory`][]) and the ``step``, the error also gets the peak by kind and the
-    one-line fixes for the stack.
+    one-line fixes for the stack; given the ``step`` alone, [`estimate_before`][] makes the
+    estimate from the run's state and first batch (the Monitor does).
     """
 
     def __init__(self, path: str | os.PathLike[str], *, updates: int = 3,
@@ -92,7 +107,11 @@ class MemorySnapshot:
         self.device = torch.device(device)
         self.seen = 0
         self.recording = False
+        #: the file the out-of-memory error's snapshot went to (``None``: none written)
+        self.dumped: str | None = None
         self._origins: _Origins | None = None
+        self._estimated = estimate is not None
+        self._estimate_error: str | None = None
 
     # ------------------------------------------------------------------ recording
     def start(self) -> MemorySnapshot:
@@ -116,6 +135,30 @@ class MemorySnapshot:
             return
         assert self._origins is not None
         self._origins.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    def estimate_before(self, state: TrainState, batch: Batch) -> float:
+        """Estimate the ``step``'s update of ``state`` on ``batch`` ([`estimate_memory`][],
+        outside the recording: no allocation, the state unchanged) for the error's advice,
+        once, when given a ``step`` and no ``estimate``; returns the seconds it took. An
+        estimate that fails is a warning: the run goes on, its errors without the advice."""
+        if self._estimated or self.step is None:
+            return 0.0
+        self._estimated = True
+        start = time.perf_counter()
+        if self._origins is not None:
+            self._origins.paused = True
+        try:
+            self.estimate = estimate_memory(self.step, state, batch)
+            _log.info("memory snapshot: %s", self.estimate)
+        except Exception as failed:
+            self._estimate_error = f"{type(failed).__name__}: {failed}"
+            warnings.warn(f"memory_snapshot(step=...): the step's memory could not be "
+                          f"estimated ({self._estimate_error}); an out-of-memory error will "
+                          "name no peak by kind", RuntimeWarning, stacklevel=3)
+        finally:
+            if self._origins is not None:
+                self._origins.paused = False
+        return time.perf_counter() - start
 
     def updated(self) -> None:
         """One update done: recording stops after the first ``updates``."""
@@ -165,11 +208,39 @@ class MemorySnapshot:
         self.stop()
         try:
             path = self.dump()
+            self.dumped = path
             error.add_note(f"accelfn: the memory snapshot is in {path}")
         except Exception as failed:  # the snapshot must not hide the out-of-memory error
             error.add_note(f"accelfn: the memory snapshot could not be written ({failed})")
         if self.estimate is not None:
             error.add_note(f"accelfn: {oom_advice(self.estimate, self.step)}")
+
+    def on_error(self, error: BaseException) -> None:
+        """An error ends the recorded block: [`explain`][] an out-of-memory error (once);
+        any other error passes untouched."""
+        notes = getattr(error, "__notes__", ())
+        if isinstance(error, _OUT_OF_MEMORY) and not any(
+                note.startswith("accelfn: the memory snapshot") for note in notes):
+            self.explain(error)
+
+    def findings(self) -> list[Finding]:
+        """What a report says of this snapshot: where the dump went, and the estimate."""
+        if self.dumped is not None:
+            kind = "PyTorch's memory viewer opens it" if self.device.type == "cuda" else \
+                "JSON: the largest live tensors and the lines that made them"
+            where = f"the out-of-memory error's snapshot is in {self.dumped} ({kind})"
+        else:
+            n = min(self.seen, self.updates)
+            where = f"the first {n} update{'' if n == 1 else 's'} recorded; no out-of-memory " \
+                    "error, nothing dumped"
+        found = [Finding("memory_snapshot", "info", where)]
+        if self.estimate is not None:
+            found.append(Finding("memory_estimate", "info",
+                                 str(self.estimate).removeprefix("memory: ")))
+        elif self._estimate_error is not None:
+            found.append(Finding("memory_estimate", "info",
+                                 f"not estimated: {self._estimate_error}"))
+        return found
 
     def close(self) -> None:
         self.stop()
@@ -180,8 +251,8 @@ class MemorySnapshot:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
-            if error is not None and isinstance(error, _OUT_OF_MEMORY):
-                self.explain(error)
+            if error is not None:
+                self.on_error(error)
         finally:
             self.close()
 
@@ -195,3 +266,23 @@ def memory_snapshot(path: str | os.PathLike[str], *, updates: int = 3,
     """
     return MemorySnapshot(path, updates=updates, device=device, top=top, estimate=estimate,
                           step=step)
+
+
+def snapshot_option(value: str | os.PathLike[str] | MemorySnapshot | None,
+                    device: torch.device, state: TrainState | None) -> MemorySnapshot | None:
+    """``Monitor(memory_snapshot=value)`` read: a path becomes a snapshot of the monitor's
+    ``device``; a [`MemorySnapshot`][] is kept as given. A snapshot given the ``step`` but
+    no ``estimate`` needs the monitor's ``state`` to make it."""
+    if value is None or isinstance(value, MemorySnapshot):
+        if value is not None and value.step is not None and value.estimate is None \
+                and state is None:
+            raise ValueError("Monitor(memory_snapshot=memory_snapshot(..., step=...)) "
+                             "estimates that step's memory from the run's state: pass "
+                             "Monitor(state=state), or the estimate itself as "
+                             "memory_snapshot(..., estimate=estimate_memory(step, state, "
+                             "batch), step=step)")
+        return value
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"Monitor(memory_snapshot={value!r}) takes a path (a str or Path) "
+                        "or accelfn.memory_snapshot(path, ...)")
+    return MemorySnapshot(value, device=device)

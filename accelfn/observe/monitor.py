@@ -33,6 +33,7 @@ verdict against the performance checklist (`accelfn.observe.verdict`): data load
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import warnings
 from collections import deque
@@ -50,13 +51,13 @@ from .aggregates import RunBook
 from .diagnostics import Diagnostics
 from .flops import _dtype_key, peak_flops, training_flops
 from .gpu_sampler import GPUSampler, check_interval
-from .logs import get_logger
+from .memory_snapshots import MemorySnapshot, snapshot_option
+from .outputs import Outputs
 from .profiling import Profiler
-from .progress_bars import Bar, make_bar, row_postfix
 from .records import PendingLog, PendingStep, StepRecord
 from .report import MonitorReport, Thresholds
 from .reporting import build_report
-from .sinks import CsvSink, JsonlSink, Sink, TensorBoardSink, close_sinks, open_sinks, write_sinks
+from .sinks import Sink
 from .sync_probe import SyncPoint, SyncProbe
 
 __all__ = [
@@ -68,7 +69,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-_log = get_logger("observe")
 
 
 class Monitor:
@@ -124,6 +124,14 @@ class Monitor:
             need none of them (running aggregates, a bounded picture): memory stays
             bounded however long the run.
         initial: the bar's start, ``state.step`` after a resume (its rate: this run's steps).
+        memory_snapshot: a path: the allocations of the first 3 steps are recorded and, when
+            an out-of-memory error leaves ``with monitor:`` or [`measure`][], what was
+            alive is dumped there (see [`MemorySnapshot`][]) and named in the error and the
+            report. Or [`memory_snapshot(path, step=step)`][accelfn.memory_snapshot] with
+            the training step: with ``state`` and [`iterate`][], the step's peak by kind
+            is estimated on the first batch, before its update
+            ([`estimate_memory`][accelfn.estimate_memory]; in the report), and the error
+            names that peak and the fixes for the step's stack.
     """
 
     def __init__(self, *, log_every: int = 50, warmup: int = 2, total: int | None = None,
@@ -139,7 +147,8 @@ class Monitor:
                  sync_allow: Iterable[str] = (),
                  model: nn.Module | None = None, diagnostics: Diagnostics | None = None,
                  profiler: Profiler | None = None, thresholds: Thresholds | None = None,
-                 file: IO[str] | None = None, keep_rows: int = 1000, initial: int = 0) -> None:
+                 file: IO[str] | None = None, keep_rows: int = 1000, initial: int = 0,
+                 memory_snapshot: str | os.PathLike[str] | MemorySnapshot | None = None) -> None:
         for name, value, low in (("log_every", log_every, 1), ("warmup", warmup, 0),
                                  ("keep_rows", keep_rows, 0), ("initial", initial, 0)):
             if value < low:
@@ -160,17 +169,11 @@ class Monitor:
         self.sync_allow = tuple(sync_allow)
         self.model, self.diagnostics, self.profiler = model, diagnostics, profiler
         self.thresholds = thresholds or Thresholds()
-        self._main = is_main_process()
-        self._want_progress, self._desc, self._file = progress, desc, file
-        self._paths = {"jsonl": jsonl, "csv": csv, "tensorboard": tensorboard}
-        self._extra_sinks = list(sinks)
-        for sink in self._extra_sinks:
-            if not isinstance(sink, Sink):
-                raise TypeError(
-                    f"Monitor(sinks=[...]): {type(sink).__name__} is not a sink: it needs "
-                    "open(start_step), write(rows) and close(report) methods (see "
-                    "accelfn.observe.sinks.Sink)")
-        self.state, self._plot_path = state, plot
+        self._out = Outputs(main=is_main_process(), sinks=sinks, progress=progress, desc=desc,
+                            paths={"jsonl": jsonl, "csv": csv, "tensorboard": tensorboard},
+                            file=file, total=total, initial=initial, plot=plot)
+        self.state = state
+        self._snapshot = snapshot_option(memory_snapshot, self.device, state)
         #: where [`close`][] wrote the plot (``None``: not asked for, or not written)
         self.plot_file: Path | None = None
         self._gpu = GPUSampler(gpu_index, interval=gpu_interval) \
@@ -179,8 +182,6 @@ class Monitor:
         self._book = RunBook(warmup, records.ROW_KEYS, keep_rows)
         self._pending: deque[PendingStep | PendingLog] = deque()
         self._last_step: int | None = None  # the step of the latest training row
-        self._sinks: list[Sink] = []
-        self._bar: Bar | None = None
         self._started = False
         self._closed = False
         self._report: MonitorReport | None = None
@@ -205,18 +206,10 @@ class Monitor:
             return self
         self._refuse_closed("start")
         self._next_step = self.state.step if self.state is not None else 0
-        if self._main:
-            kinds = {"jsonl": JsonlSink, "csv": CsvSink, "tensorboard": TensorBoardSink}
-            sinks: list[Sink] = [make(path) for kind, make in kinds.items()
-                                 if (path := self._paths[kind])]
-            # one failing to open closes those opened: nothing left running, start again
-            open_sinks(sinks + self._extra_sinks, self._next_step)
-            self._sinks = sinks + self._extra_sinks
-            if self._want_progress:
-                self._bar = make_bar(self.total, self._desc, self._file, initial=self._initial)
-            _log.info("monitor: rows from step %d to %s", self._next_step,
-                      ", ".join(type(s).__name__ for s in self._sinks) or "no sink")
+        self._out.open(self._next_step)  # one failing closes those opened: start again
         self._started = True
+        if self._snapshot is not None:
+            self._snapshot.start()
         if self.profiler is not None and not self.profiler.running and not self.profiler.done:
             self.profiler.start()
         if self._gpu is not None and not self._gpu.start():
@@ -240,10 +233,11 @@ class Monitor:
     def __enter__(self) -> Monitor:
         return self.start()
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
-        if exc_type is None:
+    def __exit__(self, exc_type: Any, error: BaseException | None, tb: Any) -> None:
+        if error is None:
             self.close()
             return
+        self._out_of_memory(error)
         try:  # the loop's own error goes on; a failing output must not replace it
             self._close(failed_loop=True)
         except Exception as err:
@@ -274,22 +268,15 @@ class Monitor:
             self._gpu.stop()
         if self.profiler is not None:
             self.profiler.stop()
+        if self._snapshot is not None:
+            self._snapshot.close()
         self._closed = True
         report = self._build_report()
         self._report = report
-        closing = close_sinks(self._sinks, str(report), failed_loop)
+        history = self._out.paths["jsonl"] if self.state is not None else None
+        closing = self._out.close(report, failed_loop=failed_loop, history=history)
         failed = failed or closing
-        if self._bar is not None:
-            self._bar.close()
-            self._bar = None
-        _log.info("monitor: %s", report.verdict)
-        if self._plot_path is not None and self._main and report.rows:
-            history = self._paths["jsonl"] if self.state is not None else None
-            try:
-                self.plot_file = report.plot(self._plot_path, history=history)
-                _log.info("monitor: plot written to %s", self.plot_file)
-            except ImportError as exc:
-                warnings.warn(f"Monitor(plot=...): {exc}; no plot written", stacklevel=2)
+        self.plot_file = self._out.plot_file
         if failed is not None:
             raise failed
         return report
@@ -325,6 +312,8 @@ class Monitor:
                     return
                 self._wait_acc += time.perf_counter() - t
                 self._last_batch = batch
+                if self._n == 0 and self._snapshot is not None and self.state is not None:
+                    self._t_last += self._snapshot.estimate_before(self.state, batch)
                 self._awaiting_step = True
                 if self._n == self.sync_check_step and self._probe_step is None:
                     self._begin_probe()
@@ -348,8 +337,8 @@ class Monitor:
             self._begin_probe()
         try:
             yield rec
-        except BaseException:
-            self._end_probe()
+        except BaseException as error:
+            self._out_of_memory(error)
             raise
         if data_wait is None and not self._in_iterate:
             data_wait = outside
@@ -362,6 +351,12 @@ class Monitor:
             yield probe
         self._probe_result = (self._probe_result or []) + probe.syncs
         self._probe_mode = probe.mode
+
+    def _out_of_memory(self, error: BaseException) -> None:
+        """An error leaves the loop: the probe ends; an out-of-memory one dumps the snapshot."""
+        self._end_probe()
+        if self._snapshot is not None:
+            self._snapshot.on_error(error)  # other errors pass untouched
 
     def _begin_probe(self) -> None:
         self._probe = SyncProbe(allow=self.sync_allow)
@@ -399,6 +394,8 @@ class Monitor:
         self._refuse_closed("step")
         probed = self._probe is not None
         self._end_probe()
+        if self._snapshot is not None:
+            self._snapshot.updated()  # recording stops after its first updates
         if not self._started:
             self.start()
         now = time.perf_counter()
@@ -431,8 +428,7 @@ class Monitor:
         self._awaiting_step = False
         self._n += 1
         self._next_step = self.state.step if self.state is not None else self._next_step + 1
-        if self._bar is not None:
-            self._bar.update(1)
+        self._out.advance()
         if self._n % self.log_every == 0:
             self.flush()
 
@@ -483,18 +479,16 @@ class Monitor:
             else:
                 new.append(last := records.make_row(p))
                 self._book.add(last)
-        if not new:
-            return
-        failed = write_sinks(self._sinks, new)  # one failing: the others still get the rows
-        if self._bar is not None and last is not None:
-            self._bar.set_postfix_str(row_postfix(last))
-        if failed is not None:
-            raise failed
+        if new:
+            self._out.write(new, last)
 
     def _build_report(self) -> MonitorReport:
-        return build_report(
+        report = build_report(
             book=self._book, warmup=self.warmup, device=self.device,
             gpu=self._gpu, gpu_note=self._gpu_note, peak_given=self._peak_given,
             peak_dtype=self.peak_dtype, flops_per_step=self.flops_per_step, model=self.model,
             diagnostics=self.diagnostics, syncs=self._probe_result, probe_mode=self._probe_mode,
             sync_check=self.sync_check_step is not None, thresholds=self.thresholds)
+        if self._snapshot is not None:  # the estimate, and where a dump went
+            report.findings += self._snapshot.findings()
+        return report
