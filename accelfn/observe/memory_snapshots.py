@@ -47,6 +47,15 @@ def _where() -> str:
     return "inside torch"
 
 
+def _own_file(path: str) -> str:
+    """``path``, or this process's own under a process group of several (its rank added)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return path
+    root, suffix = os.path.splitext(path)
+    return f"{root}.rank{dist.get_rank()}{suffix}"
+
+
 class _Origins(compat.DispatchMode):  # type: ignore[misc,no-untyped-call]  # untyped in torch
     """Notes, for every storage an operator makes, the line that made it (while alive)."""
 
@@ -83,7 +92,8 @@ class MemorySnapshot:
     ``updated()`` after each update (the Monitor does), or call ``dump()`` yourself. On
     CUDA the file is PyTorch's allocator snapshot (open it in PyTorch's memory viewer); on
     the CPU it is JSON: the largest live tensors, with shape, dtype, bytes and the line that
-    made them (for tensors of the recorded updates). With an ``estimate`` (see
+    made them (for tensors of the recorded updates). Under several processes each writes
+    its own file, its rank before the suffix (``oom.rank1.json``). With an ``estimate`` (see
     [`estimate_memory`][]) and the ``step``, the error also gets the peak by kind and the
     one-line fixes for the stack; given the ``step`` alone, [`estimate_before`][] makes the
     estimate from the run's state and first batch (the Monitor does).
@@ -168,15 +178,16 @@ class MemorySnapshot:
 
     # ------------------------------------------------------------------ the dump
     def dump(self) -> str:
-        """Write the snapshot to ``path`` now; returns the path."""
-        folder = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(folder, exist_ok=True)
+        """Write the snapshot to ``path`` now; returns the path. Under several processes
+        each writes its own file, the rank before the suffix (``oom.rank1.json``)."""
+        path = _own_file(self.path)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         if self.device.type == "cuda":
-            compat.dump_cuda_snapshot(self.path)
-            return self.path
-        with open(self.path, "w", encoding="utf-8") as file:
+            compat.dump_cuda_snapshot(path)
+            return path
+        with open(path, "w", encoding="utf-8") as file:
             json.dump(self.largest(), file, indent=1)
-        return self.path
+        return path
 
     def largest(self) -> dict[str, Any]:
         """The largest live CPU tensors (one entry per storage), largest first."""

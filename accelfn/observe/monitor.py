@@ -394,10 +394,10 @@ class Monitor:
         self._refuse_closed("step")
         probed = self._probe is not None
         self._end_probe()
-        if self._snapshot is not None:
-            self._snapshot.updated()  # recording stops after its first updates
         if not self._started:
             self.start()
+        if self._snapshot is not None:
+            self._snapshot.updated()  # recording stops after its first updates
         now = time.perf_counter()
         if samples is None:
             samples = self.samples_per_step

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,3 +205,16 @@ def test_on_cuda_the_monitor_dumps_the_allocator_history(tmp_path):
             mon.step(af.lift(step)(state, batch))
     snapshot = pickle.loads(path.read_bytes())
     assert snapshot["segments"] and "PyTorch's memory viewer" in str(mon.report())
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_under_several_processes_each_rank_dumps_its_own_file(tmp_path):
+    from conftest import torchrun
+
+    torchrun(Path(__file__).with_name("memory_snapshot_worker.py"), tmp_path)
+    assert not (tmp_path / "oom.json").exists()
+    for rank in (0, 1):
+        own = tmp_path / f"oom.rank{rank}.json"
+        assert json.loads(own.read_text())["tensors"] > 0
+        assert f"the memory snapshot is in {own}" in (tmp_path / f"notes{rank}.txt").read_text()
