@@ -27,7 +27,8 @@ are numbered by its ``step``, so a resumed run continues its history. Memory sta
 however long the run (`accelfn.observe.aggregates`). [`Monitor.report`][] ends with a
 verdict against the performance checklist (`accelfn.observe.verdict`): data loading under
 20% of an iteration, GPU busy over 85%, no unnecessary host syncs (one step is probed with
-[`SyncProbe`][]), a CPU not oversubscribed, and the fix for each.
+[`SyncProbe`][]), a CPU not oversubscribed, and the fix for each. With ``memory_snapshot``,
+an out-of-memory error leaving the loop dumps what filled the memory ([`MemorySnapshot`][]).
 """
 
 from __future__ import annotations

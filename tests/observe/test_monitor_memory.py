@@ -78,8 +78,12 @@ def test_an_oom_in_the_loop_dumps_the_live_tensors_and_the_report_says_where(tmp
     dump = json.loads(path.read_text())
     largest = dump["largest"]
     assert largest == sorted(largest, key=lambda e: -e["bytes"])
-    # alive when the error left the loop: the failed forward's (64, 2048) activation
-    assert any(e["shape"] == [64, 2048] and e["bytes"] == 64 * 2048 * 4 for e in largest)
+    # alive when the error left the loop: the failed forward's (64, 2048) activation, made
+    # in the third update, the last recorded one: by the line of Wide.forward
+    activation = next(e for e in largest if e["shape"] == [64, 2048])
+    assert activation["bytes"] == 64 * 2048 * 4
+    assert "test_monitor_memory.py" in activation["made at"]
+    assert "in forward" in activation["made at"]
     report = mon.report()  # final: the monitor closed as the error left it
     assert f"memory_snapshot: the out-of-memory error's snapshot is in {path}" in str(report)
     assert [r["step"] for r in report.rows] == [0, 1]
