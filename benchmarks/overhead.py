@@ -16,6 +16,10 @@ AdamW, one intra-op thread; every side runs the same number of updates on the sa
 Rounds interleave the sides, rotating which goes first; each round gives each side's median
 thread CPU time per update; the figures are medians over rounds of the per-round ratios.
 
+Every run also counts the ATen operators each side dispatches per update (a dispatch mode
+around five updates): a count that is the same on any machine, with the operators whose
+counts differ from the plain loop's.
+
 ``--instructions`` also counts each side's instructions per update with valgrind's callgrind
 (plain loop, accelfn, the same features by hand; the tiny model unless
 ``--instruction-models`` says otherwise): a figure that, unlike time, does not move with the
@@ -51,6 +55,7 @@ from tensordict import TensorDict
 from torch import nn
 
 import accelfn as af
+from accelfn.core import compat
 
 MODELS = {"tiny": (64, 64), "medium": (512, 256)}  # hidden width, batch
 MICRO = 4
@@ -240,8 +245,43 @@ def run_config(name: str, bf16: bool, rounds: int, steps: int) -> dict[str, Any]
     return out
 
 
-# ------------------------------------------------------------------------------ instructions
+# ------------------------------------------------------------------------------ operators
 COUNTED = ("plain", "accelfn", "same_features")
+
+
+def count_operators(name: str, bf16: bool, updates: int = 5) -> dict[str, Any]:
+    """ATen operators dispatched per update by each side (a count, not a time: the same on
+    any machine at any load), and the ones whose counts differ from the plain loop's."""
+    _, sides = make_sides(name, bf16, peers=False)
+    counts: dict[str, dict[str, int]] = {}
+    for side in COUNTED:
+        for _ in range(3):
+            sides[side]()
+        seen: dict[str, int] = {}
+
+        def note(op: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 seen: dict[str, int] = seen) -> None:
+            seen[op] = seen.get(op, 0) + 1
+
+        with compat.aten_observer(note):
+            for _ in range(updates):
+                sides[side]()
+        counts[side] = seen
+    total = {side: sum(c.values()) / updates for side, c in counts.items()}
+    plain = counts["plain"]
+    differ = {op: [plain.get(op, 0) / updates, counts["accelfn"].get(op, 0) / updates]
+              for op in sorted(set(plain) | set(counts["accelfn"]))
+              if plain.get(op, 0) != counts["accelfn"].get(op, 0)}
+    hidden, batch_size = MODELS[name]
+    return {"model": f"MLP 32-{hidden}-{hidden}-10", "batch": batch_size,
+            "precision": "bf16 autocast" if bf16 else "fp32",
+            "operators_per_update": total,
+            "accelfn_ratio": round(total["accelfn"] / total["plain"], 4),
+            "same_features_ratio": round(total["same_features"] / total["plain"], 4),
+            "accelfn_differs_from_plain": differ}
+
+
+# ------------------------------------------------------------------------------ instructions
 
 
 def count_child(name: str, bf16: bool, steps: int) -> None:
@@ -337,8 +377,10 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "versions": {p: _version(p) for p in ("torch", "tensordict", "accelfn", "lightning",
                                                "accelerate")},
-        "targets": {"tiny": 1.03, "medium": 1.01},
+        "targets": {"tiny": 1.01, "medium": 1.01, "operators": 1.02},
         "configs": configs,
+        "operators": [count_operators(name, bf16) for name in args.models
+                      for bf16 in (False, True)],
     }
     if args.instructions:  # the medium model's matmuls take minutes per update under valgrind
         result["instructions"] = [count_instructions(name, bf16, 50)

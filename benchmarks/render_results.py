@@ -397,6 +397,20 @@ def overhead(r: dict[str, Any], name: str) -> str:
             "distance from 1 is the noise floor). Parameters bitwise equal to the plain loop: "
             f"{bitwise}. Targets: tiny <= {r['targets']['tiny']}, medium <= "
             f"{r['targets']['medium']}.\n\n" + "\n".join(rows))
+    operators = r.get("operators")
+    if operators:
+        rows = ["| model | precision | plain loop operators/update | accelfn ratio | "
+                "hand-written, same features ratio | accelfn's that differ (plain, accelfn) |",
+                "|---|---|---:|---:|---:|---|"]
+        for c in operators:
+            differ = ", ".join(f"{op} {a:g}/{b:g}"
+                               for op, (a, b) in c["accelfn_differs_from_plain"].items())
+            rows.append(f"| {c['model']}, batch {c['batch']} | {c['precision']} | "
+                        f"{c['operators_per_update']['plain']:g} | {c['accelfn_ratio']:.3f} | "
+                        f"{c['same_features_ratio']:.3f} | {differ} |")
+        text += ("\n\nATen operators dispatched per update (counted under a dispatch mode; the "
+                 f"same at any load). Target: <= {r['targets'].get('operators', 1.02)}.\n\n"
+                 + "\n".join(rows))
     counted = r.get("instructions")
     if not counted:
         return text

@@ -96,6 +96,10 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
     model = ctx.prepared.model
     check = sums.empty  # the first micro-batch of a window: check the output
     losses, coefs = sums.loss_terms()
+    # this call is the whole window: its plain losses are kept as they are and summed once,
+    # without autograd, at the end (one stack and one sum, no detach per micro-batch)
+    whole = check and plan.update and n > 1
+    pending: list[Tensor] = []
     backward = compat.backward
     inputs = optimizers_.backward_inputs(ctx.state)
     weighted: bool | None = None
@@ -130,9 +134,16 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
             coef = coef * units.inverse_unit(ctx, coef, n * plan.calls)
         objective = loss if coef is None else loss * coef
         if metrics:
+            if pending:  # terms stay in the order of the micro-batches
+                losses.extend(p.detach() for p in pending)
+                pending.clear()
+            whole = False
             sums.add(coef, metrics, {"loss": objective})
         else:
-            losses.append(objective.detach())
+            if whole:
+                pending.append(objective)
+            else:
+                losses.append(objective.detach())
             if coef is not None:
                 coefs.append(coef)
         if scale is not None:
@@ -146,4 +157,7 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
                     "and let the step differentiate it (once, weighted and scaled as the "
                     f"stack needs) ({error})") from error
             raise
+    if pending:
+        with torch.no_grad():
+            losses.append(torch.stack(pending).sum(0))
     return absolute

@@ -257,8 +257,8 @@ def test_gpu_suite_parses_and_its_cheap_parts_dry_run(tmp_path: Path) -> None:
     header = script.split("# Usage:")[0]
     listed = [m.group(1) for m in re.finditer(r"^#   (\w+) {2,}\S", header, re.M)]
     run = list(dict.fromkeys(re.findall(r"^\s*run_part (\w+) ", script, re.M)))
-    assert listed == run == ["environment", "float8", "compile", "gpu_tests", "bench_resnet50",
-                             "gpt2", "transforms", "data"]
+    assert listed == run == ["environment", "float8", "compile", "memory", "gpu_tests",
+                             "bench_resnet50", "gpt2", "transforms", "data"]
     out = tmp_path / "gpu.json"
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
@@ -286,12 +286,14 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     assert result["dry_run"] is True
     assert result["date"] and result["device"]
     parts = result["parts"]
-    names = ["environment", "float8", "compile", "gpu_tests", "bench_resnet50", "gpt2",
-             "transforms", "data"]
+    names = ["environment", "float8", "compile", "memory", "gpu_tests", "bench_resnet50",
+             "gpt2", "transforms", "data"]
     assert list(parts) == names  # the figures only a GPU gives come first
     for name in names:
         assert parts[name]["status"] == "ok", (name, parts[name])
     assert [s["name"] for s in parts["float8"]["result"]["sides"]] == ["bf16", "float8"]
+    estimate = parts["memory"]["result"]["estimate"]
+    assert estimate["meets_target"] and _number(estimate["ratio"])
     regional = parts["compile"]["result"]["regional"]
     assert regional["whole"]["graphs"] == regional["regional"]["graphs"] == 1
     assert regional["nested"]["graphs"] == 1
@@ -370,13 +372,19 @@ def test_results_page_renders_overhead_times_and_instructions(tmp_path: Path) ->
     result = {"benchmark": "overhead", "baseline": "plain", "accelfn": "stack", "timing": "t",
               "date": "2026-12-01 00:00 UTC", "machine": "x86_64, 2 cores",
               "load_average": [1.0] * 6, "targets": {"tiny": 1.03, "medium": 1.01},
-              "configs": [config], "instructions": [counted]}
+              "configs": [config], "instructions": [counted],
+              "operators": [{"model": "MLP 32-64-64-10", "batch": 64, "precision": "fp32",
+                             "operators_per_update": {"plain": 262.0, "accelfn": 266.0,
+                                                      "same_features": 286.0},
+                             "accelfn_ratio": 1.0153, "same_features_ratio": 1.0916,
+                             "accelfn_differs_from_plain": {"stack": [1.0, 2.0]}}]}
     path = tmp_path / "cpu-overhead.json"
     path.write_text(json.dumps(result))
     page = _render(path)
     assert ("| MLP 32-64-64-10, batch 64 | fp32 | 2,000 | 1.050 (1.040-1.060) | 1.050 | not run "
             "| not run | 0.998 | 100 |") in page
     assert "| MLP 32-64-64-10, batch 64 | fp32 | 6,888,636 | 1.039 | 1.080 | 269,068 |" in page
+    assert "| MLP 32-64-64-10, batch 64 | fp32 | 262 | 1.015 | 1.092 | stack 1/2 |" in page
     del result["instructions"]
     path.write_text(json.dumps(result))
     assert "callgrind" not in _render(path)
