@@ -99,6 +99,9 @@ def summary(parts: dict[str, Any]) -> dict[str, Any]:
         out["regional_compile"] = {
             k: regional.get(k) for k in ("compile_ratio", "steady_ratio", "targets", "met",
                                          "nested_compile_ratio", "nested_steady_ratio")}
+    memory = (parts.get("memory", {}).get("result") or {}).get("estimate")
+    if memory:
+        out["memory_estimate"] = {k: memory.get(k) for k in ("ratio", "target", "meets_target")}
     tests = parts.get("gpu_tests", {}).get("result")
     if tests:
         out["gpu_tests"] = {k: tests[k] for k in ("passed", "failures", "errors", "skipped")}

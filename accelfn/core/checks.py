@@ -57,7 +57,9 @@ def out_of_memory(text: str, transforms: tuple[Transform, ...], spec: Spec,
     return torch.OutOfMemoryError(
         f"out of memory in {text}; the parameters, optimizer and scheduler are unchanged "
         f"and gradients were cleared (buffers the forward updated, such as BatchNorm running "
-        f"statistics, are as it left them). Try: {'; '.join(advice)}. ({error})")
+        f"statistics, are as it left them). Try: {'; '.join(advice)}. To see what filled it: "
+        "accelfn.estimate_memory(step, state, batch) gives one update's peak by kind, and "
+        "Monitor(memory_snapshot='oom.json') dumps what was alive at the error. ({error})")
 
 
 def optimizer_failed(fresh: bool) -> str:
@@ -80,7 +82,9 @@ def optimizer_out_of_memory(text: str, error: BaseException,
         f"{optimizer_failed(fresh).removeprefix('accelfn: the optimizer step raised; ')}. "
         "Try: foreach=False in the optimizer (its foreach kernels allocate temporaries the "
         "size of all parameters) or fused=True; an optimizer with less state (SGD, Adafactor); "
-        f"distributed(...) with FSDP to shard its state over processes. ({error})")
+        f"distributed(...) with FSDP to shard its state over processes; "
+        "accelfn.estimate_memory(step, state, batch) shows the optimizer state's share. "
+        f"({error})")
 
 
 def after_update_failed(update: int, skip: bool | None) -> str:
