@@ -92,6 +92,7 @@ def test_resume_in_a_new_process_is_bitwise_exact_mid_epoch(single):
     assert_same_run(reference, resumed)
 
 
+@pytest.mark.slow  # the runs of the single fixture: two worker processes
 @pytest.mark.parametrize("part", worker.MUTATIONS)
 def test_leaving_out_any_part_makes_the_resume_differ(single, part):
     reference = load(single.out / "reference.pt")

@@ -253,6 +253,7 @@ def test_a_script_is_estimated_through_its_memory_case(tmp_path):
         estimate_script(empty)
 
 
+@pytest.mark.slow  # three estimates of a 4-micro-batch update (seconds each on a busy CPU)
 def test_adaptive_accumulation_is_estimated_with_the_count_it_found():
     build, fn, batch = gpt_case()
 
