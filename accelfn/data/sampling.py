@@ -19,6 +19,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 from .batch_loader import is_reading_state
+from .epoch_sources import EpochSource
 from .sharding import process_shard
 
 __all__ = [
@@ -264,7 +265,7 @@ class EpochBatch(NamedTuple):
     epoch: int
 
 
-class IndexBatchSampler(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
+class IndexBatchSampler(EpochSource[Any]):
     """A ``torchdata.nodes`` source node yielding one int64 index tensor per batch.
 
     With ``with_epoch=True`` it yields ``EpochBatch(indices, epoch)`` pairs (a named tuple of
@@ -311,9 +312,6 @@ class IndexBatchSampler(BaseNode[Any]):  # type: ignore[misc]  # torchdata: unty
         self.drop_last = drop_last
         self.rank = rank
         self.world_size = world_size
-        self.epoch = 0
-        self._batches = 0
-        self._started = False
         self._order: torch.Tensor | None = None
         self._order_epoch = -1
         self.rng = rng
@@ -357,26 +355,13 @@ class IndexBatchSampler(BaseNode[Any]):  # type: ignore[misc]  # torchdata: unty
             )
         return epoch, batches
 
-    def mark_started(self) -> None:
-        """Count the epoch in progress as begun (the next bare ``reset()`` starts the next)."""
-        self._started = True
+    def _resume(self, state: dict[str, Any]) -> None:
+        if self._draws is not None:
+            self._use_order(self._draws.restore(state.get("rng")))
 
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        if initial_state is not None:
-            epoch, batches = self.check_state(initial_state)
-            self.epoch, self._batches = epoch, batches
-            # A restored position is inside an epoch: the next reset(None) starts a new one.
-            self._started = True
-            if self._draws is not None:
-                self._use_order(self._draws.restore(initial_state.get("rng")))
-        else:
-            if self._started:
-                self.epoch += 1
-            self._batches = 0
-            self._started = False
-            if self._draws is not None:
-                self._use_order(self._draws.start_epoch())
+    def _begin_epoch(self) -> None:
+        if self._draws is not None:
+            self._use_order(self._draws.start_epoch())
 
     def _use_order(self, permutation: torch.Tensor | None) -> None:
         if permutation is not None:

@@ -36,6 +36,7 @@ from tensordict import TensorDict
 from torchdata.nodes import BaseNode, PinMemory, Prefetcher
 
 from .batch_loader import BatchLoader
+from .epoch_sources import EpochSource
 from .packing import (
     BestFitPacker,
     DocumentScanner,
@@ -76,7 +77,7 @@ def _counters(state: Any, what: str) -> tuple[int, int]:
     return epoch, batches
 
 
-class TokenWindows(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata: untyped
+class TokenWindows(EpochSource[TensorDict]):
     """Batches of windows of ``seq_len`` pairs, drawn per epoch (see the module).
 
     The stream's ``num_tokens - 1`` pairs are cut into ``num_windows`` windows starting at an
@@ -104,9 +105,6 @@ class TokenWindows(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata: un
         self._offsets = min(seq_len - 1, pairs - self.num_windows * seq_len) + 1
         w = world_size
         self.per_rank = self.num_windows // w if drop_last else -(-self.num_windows // w)
-        self.epoch = 0
-        self._batches = 0
-        self._started = False
 
     @property
     def num_batches(self) -> int:
@@ -118,20 +116,6 @@ class TokenWindows(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata: un
         if set(state) != {"epoch", "batches"} or batches > self.num_batches:
             raise _refuse(state, f"token-window ({self.num_batches} batches per epoch)")
         return epoch, batches
-
-    def mark_started(self) -> None:
-        """Count the epoch in progress as begun (the next bare ``reset()`` starts the next)."""
-        self._started = True
-
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        if initial_state is not None:
-            self.epoch, self._batches = self.check_state(initial_state)
-            self._started = True
-        else:
-            if self._started:
-                self.epoch += 1
-            self._batches, self._started = 0, False
 
     def window_starts(self, epoch: int, batch: int) -> np.ndarray:
         """The first pairs of the windows of ``batch`` of ``epoch`` on this rank."""
@@ -157,7 +141,7 @@ class TokenWindows(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata: un
         return {"epoch": self.epoch, "batches": self._batches}
 
 
-class PackedRows(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata: untyped
+class PackedRows(EpochSource[TensorDict]):
     """Batches of documents packed into rows, walked in order (see ``accelfn.data.packing``).
 
     The packer's rows are taken in blocks of ``shuffle_rows`` consecutive rows, each block
@@ -186,9 +170,6 @@ class PackedRows(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata: unty
         self.packer: GreedyPacker | BestFitPacker = (
             GreedyPacker(scanner, seq_len) if packing == "greedy"
             else BestFitPacker(scanner, seq_len, buffer))
-        self.epoch = 0
-        self._batches = 0
-        self._started = False
         self._start_epoch(None)
 
     def _start_epoch(self, state: dict[str, Any] | None) -> None:
@@ -240,21 +221,11 @@ class PackedRows(BaseNode[TensorDict]):  # type: ignore[misc]  # torchdata: unty
             raise _refuse(state, f"packed-rows ({type(self.packer).__name__})")
         return epoch, batches
 
-    def mark_started(self) -> None:
-        """Count the epoch in progress as begun (the next bare ``reset()`` starts the next)."""
-        self._started = True
+    def _resume(self, state: dict[str, Any]) -> None:
+        self._start_epoch(state)
 
-    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
-        super().reset(initial_state)
-        if initial_state is not None:
-            self.epoch, self._batches = self.check_state(initial_state)
-            self._start_epoch(initial_state)
-            self._started = True
-        else:
-            if self._started:
-                self.epoch += 1
-            self._batches, self._started = 0, False
-            self._start_epoch(None)
+    def _begin_epoch(self) -> None:
+        self._start_epoch(None)
 
     def next(self) -> TensorDict:
         self._started = True
