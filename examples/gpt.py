@@ -132,6 +132,13 @@ def pad_rows(documents: list[bytes], seq_len: int) -> TensorDict:
                       batch_size=[len(rows)])
 
 
+def validation_rows(documents: list[bytes], seq_len: int) -> TensorDict:
+    """The validation batch: every held-out document in rows of its own (``pad_rows``), so
+    that runs of any batch size and packing are measured on the same targets, each with
+    the context a document alone gives it."""
+    return pad_rows(documents, seq_len)
+
+
 # ------------------------------------------------------------------------------ model
 
 
@@ -249,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--depth", type=run_options.positive_int, default=4)
     parser.add_argument("--lr", type=run_options.positive_float, default=2e-3)
     parser.add_argument("--text-bytes", type=run_options.positive_int, default=1_500_000)
+    parser.add_argument("--seed", type=run_options.non_negative_int, default=0,
+                        help="seed of the initial weights and of the data's order")
     parser.add_argument("--packing", choices=("best-fit", "greedy", "pad"), default="best-fit",
                         help="documents packed into full rows with a document mask (best-fit or "
                              "greedy, no padding but at the end of the data), or each "
@@ -317,16 +326,17 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     run_options.check_batch(args.batch_size, rows, args.accumulation)
     run = run_options.open_run(args, "gpt")  # after every refusal: it makes the folder
     out = str(run.path)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     if padded is not None:
-        train = data.loader(padded, batch_size=args.batch_size, device=device, seed=0,
+        train = data.loader(padded, batch_size=args.batch_size, device=device, seed=args.seed,
                             rank=dp_rank, world_size=dp_size)
     else:
         path = os.path.join(out, "data", "train.bin")
         if af.is_main_process():  # written once, read by every process
             os.makedirs(os.path.dirname(path), exist_ok=True)
             # shuffled once here: the packer walks the documents in the file's order
-            order = torch.randperm(len(documents), generator=torch.Generator().manual_seed(0))
+            g = torch.Generator().manual_seed(args.seed)
+            order = torch.randperm(len(documents), generator=g)
             write_documents([documents[i] for i in order.tolist()], path)
         if af.world_size() > 1:
             torch.distributed.barrier()
@@ -334,8 +344,10 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         # corpus keeps the default blocks of 1024 rows, shuffled within each)
         train = data.token_loader(path, batch_size=args.batch_size, seq_len=args.seq_len,
                                   packing=args.packing, eot=EOT, device=device,
-                                  shuffle_rows=rows, rank=dp_rank, world_size=dp_size)
-    val = pad_rows(val_documents, args.seq_len)[: 8 * args.batch_size].to(device)
+                                  shuffle_rows=rows, seed=args.seed, rank=dp_rank,
+                                  world_size=dp_size)
+    # every held-out document, one a row: the same tokens whatever --batch-size and --packing
+    val = validation_rows(val_documents, args.seq_len).to(device)
 
     attention = "causal" if args.packing == "pad" else "flex" if args.flex else "documents"
     model = GPT(dim=args.dim, depth=args.depth, seq_len=args.seq_len,
@@ -424,6 +436,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         "updates": state.step,
         "val_loss": round(val_loss, 4),
         "val_bits_per_byte": round(val_loss / math.log(2), 4),
+        "val_tokens": int((val["targets"] != -100).sum()),
         "train_seconds": round(elapsed, 2),
         "processes": af.world_size(),
         "strategy": strategy(args),
