@@ -191,7 +191,7 @@ class Monitor:
         self._t0 = self._t_last = time.perf_counter()
         self._ev_last: torch.cuda.Event | None = None
         self._wait_acc = 0.0
-        self._awaiting_step = False
+        self._awaiting_step = self._measuring = False
         self._in_iterate = 0
         self._last_batch: Any = None
         self._probe: SyncProbe | None = None
@@ -216,8 +216,7 @@ class Monitor:
         if self._gpu is not None and not self._gpu.start():
             self._gpu_note = self._gpu.error
             self._gpu = None
-        # the clock starts once the outputs are open and NVML is up (wandb.init, an MLflow
-        # server, ... take seconds): that is no part of the first step
+        # the clock starts once the outputs and NVML are up (wandb.init takes seconds)
         self._t0 = self._t_last = time.perf_counter()
         if self._gpu is not None:
             self._gpu.rebase(self._t0)
@@ -272,8 +271,7 @@ class Monitor:
         if self._snapshot is not None:
             self._snapshot.close()
         self._closed = True
-        report = self._build_report()
-        self._report = report
+        self._report = report = self._build_report()
         history = self._out.paths["jsonl"] if self.state is not None else None
         closing = self._out.close(report, failed_loop=failed_loop, history=history)
         failed = failed or closing
@@ -336,11 +334,14 @@ class Monitor:
         rec.samples, rec.tokens = samples, tokens
         if self._n == self.sync_check_step and self._probe_step is None:
             self._begin_probe()
+        self._measuring = True
         try:
             yield rec
         except BaseException as error:
             self._out_of_memory(error)
             raise
+        finally:
+            self._measuring = False
         if data_wait is None and not self._in_iterate:
             data_wait = outside
         self.step(rec.metrics, samples=rec.samples, tokens=rec.tokens, data_wait=data_wait)
@@ -442,6 +443,8 @@ class Monitor:
         device has passed this call. ``step``: default, that of the latest training row
         (before any, the first step). The report's ``logged`` holds each name's last value
         and the plot draws them; see `accelfn.observe.sinks` for what each sink writes.
+        Called between steps (after ``step()``, as after an evaluation), it restarts the
+        step clock: the evaluation's time is not the next step's iteration or data wait.
         """
         records.check_logged(values, step)
         self._refuse_closed("log")
@@ -453,6 +456,8 @@ class Monitor:
         self._pending.append(PendingLog(step=int(step), event=event, snaps=snaps,
                                         py_metrics=py))
         self.flush()
+        if not (self._awaiting_step or self._measuring):  # between steps: not training
+            self._t_last, self._ev_last = time.perf_counter(), event or self._ev_last
 
     @property
     def rows(self) -> list[dict[str, Any]]:

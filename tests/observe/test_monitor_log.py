@@ -197,3 +197,37 @@ def test_on_a_gpu_log_never_waits_for_the_device(tmp_path: Path) -> None:
         want = val.abs().mean().item()
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert lines[-1] == {"step": 0, "val_loss": pytest.approx(want, rel=1e-6), "n": 7.0}
+
+
+class _Clock:
+    """``time.perf_counter`` that moves only when told."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_evaluation_logged_between_steps_is_not_the_next_steps_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelfn.observe import monitor as monitor_module
+    clock = _Clock()
+    monkeypatch.setattr(monitor_module.time, "perf_counter", clock)
+    mon = Monitor(progress=False, log_every=1, warmup=0, sync_check_step=None)
+    with mon:
+        for i in range(4):
+            clock.now += 0.25  # the training step
+            mon.step(samples=8)
+            if i == 1:
+                clock.now += 10.0  # an evaluation, then its loss logged
+                mon.log({"val_loss": 1.0})
+        # logged inside a step (before step()): the step's own time stays its own
+        clock.now += 0.25
+        with mon.measure(samples=8):
+            clock.now += 0.25
+            mon.log({"inside": 2.0})
+            clock.now += 0.25
+    steps = [r for r in mon.rows if "iter_s" in r]
+    assert [r["iter_s"] for r in steps[:4]] == [0.25] * 4
+    assert steps[4]["iter_s"] == 0.75 and steps[4]["data_wait_s"] == 0.25
