@@ -4,6 +4,7 @@ data wait, memory and GPU busy per step, in one PNG (matplotlib, drawn off-scree
 from __future__ import annotations
 
 import itertools
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -177,7 +178,9 @@ def figure(report: MonitorReport, *, title: str | None = None) -> Any:
         axes[len(panels) - 2].xaxis.set_tick_params(labelbottom=True)
     fig.supxlabel("step (grey: warm-up, orange: sync probe; neither in the summary)",
                   fontsize=9)
-    fig.suptitle(title or f"verdict: {report.verdict}", fontsize=10)
+    # a long verdict is wrapped to the figure's width (about 7 pixels a character at 10 pt)
+    heading = title or f"verdict: {report.verdict}"
+    fig.suptitle(textwrap.fill(heading, 160, break_long_words=False), fontsize=10)
     return fig
 
 

@@ -73,3 +73,17 @@ def test_without_lr_the_panels_close_up() -> None:
     with mon:
         mon.step(None, samples=1)
     assert "training loss" not in titles(figure(mon.report()))
+
+
+def test_a_long_verdict_is_wrapped_inside_the_figure() -> None:
+    import dataclasses
+    report = monitored(6).report()
+    long = "; ".join(f"finding {i}: the data loader waited for the disk, raise num_workers"
+                     for i in range(6))
+    fig = figure(dataclasses.replace(report, verdict=long))
+    heading = fig._suptitle  # type: ignore[attr-defined]
+    lines = heading.get_text().splitlines()
+    assert len(lines) > 1 and " ".join(lines) == f"verdict: {long}"
+    fig.canvas.draw()
+    box = heading.get_window_extent()
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.width  # no character cut off at either side
