@@ -1,7 +1,29 @@
-"""Processes: torchrun's process group, the world size, rank-0 output, metric reduction."""
+"""Processes: torchrun's process group, the world size, rank-0 output, metric reduction.
+
+A process group must be gone, its threads joined, before the interpreter finalizes: a gloo
+worker thread that finishes a collective then takes the GIL to release the collective's
+tensors, and a thread that asks for the GIL once the interpreter finalizes is ended by
+``pthread_exit``, whose unwinding through torch's ``noexcept`` destructors calls
+``std::terminate`` ("terminate called without an active exception", SIGABRT) after the
+script itself succeeded. ``destroy_process_group()`` only unregisters a group: the group
+itself goes when its last reference does. Two references outlive it, and this module
+removes both:
+
+* torch binds ``group.WORLD`` into default arguments when a few of its modules are first
+  imported (``torch.distributed.nn.functional``, ``ZeroRedundancyOptimizer``'s
+  ``_broadcast_object``, ``ShardedGradScaler``); imported once a group exists, they keep that
+  group for the life of the interpreter. They are imported here, with accelfn, before any
+  group exists, so they bind ``None`` (the default group at call time).
+* A ``DistributedDataParallel`` wrapper holds its group, and the wrapper of a finished run
+  sits in reference cycles that only the garbage collector frees, maybe during finalization.
+  ``init_distributed`` registers a collection at exit that runs while the interpreter is
+  still whole (the group's destructor then joins its threads).
+"""
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 from collections.abc import Mapping
 
@@ -9,6 +31,11 @@ import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
+
+if dist.is_available() and not dist.is_initialized():  # see the module docstring
+    import torch.distributed.fsdp.sharded_grad_scaler
+    import torch.distributed.nn.functional
+    import torch.distributed.optim.zero_redundancy_optimizer
 
 __all__ = ["init_distributed", "is_main_process", "reduce_metrics", "scale_lr", "world_size"]
 
@@ -23,6 +50,22 @@ def is_main_process() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
+_collect_at_exit_registered = False
+
+
+def _collect_at_exit() -> None:
+    """Free the process groups that only garbage cycles still hold (a finished run's DDP
+    wrapper), while the interpreter can still run their threads to the end."""
+    gc.collect()
+
+
+def _release_groups_at_exit() -> None:
+    global _collect_at_exit_registered
+    if not _collect_at_exit_registered:
+        atexit.register(_collect_at_exit)
+        _collect_at_exit_registered = True
+
+
 def init_distributed(backend: str | None = None) -> torch.device:
     """Set up the process group from torchrun's environment and return this process' device.
 
@@ -30,7 +73,9 @@ def init_distributed(backend: str | None = None) -> torch.device:
     CPUs, plus ``torch.cuda.set_device(LOCAL_RANK)``. Without torchrun's variables (a plain
     ``python`` run) it initialises nothing and returns the current device; a process group
     set up beforehand is used as it is, and without ``LOCAL_RANK`` the current CUDA device
-    is kept.
+    is kept. With a process group, garbage is collected at interpreter exit, before the
+    interpreter finalizes, so that a group destroyed by ``destroy_process_group()`` is freed
+    and its threads joined while they can still end normally.
     """
     cuda = torch.cuda.is_available()
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -41,7 +86,10 @@ def init_distributed(backend: str | None = None) -> torch.device:
         torch.cuda.set_device(device)
     else:  # no launcher to say: the device the process chose (mp.spawn, a plain run)
         device = torch.device("cuda", torch.cuda.current_device())
-    if env_world <= 1 or (dist.is_available() and dist.is_initialized()):
+    if dist.is_available() and dist.is_initialized():
+        _release_groups_at_exit()
+        return device
+    if env_world <= 1:
         return device
     if "MASTER_ADDR" not in os.environ or "RANK" not in os.environ:
         raise RuntimeError(
@@ -53,6 +101,7 @@ def init_distributed(backend: str | None = None) -> torch.device:
         raise RuntimeError("backend 'nccl' needs CUDA GPUs and an NCCL build; use 'gloo' on CPUs")
     device_id = device if backend == "nccl" else None
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    _release_groups_at_exit()
     if restart is None:
         dist.init_process_group(backend=backend, device_id=device_id)
         return device
