@@ -27,14 +27,35 @@ real documents), at its ``seq_len`` 128 and at 1024; and a synthetic GPT-2-vocab
 (uint16 ids, log-normal document lengths, median 400 tokens) at 1024, large enough to time
 the loaders. Prints one JSON object.
 
+Last, the validation loss of ``examples/gpt.py`` trained on padded rows and on best-fit packed
+rows with document masks, at the same number of real tokens (the targets that are not
+padding), on the same validation targets (every held-out document, one a row), over several
+runs (``--seed 0, 1, ...``: the initial weights and the data's order; the three runs of one
+``--seed`` are interleaved). Padded rows carry ``1 - padding share`` real tokens a position,
+so the same real tokens are reached either with fewer packed rows an update (the same
+updates) or with as many rows and fewer updates (the same compute an update); both are run:
+
+* ``pad``: ``--packing pad --batch-size B`` for ``--steps S``;
+* ``best_fit_same_updates``: ``--batch-size round(B x density)`` (``density``: the padded
+  rows' share of real targets), for the updates that bring its real tokens to at most the
+  padded run's expected ones (about ``S``);
+* ``best_fit_same_rows``: ``--batch-size B``, ``floor(S x density)`` updates.
+
+Each gives the validation loss's mean, sample standard deviation, range, and each packed
+arm's difference from ``pad`` paired by ``--seed`` (mean and standard error).
+
 Run: ``python benchmarks/lm_data.py`` (``--help`` for sizes); the JSON is also written to
-``benchmarks/results/cpu-lm-data.json`` (``--out``).
+``benchmarks/results/cpu-lm-data.json`` (``--out``). ``--parts training`` runs the last part
+alone and writes only where ``--out`` says (the results page reads the whole run).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
+import math
 import os
 import platform
 import statistics
@@ -200,6 +221,72 @@ def synthetic_documents(tokens: int, seed: int = 0) -> list[np.ndarray]:
     return docs
 
 
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"mean": round(statistics.mean(values), 4),
+            "stdev": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+            "min": round(min(values), 4), "max": round(max(values), 4)}
+
+
+def training(runs_of_each: int, steps: int, seq_len: int, dim: int, depth: int, batch_size: int,
+             accumulation: int, text_bytes: int, folder: Path) -> dict[str, object]:
+    """``examples/gpt.py`` padded against best-fit packed, at the same real tokens."""
+    import gpt
+
+    documents, _ = gpt.split(gpt.stdlib_text(text_bytes))
+    padded = gpt.pad_rows(documents, seq_len)
+    density = float((padded["targets"] != -100).float().mean())  # real targets a position
+    packed_batch = max(accumulation, round(batch_size * density))
+    expected = steps * batch_size * seq_len * density  # the padded run's real tokens, expected
+    arms = {
+        "pad": ["--packing", "pad", "--batch-size", str(batch_size), "--steps", str(steps)],
+        "best_fit_same_updates": [
+            "--batch-size", str(packed_batch),
+            "--steps", str(math.floor(expected / (packed_batch * seq_len)))],
+        "best_fit_same_rows": ["--batch-size", str(batch_size),
+                               "--steps", str(math.floor(expected / (batch_size * seq_len)))],
+    }
+    common = ["--seq-len", str(seq_len), "--dim", str(dim), "--depth", str(depth),
+              "--accumulation", str(accumulation), "--text-bytes", str(text_bytes),
+              "--eval-every", str(10 * steps), "--quiet"]
+    runs: dict[str, list[dict[str, float | int]]] = {arm: [] for arm in arms}
+    for seed in range(runs_of_each):
+        for arm, options in arms.items():  # interleaved: a seed's three runs in a row
+            argv = [*common, *options, "--seed", str(seed), "--out", str(folder / f"{arm}-{seed}")]
+            with contextlib.redirect_stdout(io.StringIO()):  # the example's own report
+                report = gpt.main(argv)
+            runs[arm].append({"seed": seed, "updates": int(report["updates"]),
+                              "real_tokens": int(report["real_tokens"]),
+                              "val_loss": float(report["val_loss"]),
+                              "real_tokens_per_s": float(report["real_tokens_per_s"])})
+            print(f"  {arm} seed {seed}: {runs[arm][-1]}", file=sys.stderr, flush=True)
+    out: dict[str, object] = {
+        "model": {"dim": dim, "depth": depth, "seq_len": seq_len, "accumulation": accumulation,
+                  "text_bytes": text_bytes},
+        "pad_density": round(density, 4), "runs_of_each": runs_of_each,
+        "validation_tokens": int(report["val_tokens"]),
+        "options": {arm: " ".join(o) for arm, o in arms.items()},
+    }
+    pad_losses = [r["val_loss"] for r in runs["pad"]]
+    for arm, results in runs.items():
+        losses = [float(r["val_loss"]) for r in results]
+        summary: dict[str, object] = {
+            "updates": results[0]["updates"],
+            "real_tokens_mean": round(statistics.mean(r["real_tokens"] for r in results)),
+            "val_loss": _spread(losses),
+            "real_tokens_per_s_median": round(statistics.median(
+                float(r["real_tokens_per_s"]) for r in results)),
+            "runs": results,
+        }
+        if arm != "pad":
+            diffs = [a - b for a, b in zip(losses, pad_losses)]
+            sem = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else 0.0
+            summary["minus_pad"] = {"mean": round(statistics.mean(diffs), 4),
+                                    "standard_error": round(sem, 4),
+                                    "per_run": [round(d, 4) for d in diffs]}
+        out[arm] = summary
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--text-bytes", type=int, default=1_500_000, help="examples/gpt.py's corpus")
@@ -209,29 +296,52 @@ def main() -> None:
     p.add_argument("--loader-tokens", type=int, default=16_000_000,
                    help="tokens of the file of the loader-vs-np.memmap comparison")
     p.add_argument("--repeats", type=int, default=5, help="interleaved repeats of it")
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"
-                                        / "cpu-lm-data.json"))
+    p.add_argument("--parts", default="loader,packing,training",
+                   help="comma-separated parts to run: loader, packing, training")
+    p.add_argument("--runs", type=int, default=5,
+                   help="training: runs of each arm (--seed 0, 1, ...)")
+    p.add_argument("--train-steps", type=int, default=100, help="training: the padded updates")
+    p.add_argument("--train-seq-len", type=int, default=512)
+    p.add_argument("--train-batch-size", type=int, default=8, help="training: padded rows")
+    p.add_argument("--out", default=None,
+                   help="the JSON file (default: benchmarks/results/cpu-lm-data.json when "
+                        "every part runs, none otherwise)")
     args = p.parse_args()
+    parts = set(args.parts.split(","))
+    every = {"loader", "packing", "training"}
+    if parts - every:
+        p.error(f"--parts: unknown {sorted(parts - every)}")
+    if args.out is None and parts == every:
+        args.out = str(Path(__file__).resolve().parent / "results" / "cpu-lm-data.json")
     torch.set_num_threads(1)
     load_before = os.getloadavg()[0]
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    with tempfile.TemporaryDirectory() as tmp:
-        loader = loader_vs_memmap(args.loader_tokens, args.batch_size, 1024, args.repeats,
-                                  Path(tmp))
-    t = time.perf_counter()
-    stdlib = stdlib_documents(args.text_bytes)
-    corpus_s = time.perf_counter() - t
-    synthetic = synthetic_documents(args.synthetic_tokens)
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        results = {
-            "stdlib_seq128": compare(stdlib, 256, 128, args.batch_size, args.epochs, folder,
-                                     "stdlib"),
-            "stdlib_seq1024": compare(stdlib, 256, 1024, args.batch_size, args.epochs,
-                                      folder, "stdlib"),
-            "synthetic_seq1024": compare(synthetic, 50256, 1024, args.batch_size, 1, folder,
-                                         "synthetic"),
-        }
+    results: dict[str, object] = {}
+    corpus_s = None
+    if "loader" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["token_loader_vs_np_memmap"] = loader_vs_memmap(
+                args.loader_tokens, args.batch_size, 1024, args.repeats, Path(tmp))
+    if "packing" in parts:
+        t = time.perf_counter()
+        stdlib = stdlib_documents(args.text_bytes)
+        corpus_s = round(time.perf_counter() - t, 1)
+        synthetic = synthetic_documents(args.synthetic_tokens)
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            results.update({
+                "stdlib_seq128": compare(stdlib, 256, 128, args.batch_size, args.epochs,
+                                         folder, "stdlib"),
+                "stdlib_seq1024": compare(stdlib, 256, 1024, args.batch_size, args.epochs,
+                                          folder, "stdlib"),
+                "synthetic_seq1024": compare(synthetic, 50256, 1024, args.batch_size, 1,
+                                             folder, "synthetic"),
+            })
+    if "training" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            results["training"] = training(args.runs, args.train_steps, args.train_seq_len,
+                                           64, 2, args.train_batch_size, 2, args.text_bytes,
+                                           Path(tmp))
     report = {
         "benchmark": "lm_data",
         "setup": {"date": started, "machine": platform.machine(),
@@ -240,10 +350,9 @@ def main() -> None:
                   "torch": torch.__version__, "numpy": np.__version__,
                   "python": platform.python_version(),
                   "device": "cpu (host batches)", "epochs": args.epochs,
-                  "stdlib_corpus_seconds": round(corpus_s, 1),
+                  "stdlib_corpus_seconds": corpus_s, "parts": sorted(parts),
                   "load_average_before": round(load_before, 1),
                   "load_average_after": round(os.getloadavg()[0], 1)},
-        "token_loader_vs_np_memmap": loader,
         **results,
     }
     text = json.dumps(report, indent=2)
