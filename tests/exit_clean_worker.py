@@ -2,7 +2,11 @@
 prefetching loader, a checkpoint, the loader closed, a last collective, the process group
 destroyed, then the interpreter exits.
 
-    torchrun --nproc_per_node=2 exit_clean_worker.py OUT
+    torchrun --nproc_per_node=2 exit_clean_worker.py OUT [--gc-off]
+
+``--gc-off`` turns the garbage collector off first (``gc.disable()``, as some training scripts
+do for speed): what only a collection frees (the step's DDP wrapper, which holds the process
+group, sits in reference cycles) is then still there when the interpreter exits.
 
 At interpreter exit, after every other exit handler (it is registered first), each process
 writes ``OUT/threads-<rank>.json``: the names of the gloo threads still running. A process
@@ -17,6 +21,7 @@ in about half the runs).
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import sys
@@ -57,7 +62,9 @@ def loss_fn(model: nn.Module, batch: TensorDict) -> dict[str, torch.Tensor]:
     return {"loss": F.cross_entropy(model(batch["x"]), batch["y"])}
 
 
-def main(out: str) -> TensorDict:
+def main(out: str, gc_off: bool = False) -> TensorDict:
+    if gc_off:
+        gc.disable()
     Path(out).mkdir(parents=True, exist_ok=True)
     record_threads_at_exit(out)
     device = af.init_distributed()
@@ -80,4 +87,4 @@ def main(out: str) -> TensorDict:
 
 
 if __name__ == "__main__":
-    final = main(sys.argv[1])
+    final = main(sys.argv[1], gc_off="--gc-off" in sys.argv[2:])
