@@ -2,10 +2,18 @@
 # runs) and `make test-fast` (lint and the tests not marked slow, compile or distributed: for
 # day-to-day work). Every test process, and every process a test starts, runs torch with one
 # intra-op thread (tests/conftest.py sets it; the variables below cover what starts before it).
+#
+# The tests run in parallel: pytest-xdist starts WORKERS pytest processes (`auto`: one per
+# physical core, so 2 on a 2-core machine), each running one test at a time with one
+# intra-op thread; a test that launches torchrun still adds its own processes beside them.
+# Tests sharing a module-scoped fixture stay on one worker (tests/conftest.py), so each
+# such fixture is built once. `make test WORKERS=0` runs everything in this one process.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-PYTEST := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest
+WORKERS ?= auto
+PYTEST := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -n $(WORKERS) \
+	--dist loadgroup
 FAST := not slow and not compile and not distributed
 
 $(BIN)/accelfn: pyproject.toml

@@ -10,13 +10,23 @@ Tiers (markers in pyproject.toml): ``make test-fast`` leaves out ``slow``, ``com
 ``distributed`` tests; ``make test`` runs them all but ``gpu_suite`` (registered here), the
 full dry run of ``benchmarks/gpu_suite.sh``, which runs with ``--gpu-suite-dry-run``
 (``make test-gpu-suite``).
+
+In parallel (``make test`` runs ``pytest -n auto --dist loadgroup``, pytest-xdist): each worker
+process imports this file, so the one-thread pin holds in every worker, and each has its own
+``tmp_path`` root. The scheduler below sends all the tests of a module that defines a module-
+or class-scoped fixture (a training run, a torchrun launch, a built site) to one worker, so
+the fixture is built once rather than once on each worker; every other test goes to whichever
+worker is free.
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import io
 import os
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -49,6 +59,54 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu_suite") is not None:
             item.add_marker(skip)
+
+
+def _shares_fixtures(path: Path) -> bool:
+    """Whether the test module at ``path`` (or a conftest.py above it in tests/) defines a
+    fixture built once for several of its tests (``scope`` "class", "module" or "package")."""
+    files = [path, *(d / "conftest.py" for d in path.parents if d.is_relative_to(_TESTS))]
+    for file in files:
+        if not file.is_file():
+            continue
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if isinstance(node, ast.keyword) and node.arg == "scope" and isinstance(
+                    node.value, ast.Constant) and node.value.value in _SHARED_SCOPES:
+                return True
+    return False
+
+
+_TESTS = Path(__file__).resolve().parent
+_SHARED_SCOPES = ("class", "module", "package")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` that also keeps the tests of a module with shared fixtures on one
+    worker. pytest-xdist's own loadgroup reads the groups from node ids it rewrites, which
+    pytest 9.2's structured node ids no longer allow; here the groups come from the scheduler,
+    which sees only node ids (so a module's fixtures are found in its source)."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    shared: dict[str, bool] = {}
+
+    class SharedFixtureScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            if nodeid.rfind("@") > nodeid.rfind("]"):  # an xdist_group mark
+                return super()._split_scope(nodeid)
+            return worker_unit(nodeid, config.rootpath, shared)
+
+    return SharedFixtureScheduling(config, log)
+
+
+def worker_unit(nodeid: str, root: Path, shared: dict[str, bool]) -> str:
+    """What goes to one worker with the test ``nodeid``: its module (every test in it) when
+    the module shares fixtures, else the test alone; ``shared`` caches the modules' answers."""
+    module = nodeid.split("::", 1)[0]
+    if module not in shared:
+        shared[module] = _shares_fixtures(root / module)
+    return module if shared[module] else nodeid
 
 
 class Block(nn.Module):
