@@ -14,9 +14,9 @@ full dry run of ``benchmarks/gpu_suite.sh``, which runs with ``--gpu-suite-dry-r
 In parallel (``make test`` runs ``pytest -n auto --dist loadgroup``, pytest-xdist): each worker
 process imports this file, so the one-thread pin holds in every worker, and each has its own
 ``tmp_path`` root. The scheduler below sends all the tests of a module that defines a module-
-or class-scoped fixture (a training run, a torchrun launch, a built site) to one worker, so
-the fixture is built once rather than once on each worker; every other test goes to whichever
-worker is free.
+or class-scoped fixture, or caches a result with functools (a training run, a torchrun
+launch, a built site), to one worker, so it is built once rather than once on each worker;
+every other test goes to whichever worker is free.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def _shares_fixtures(path: Path) -> bool:
     """Whether the test module at ``path`` (or a conftest.py above it in tests/) defines a
-    fixture built once for several of its tests (``scope`` "class", "module" or "package")."""
+    fixture built once for several of its tests (``scope`` "class", "module" or "package"),
+    or caches a result for them (``functools.lru_cache`` or ``cache``)."""
     files = [path, *(d / "conftest.py" for d in path.parents if d.is_relative_to(_TESTS))]
     for file in files:
         if not file.is_file():
@@ -72,11 +73,20 @@ def _shares_fixtures(path: Path) -> bool:
             if isinstance(node, ast.keyword) and node.arg == "scope" and isinstance(
                     node.value, ast.Constant) and node.value.value in _SHARED_SCOPES:
                 return True
+            if isinstance(node, ast.FunctionDef) and any(
+                    _name(d.func if isinstance(d, ast.Call) else d) in _CACHES
+                    for d in node.decorator_list):
+                return True
     return False
+
+
+def _name(node: ast.expr) -> str | None:
+    return node.id if isinstance(node, ast.Name) else getattr(node, "attr", None)
 
 
 _TESTS = Path(__file__).resolve().parent
 _SHARED_SCOPES = ("class", "module", "package")
+_CACHES = ("lru_cache", "cache")
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,6 +1,6 @@
 """The suite's parallel runs (tests/conftest.py): a module whose tests share a module- or
-class-scoped fixture goes to one pytest-xdist worker whole, so the fixture is built once;
-other tests are scheduled one by one."""
+class-scoped fixture, or a result cached with functools, goes to one pytest-xdist worker
+whole, so it is built once; other tests are scheduled one by one."""
 
 from __future__ import annotations
 
@@ -13,18 +13,23 @@ from conftest import worker_unit
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("scope", ["module", "class"])
-def test_a_module_with_a_shared_fixture_goes_to_one_worker_whole(tmp_path, scope):
+SHARED = {"module": "@pytest.fixture(scope='module')", "class": "@pytest.fixture(scope='class')",
+          "lru_cache": "@functools.lru_cache(maxsize=1)", "cache": "@cache"}
+
+
+@pytest.mark.parametrize("kind", SHARED)
+def test_a_module_with_a_shared_fixture_goes_to_one_worker_whole(tmp_path, kind):
     tests = tmp_path / "tests"
     tests.mkdir()
     (tests / "test_shared.py").write_text(
-        "import pytest\n"
-        f"@pytest.fixture(scope={scope!r})\n"
+        "import functools\nfrom functools import cache\nimport pytest\n"
+        f"{SHARED[kind]}\n"
         "def run():\n    return 1\n"
         "def test_a(run):\n    pass\n"
         "def test_b():\n    pass\n")
-    (tests / "test_alone.py").write_text(
-        "import pytest\n@pytest.fixture\ndef each():\n    return 1\n"
+    (tests / "test_alone.py").write_text(  # names a cache, caches nothing
+        "import functools\nimport pytest\n@pytest.fixture\ndef each():\n"
+        "    return functools.lru_cache, {'scope': 'module'}\n"
         "def test_a(each):\n    pass\n")
     shared: dict[str, bool] = {}
     assert worker_unit("tests/test_shared.py::test_a", tmp_path, shared) == "tests/test_shared.py"
