@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,10 @@ __all__ = ["AsyncSave", "save_group", "stage", "start", "wait_previous", "writin
 
 _lock = threading.Lock()
 _pending: AsyncSave | None = None
-_group: tuple[Any, Any] | None = None  # (the default group it was made for, the save group)
+# weak references to (the default group it was made for, the save group): torch holds both
+# until destroy_process_group(), after which nothing here keeps them (and their gloo threads)
+# alive into the interpreter's exit
+_group: tuple[weakref.ref[Any], weakref.ref[Any]] | None = None
 _pinned: Any = None  # a DCP stager kept between saves: its pinned buffers are reused
 
 
@@ -197,9 +201,11 @@ def save_group() -> Any:
     if rank_world()[1] == 1:
         return None
     world = dist.group.WORLD
-    if _group is None or _group[0] is not world:
-        _group = (world, dist.new_group(backend="gloo"))
-    return _group[1]
+    group = _group[1]() if _group is not None and _group[0]() is world else None
+    if group is None:
+        group = dist.new_group(backend="gloo")
+        _group = (weakref.ref(world), weakref.ref(group))
+    return group
 
 
 def _on_gpu(obj: Any) -> bool:

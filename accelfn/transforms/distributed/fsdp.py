@@ -4,6 +4,7 @@ optimizers that sharded parameters cannot be trained by."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -54,8 +55,10 @@ def check_optimizers(optimizers: tuple[torch.optim.Optimizer, ...], strategy: st
     with state, Muon and ``ZeroRedundancyOptimizer`` when parameters are sharded (FSDP2,
     HSDP, tensor parallel), and ZeRO's ``overlap_with_ddp`` (its step runs inside a DDP hook
     that ``distributed`` does not register)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
+    # looked up, not imported: importing it after the process group exists would bind the
+    # group into a default argument for the process' life (see accelfn.core.processes)
+    zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    ZeroRedundancyOptimizer = getattr(zero, "ZeroRedundancyOptimizer", ())
     sharded = strategy != "ddp" or tp > 1
     how = f"distributed(strategy={strategy!r}{f', tp={tp}' if tp > 1 else ''})"
     muon = getattr(torch.optim, "Muon", None)
