@@ -22,8 +22,10 @@ pair of one document: no target crosses a document boundary.
   rows, as nanoGPT's batches, with document boundaries kept).
 * :class:`BestFitPacker` keeps a buffer of pieces and fills each row with the longest piece
   that fits the space left (best-fit decreasing); only when none fits is a piece cut to fill
-  the row, its rest going back to the buffer. Fewer documents are cut than with greedy
-  packing, and targets keep more of their context.
+  the row, its rest going back to the buffer. Filling every row, it cuts about as many
+  documents as greedy packing (on the corpus of ``examples/gpt.py`` at 512 positions, 0.39
+  cuts a document against 0.42), but it cuts the shortest piece waiting, so targets keep
+  more of their context.
 
 Neither pads: a row is full unless the stream ended. A cut keeps every pair: the rest of a
 piece starts with the pair after the last one placed, so its first input is the last target
