@@ -142,10 +142,28 @@ def pad_rows(documents: list[bytes], seq_len: int) -> TensorDict:
 
 
 def validation_rows(documents: list[bytes], seq_len: int) -> TensorDict:
-    """The validation batch: every held-out document in rows of its own (``pad_rows``), so
+    """The validation rows: every held-out document in rows of its own (``pad_rows``), so
     that runs of any batch size and packing are measured on the same targets, each with
     the context a document alone gives it."""
     return pad_rows(documents, seq_len)
+
+
+EVAL_POSITIONS = 32768  # positions evaluated at once: memory bounded whatever the corpus
+
+
+def validation_loss(step: af.Step, state: af.TrainState, rows: TensorDict) -> torch.Tensor:
+    """The mean cross-entropy over every real target of ``rows``, evaluated in chunks of
+    ``EVAL_POSITIONS`` positions, each chunk's mean weighted by its real targets (on the
+    device: no host sync)."""
+    chunk = max(1, EVAL_POSITIONS // rows["inputs"].shape[1])
+    total = torch.zeros((), dtype=torch.float32, device=rows.device)
+    count = torch.zeros((), dtype=torch.float32, device=rows.device)
+    for i in range(0, len(rows), chunk):
+        part = rows[i:i + chunk]
+        n = (part["targets"] != -100).sum()
+        total += step.evaluate(state, part)["loss"].float() * n
+        count += n
+    return total / count.clamp(min=1)
 
 
 # ------------------------------------------------------------------------------ model
@@ -429,18 +447,18 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                     if state.step >= stop:
                         break
                     if state.step % args.eval_every == 0:  # read when the sink writes
-                        monitor.log({"val_loss": step.evaluate(state, val)["loss"]})
+                        monitor.log({"val_loss": validation_loss(step, state, val)})
             elapsed = time.perf_counter() - start
-            result = step.evaluate(state, val)  # the trained weights', logged too
-            monitor.log({"val_loss": result["loss"]})  # beside the last update's row
+            result = validation_loss(step, state, val)  # the trained weights', logged too
+            monitor.log({"val_loss": result})  # beside the last update's row
         state.sync()
         if af.world_size() > 1:
             torch.distributed.all_reduce(real_tokens)  # every process's batches
             real_tokens //= tp  # a tensor-parallel group's processes read the same batch
 
     if result is None:
-        result = step.evaluate(state, val)
-    val_loss = float(result["loss"])
+        result = validation_loss(step, state, val)
+    val_loss = float(result)
     report: dict[str, float | str] = {
         "updates": state.step,
         "val_loss": round(val_loss, 4),
