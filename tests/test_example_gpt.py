@@ -104,3 +104,23 @@ def test_the_validation_rows_are_every_held_out_document_whatever_the_batch(tmp_
                          "--out", str(tmp_path / f"{packing}-{b}")])
                for b, packing in ((4, "pad"), (8, "best-fit"))]
     assert [r["val_tokens"] for r in reports] == [expected, expected]
+
+
+def test_the_validation_loss_in_chunks_is_the_mean_over_every_real_target(monkeypatch):
+    """Chunks of uneven real-target counts (the last one short), each weighted by its targets:
+    the mean over all real targets at once, as ``F.cross_entropy`` gives it."""
+    import accelfn as af
+
+    _, held_out = gpt.split(gpt.stdlib_text(30000))
+    rows = gpt.validation_rows(held_out, 32)
+    assert len(rows) % 5 and (rows["targets"] == -100).any()
+    torch.manual_seed(0)
+    model = gpt.GPT(dim=32, depth=2, seq_len=32, attention="documents")
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = af.with_clipping(max_norm=1.0)(gpt.lm_step)
+    monkeypatch.setattr(gpt, "EVAL_POSITIONS", 5 * 32)  # chunks of 5 rows
+    loss = gpt.validation_loss(step, state, rows)
+    with torch.no_grad():
+        logits = model(rows["inputs"])  # one document a row: plain causal attention
+        expected = F.cross_entropy(logits.flatten(0, 1), rows["targets"].flatten())
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
