@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
-import overhead  # noqa: E402
+import overhead
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])

@@ -154,7 +154,8 @@ def test_an_oom_in_the_probed_step_ends_the_probe_and_still_dumps(tmp_path):
     assert any(e["shape"] == [64, 2048] for e in json.loads(path.read_text())["largest"])
     assert f"snapshot is in {path}" in _notes(raised.value)
     assert mon.report().syncs is not None  # the probed step's result reached the report
-    with memory_snapshot(tmp_path / "again.json", device="cpu", top=10**6) as again:  # modes balanced
+    # the modes are balanced: a new snapshot records; every live tensor listed (top=10**6)
+    with memory_snapshot(tmp_path / "again.json", device="cpu", top=10**6) as again:
         kept = torch.relu(torch.randn(4, 8))
         again.dump()
     entry = next(e for e in json.loads((tmp_path / "again.json").read_text())["largest"]
