@@ -634,7 +634,30 @@ def lm_data(r: dict[str, Any], name: str) -> str:
         f"{t['repeats']} interleaved repeats: {t['token_loader_tokens_per_s']:,} against "
         f"{t['np_memmap_tokens_per_s']:,} tokens/s, **x{t['ratio']}** (target >= 0.9). "
         "Packing against padding: docs/data.md's language-model section.",
+        *lm_training(r.get("training")),
     ])
+
+
+def lm_training(tr: dict[str, Any] | None) -> list[str]:
+    """benchmarks/lm_data.py's training part: examples/gpt.py, padded against packed rows."""
+    if not tr:
+        return []
+    m = tr["model"]
+    rows = []
+    for arm, label in (("pad", "padded"), ("best_fit_same_updates", "best-fit, the same updates"),
+                       ("best_fit_same_rows", "best-fit, the same batch shape")):
+        a, d = tr[arm], tr[arm].get("minus_pad")
+        rows.append([label, f"`{tr['options'][arm]}`", str(a["updates"]),
+                     f"{a['real_tokens_mean']:,}",
+                     f"{a['val_loss']['mean']} ({a['val_loss']['stdev']})",
+                     "" if d is None else f"{d['mean']:+} ({d['standard_error']})"])
+    return ["", f"`examples/gpt.py` trained at the same real tokens, {tr['runs_of_each']} runs of "
+            f"each (`--seed 0, 1, ...`), `--seq-len {m['seq_len']} --dim {m['dim']} --depth "
+            f"{m['depth']} --accumulation {m['accumulation']}` (padding share "
+            f"{1 - tr['pad_density']:.1%}); validation loss on all {tr['validation_tokens']:,} "
+            "held-out targets:", "",
+            _table(["rows", "options", "updates", "real tokens", "validation loss (std. dev.)",
+                    "minus padded (std. error)"], rows)]
 
 
 def render(paths: list[Path]) -> str:
