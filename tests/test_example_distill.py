@@ -8,30 +8,15 @@ The reference loop imports nothing from accelfn: the teacher frozen and called u
 from __future__ import annotations
 
 import copy
-import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+from example_modules import load_example
 from tensordict import TensorDict
 
 import accelfn as af
 from accelfn import checkpointing
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
-if EXAMPLES not in sys.path:  # the examples import their sibling run_options.py
-    sys.path.insert(0, EXAMPLES)
-
-
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 distill = load_example("distill")
 T, ALPHA = 4.0, 0.9

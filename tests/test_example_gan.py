@@ -13,28 +13,15 @@ from __future__ import annotations
 import copy
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
+from example_modules import ROOT, load_example
 from tensordict import TensorDict
 from torch import nn
 
 import accelfn as af
 from accelfn import checkpointing
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
-if EXAMPLES not in sys.path:  # the examples import their sibling run_options.py
-    sys.path.insert(0, EXAMPLES)
-
-
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 gan = load_example("gan")
 BATCH, ITERATIONS = 16, 4

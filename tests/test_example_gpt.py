@@ -10,28 +10,12 @@ the packing, so that runs of both layouts are compared on the same targets.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
-
 import numpy as np
 import torch
 import torch.nn.functional as F
+from example_modules import load_example
 
 import accelfn.data as ad
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXAMPLES = os.path.join(ROOT, "examples")
-if EXAMPLES not in sys.path:  # the examples import their sibling run_options.py
-    sys.path.insert(0, EXAMPLES)
-
-
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(EXAMPLES, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 gpt = load_example("gpt")
 SEQ = 48
