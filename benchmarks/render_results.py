@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -660,6 +661,13 @@ def lm_training(tr: dict[str, Any] | None) -> list[str]:
                     "minus padded (std. error)"], rows)]
 
 
+# each benchmark's JSON ("benchmark" or "suite" field) -> the section it renders
+RENDERERS: dict[str, Callable[[dict[str, Any], str], str]] = {
+    "accelfn bench": bench, "transforms": transforms, "gpt2": gpt2, "compile": compile_,
+    "checkpoint": checkpoint, "overhead": overhead, "scale_out": scale_out, "memory": memory,
+    "lm_data": lm_data}
+
+
 def render(paths: list[Path]) -> str:
     sections: list[str] = []
     gpu_runs: list[tuple[str, str]] = []
@@ -667,24 +675,8 @@ def render(paths: list[Path]) -> str:
         r = json.loads(path.read_text())
         name = f"benchmarks/results/{path.name}"
         kind = r.get("benchmark") or r.get("suite")
-        if kind == "accelfn bench":
-            sections.append(bench(r, name))
-        elif kind == "transforms":
-            sections.append(transforms(r, name))
-        elif kind == "gpt2":
-            sections.append(gpt2(r, name))
-        elif kind == "compile":
-            sections.append(compile_(r, name))
-        elif kind == "checkpoint":
-            sections.append(checkpoint(r, name))
-        elif kind == "overhead":
-            sections.append(overhead(r, name))
-        elif kind == "scale_out":
-            sections.append(scale_out(r, name))
-        elif kind == "memory":
-            sections.append(memory(r, name))
-        elif kind == "lm_data":
-            sections.append(lm_data(r, name))
+        if kind in RENDERERS:
+            sections.append(RENDERERS[kind](r, name))
         elif kind == "benchmarks/gpu_suite.sh" and not r.get("dry_run"):
             gpu_runs.append((r.get("date") or "", suite(r, name)))
     gpu = [text for _, text in sorted(gpu_runs)] or [
