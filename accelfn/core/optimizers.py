@@ -13,19 +13,21 @@ import torch
 from torch import Tensor
 
 from . import compat
+from .compat_optim import direct_step
 from .state import TrainState
 
 __all__ = ["backward_inputs", "clear_grads", "rate_metrics", "rates", "step_unless", "stepper"]
 
 
 def stepper(optimizers: tuple[torch.optim.Optimizer, ...]) -> Callable[[], object]:
-    """``optimizer.step()`` of every optimizer, in order (the bound method for one)."""
-    if len(optimizers) == 1:
-        return optimizers[0].step
+    """``optimizer.step()`` of every optimizer, in order (``compat_optim.direct_step``)."""
+    steps = [direct_step(optimizer) for optimizer in optimizers]
+    if len(steps) == 1:
+        return steps[0]
 
     def step_all() -> None:
-        for optimizer in optimizers:
-            optimizer.step()
+        for step in steps:
+            step()
 
     return step_all
 

@@ -7,6 +7,7 @@ from typing import overload
 
 import torch
 
+from ..core.compat_optim import clip_grads_by_norm_, total_norm
 from ..core.engine import LossFn, Step
 from ..core.places import Clipping
 from ..core.protocol import Transform, UpdateContext, configure
@@ -23,6 +24,8 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``params`` grouped by the mesh their gradients are sharded over (one group without
     DTensors, or under DDP, FSDP2 and HSDP). Tensor-parallel layers live on the (dp, tp)
     mesh and the rest on dp only: a DTensor operation cannot take both at once."""
+    if all(type(p.grad) is torch.Tensor for p in params):
+        return [params]
     meshes: dict[object, list[torch.Tensor]] = {}
     for p in params:
         meshes.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
@@ -32,8 +35,8 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def _total_norm(groups: list[list[torch.Tensor]], norm_type: float) -> torch.Tensor:
     """``get_total_norm`` of the groups' gradients, over all processes: each mesh's norm,
     then their norm (the plain call, bitwise, for one group)."""
-    norms = [_global(torch.nn.utils.get_total_norm(
-        [p.grad for p in group if p.grad is not None], norm_type)) for group in groups]
+    norms = [_global(total_norm([p.grad for p in group if p.grad is not None], norm_type))
+             for group in groups]
     if len(norms) == 1:
         return norms[0]
     stacked = torch.stack(norms)
@@ -50,7 +53,8 @@ def _clipping(max_norm: float | None, norm_type: float, max_value: float | None)
         for params in groups:
             if max_value is None:
                 assert max_norm is not None
-                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+                clip_grads_by_norm_([p.grad for p in params if p.grad is not None], max_norm,
+                                    norm)
             else:  # clamping turns an Inf gradient into max_value: the norm before it tells
                 torch.nn.utils.clip_grad_value_(params, max_value)
         return norm  # NaN/Inf when any gradient was: the non-finite decision reads it
