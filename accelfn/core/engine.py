@@ -46,6 +46,7 @@ from .protocol import (
     Transform,
     UpdateContext,
     entered,
+    held,
 )
 from .state import TrainState
 
@@ -151,7 +152,9 @@ class Step:
                 prepared = result
         skips = all(compat.step_supports_amp_scaling(o) and all(
             group.get("fused") for group in o.param_groups) for o in optimizers)
-        prepared = dataclasses.replace(prepared, skips_on_device=skips)
+        prepared = dataclasses.replace(prepared, skips_on_device=skips,
+                                       parameters=tuple(state.model.parameters()),
+                                       held=held(optimizers))
         checks.check_optimizer_holds_trainable(state)
         state.add_preparation(key, prepared, describe(self))
         return prepared

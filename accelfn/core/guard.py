@@ -225,6 +225,7 @@ SkipIf = Callable[[Tensor, list[Tensor]], Tensor]
 def nonfinite(policy: str = "skip", max_consecutive: int = 10,
               skip_if: SkipIf | None = None, advance: bool = False) -> Transform:
     """The guard as a transform (see the module docstring); options checked by the caller."""
+    checks_on_host = policy != "off" and skip_if is None
 
     def decide(ctx: UpdateContext, overflow: Tensor | None, norm: Tensor | None,
                current: bool) -> Decision:
@@ -233,6 +234,14 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10,
             guard.settle(ctx.state)  # the previous update's deferred decision
         if policy == "off" and overflow is None and skip_if is None:
             return _UNCHECKED
+        if (checks_on_host and overflow is None and norm is not None
+                and ctx.prepared.process_group is None and not ctx.prepared.skips_on_device):
+            # the common case: loss and norm finite, read at once (else decided below)
+            with labelled_read(GUARD_READ):
+                finite = math.isfinite((ctx.loss + norm).item())
+            if finite:
+                guard.consecutive = 0
+                return _PROCEED
         if overflow is None and policy == "off":  # only skip_if decides
             overflow = torch.zeros((), dtype=torch.bool, device=ctx.device)
         evidence = _evidence(ctx, overflow, norm, current, check=policy != "off")

@@ -145,7 +145,10 @@ class Prepared:
     (compilation may replace it), ``device`` (the engine), ``compute_dtype`` (mixed
     precision: the autocast dtype of the forward, None in fp32), ``process_group``
     (sharding: the group gradients are reduced over, None in one process),
-    ``skips_on_device`` (the engine: the optimizer honours a device ``found_inf`` flag).
+    ``skips_on_device`` (the engine: the optimizer honours a device ``found_inf`` flag),
+    ``parameters`` (the engine: the state's model's parameters in ``model.parameters()``
+    order once prepared, and ``held``, how many parameters its optimizers held then; see
+    [`CallContext.parameters`][]).
     """
 
     model: nn.Module
@@ -154,6 +157,13 @@ class Prepared:
     compute_dtype: torch.dtype | None = None
     process_group: Any = None
     skips_on_device: bool = False
+    parameters: tuple[Tensor, ...] = ()
+    held: int = -1
+
+
+def held(optimizers: Sequence[torch.optim.Optimizer]) -> int:
+    """How many parameters ``optimizers`` hold (``add_param_group`` changes it)."""
+    return sum(len(group["params"]) for o in optimizers for group in o.param_groups)
 
 
 @dataclass(slots=True)
@@ -186,6 +196,16 @@ class CallContext:
     def optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
         """Every optimizer of the state, in order."""
         return self.state.optimizers
+
+    def parameters(self) -> tuple[Tensor, ...]:
+        """``tuple(state.model.parameters())``: the model's parameters in their order (what
+        ``clip_grad_norm_(model.parameters())`` sums over), walked once when the state was
+        prepared and again only when its optimizers' parameters changed since (a module
+        walk costs more than a small model's clip)."""
+        prepared = self.prepared
+        if prepared.held == held(self.state.optimizers):
+            return prepared.parameters
+        return tuple(self.state.model.parameters())
 
 
 class Sums:

@@ -47,7 +47,7 @@ def _total_norm(groups: list[list[torch.Tensor]], norm_type: float) -> torch.Ten
 def _clipping(max_norm: float | None, norm_type: float, max_value: float | None) -> Transform:
     def clip(ctx: UpdateContext) -> torch.Tensor | None:
         # the model's parameter order, as clip_grad_norm_(model.parameters()) sums the norm
-        groups = _by_mesh([p for p in ctx.state.model.parameters() if p.grad is not None])
+        groups = _by_mesh([p for p in ctx.parameters() if p.grad is not None])
         norm = _total_norm(groups, norm_type)
         ctx.metrics["grad_norm"] = norm.detach() if norm.requires_grad else norm
         for params in groups:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -77,3 +78,35 @@ def test_clipping_sees_unscaled_accumulated_fp16_gradients(net):
 def test_bad_clipping_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         af.with_clipping(**kwargs)
+
+
+def test_clipping_norms_over_parameters_added_to_the_model_after_the_first_update():
+    # the model's parameter order is walked once per preparation; a layer added later, and
+    # handed to the optimizer (a growing model), is in the next update's norm
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    p_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+
+    def loss_fn(m, b):
+        return torch.nn.functional.cross_entropy(m(b["x"]), b["y"])
+
+    step = af.with_clipping(max_norm=0.01)(loss_fn)
+    state = af.TrainState(model, opt)
+    for i in range(3):
+        if i == 1:  # grow a layer and hand it to the optimizers
+            torch.manual_seed(1)
+            model.append(torch.nn.Linear(4, 4))
+            plain.append(copy.deepcopy(model[2]))
+            opt.add_param_group({"params": list(model[2].parameters())})
+            p_opt.add_param_group({"params": list(plain[2].parameters())})
+        g = torch.Generator().manual_seed(i)
+        batch = {"x": torch.randn(6, 8, generator=g), "y": torch.randint(0, 4, (6,), generator=g)}
+        metrics = step(state, batch)
+        loss_fn(plain, batch).backward()
+        norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)
+        p_opt.step()
+        p_opt.zero_grad(set_to_none=True)
+        assert torch.equal(metrics["grad_norm"], norm)
+    assert_params_equal(model, plain)
