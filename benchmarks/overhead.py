@@ -155,8 +155,7 @@ def same_calls_side(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     params = list(model.parameters())
 
     def update() -> None:
-        grads = [p.grad for p in params if p.grad is not None]
-        compat_optim.clip_grads_by_norm_(grads, 1.0, compat_optim.total_norm(grads, 2.0))
+        compat_optim.clip_grad_norm_([p.grad for p in params if p.grad is not None], 1.0, 2.0)
         optimizer_step()
         compat.zero_grad(optimizer)
 

@@ -13,7 +13,7 @@ from . import compat
 
 Batch = Any  # a TensorDict, or a mapping of names to tensors sharing their first dimension
 
-__all__ = ["Batch", "batch_size", "check_batch", "split_batch"]
+__all__ = ["Batch", "batch_size", "check_batch", "split_batch", "split_checked"]
 
 
 def check_batch(batch: Any) -> None:
@@ -104,21 +104,21 @@ def split_sizes(total: int, parts: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(shape: torch.Size, parts: int, dim: int) -> tuple[list[int], list[torch.Size]]:
+def _layout(shape: torch.Size, parts: int, dim: int) -> tuple[tuple[int, ...], list[torch.Size]]:
     """The sizes of ``parts`` micro-batches of a TensorDict of batch size ``shape`` split along
     ``dim``, and their batch sizes (cached: a run sees few batch shapes; callers do not
     mutate them)."""
     sizes = split_sizes(shape[dim], parts)
-    return sizes, [torch.Size([*shape[:dim], size, *shape[dim + 1:]]) for size in sizes]
+    return tuple(sizes), [torch.Size([*shape[:dim], size, *shape[dim + 1:]]) for size in sizes]
 
 
 @overload
 def split_batch(batch: Any, parts: int, dim: int = 0) -> list[Any]: ...
 @overload
 def split_batch(batch: Any, parts: int, dim: int = 0, *,
-                with_sizes: Literal[True]) -> tuple[list[Any], list[int]]: ...
+                with_sizes: Literal[True]) -> tuple[list[Any], tuple[int, ...]]: ...
 def split_batch(batch: Any, parts: int, dim: int = 0, *,
-                with_sizes: bool = False) -> list[Any] | tuple[list[Any], list[int]]:
+                with_sizes: bool = False) -> list[Any] | tuple[list[Any], tuple[int, ...]]:
     """Split a batch along its batch dimension ``dim`` into ``parts`` micro-batches (uneven
     sizes allowed, the first ones larger by one); ``with_sizes`` also returns their sizes."""
     check_batch_dim(batch, dim)
@@ -128,22 +128,27 @@ def split_batch(batch: Any, parts: int, dim: int = 0, *,
             f"cannot split a batch of {total} samples into {parts} micro-batches; use a batch "
             f"of at least {parts} samples or with_accumulation(n) with n <= {total}"
         )
-    micros = None
+    micros, sizes = split_checked(batch, parts, dim)
+    return (micros, sizes) if with_sizes else micros
+
+
+def split_checked(batch: Any, parts: int, dim: int) -> tuple[list[Any], tuple[int, ...]]:
+    """:func:`split_batch` with its sizes, for a caller that checked ``dim`` and that the
+    batch has at least ``parts`` samples along it."""
     if type(batch) is TensorDict:
         sizes, shapes = _layout(batch.batch_size, parts, dim)
         micros = _split_flat(batch, sizes, shapes, dim)
+        if micros is not None:
+            return micros, sizes
     else:
-        sizes = split_sizes(total, parts)
-    if micros is None:
-        if isinstance(batch, TensorDictBase):
-            micros = list(batch.split(sizes, dim=dim))
-        else:
-            chunks = {key: torch.split(value, sizes, dim=dim) for key, value in batch.items()}
-            micros = [{key: chunks[key][i] for key in batch} for i in range(parts)]
-    return (micros, list(sizes)) if with_sizes else micros
+        sizes = tuple(split_sizes(batch_size(batch, dim), parts))
+    if isinstance(batch, TensorDictBase):
+        return list(batch.split(list(sizes), dim=dim)), sizes
+    chunks = {key: torch.split(value, list(sizes), dim=dim) for key, value in batch.items()}
+    return [{key: chunks[key][i] for key in batch} for i in range(parts)], sizes
 
 
-def _split_flat(batch: TensorDict, sizes: list[int], shapes: list[torch.Size],
+def _split_flat(batch: TensorDict, sizes: tuple[int, ...], shapes: list[torch.Size],
                 dim: int) -> list[Any] | None:
     """``batch.split(sizes, dim)`` for a TensorDict of plain tensors without dimension names,
     built from each entry's ``split_with_sizes`` (a third of the time ``TensorDict.split``

@@ -46,6 +46,7 @@ __all__ = [
     "set_nested_element",
     "step_supports_amp_scaling",
     "stop_node_thread",
+    "sum_unrecorded",
     "tensordict_has_names",
     "tensordict_unchecked",
     "tensordicts_unchecked",
@@ -83,6 +84,20 @@ def backward(loss: Tensor, inputs: tuple[Tensor, ...] = ()) -> None:
                              inputs, allow_unreachable=True, accumulate_grad=True)
     else:
         loss.backward(inputs=inputs or None)  # type: ignore[no-untyped-call]
+
+
+_set_grad_enabled = torch._C._set_grad_enabled
+
+
+def sum_unrecorded(tensors: list[Tensor]) -> Tensor:
+    """``torch.stack(tensors).sum(0)`` under ``torch.no_grad()``, without the context
+    manager's three Python objects (it runs once per update)."""
+    previous = torch.is_grad_enabled()
+    _set_grad_enabled(False)
+    try:
+        return torch.stack(tensors).sum(0)
+    finally:
+        _set_grad_enabled(previous)
 
 
 _OPTIMIZER_ZERO_GRAD = torch.optim.Optimizer.zero_grad

@@ -20,7 +20,7 @@ import torch
 import torch.optim.optimizer as _optimizer_module
 from torch import Tensor
 
-__all__ = ["clip_grads_by_norm_", "direct_step", "total_norm"]
+__all__ = ["clip_grad_norm_", "clip_grads_by_norm_", "direct_step", "total_norm"]
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
@@ -77,6 +77,23 @@ def total_norm(grads: list[Tensor], norm_type: float) -> Tensor:
     try:
         norms = torch._foreach_norm(grads, norm_type)
         return torch.linalg.vector_norm(torch.stack(norms), norm_type)  # type: ignore[no-any-return]
+    finally:
+        _set_grad_enabled(previous)
+
+
+def clip_grad_norm_(grads: list[Tensor], max_norm: float, norm_type: float) -> Tensor | None:
+    """``torch.nn.utils.clip_grad_norm_`` of the parameters of ``grads`` (in their order),
+    bitwise, returning the total norm before clipping, when ``grads`` are plain tensors of
+    one device and dtype; None, changing nothing, otherwise (take torch's call then)."""
+    if not grads or _plain(grads) is None:
+        return None
+    previous = torch.is_grad_enabled()
+    _set_grad_enabled(False)
+    try:
+        norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)),
+                                        norm_type)
+        torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0))
+        return norm  # type: ignore[no-any-return]
     finally:
         _set_grad_enabled(previous)
 

@@ -316,7 +316,7 @@ class Step:
             norm = spec.clipping.clip(uctx) if spec.clipping is not None else None
             # the decision, then the optimizer steps
             decision = self._guard.decide(uctx, overflow, norm, not spec.gradients)
-            rates = optimizers_.rates(optimizers)  # what this update uses
+            optimizers_.rate_metrics(metrics, optimizers, prepared.device)  # what it uses
             on_device = self._apply(uctx, decision, applied)  # a device flag: decided there
             # from here on the update is applied (or skipped): it cannot be undone
             if states and decision.skip is not True:
@@ -328,7 +328,6 @@ class Step:
                 state.slot(CARRY, Carries).commit_update(carried, decision.skip, on_device)
             device = prepared.device
             after = self._after
-            optimizers_.rate_metrics(metrics, rates, optimizers, device)
             skip_value: Tensor | None = None
             if on_device is not None:
                 skip_value = on_device.float()

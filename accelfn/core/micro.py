@@ -8,7 +8,8 @@ for the update. One loop, no call per micro-batch beyond the user's and the back
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -56,12 +57,21 @@ def forward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext,
     return rest
 
 
-def _coefficients(plan: Plan, absolute: bool) -> list[float | None]:
+@functools.lru_cache(maxsize=64)
+def _shares(sizes: tuple[int, ...]) -> tuple[float, ...]:
+    """Each micro-batch's share of the call's samples (a run sees few splits)."""
+    total = sum(sizes)
+    return tuple(size / total for size in sizes)
+
+
+def _coefficients(plan: Plan, absolute: bool) -> Sequence[float | None]:
     """A micro-batch's coefficient unless it returns a weight: its sample count when weighted
     absolutely, its share of the call's samples, nothing when it is alone."""
     micros = plan.micros
     n = len(micros)
     sizes = plan.sizes
+    if type(sizes) is tuple and len(sizes) == n and n > 1 and not absolute:
+        return _shares(sizes)  # type: ignore[return-value]
     if sizes is None and (n > 1 or absolute):
         sizes = [batch_size(m, plan.dim) for m in micros]
     elif sizes is not None and len(sizes) != n:
@@ -158,6 +168,5 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
                     f"stack needs) ({error})") from error
             raise
     if pending:
-        with torch.no_grad():
-            losses.append(torch.stack(pending).sum(0))
+        losses.append(compat.sum_unrecorded(pending))
     return absolute

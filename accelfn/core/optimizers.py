@@ -7,7 +7,6 @@ rest, say), each parameter in exactly one; the engine treats them as one update.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,7 +15,7 @@ from . import compat
 from .compat_optim import direct_step
 from .state import TrainState
 
-__all__ = ["backward_inputs", "clear_grads", "rate_metrics", "rates", "step_unless", "stepper"]
+__all__ = ["backward_inputs", "clear_grads", "rate_metrics", "step_unless", "stepper"]
 
 
 def stepper(optimizers: tuple[torch.optim.Optimizer, ...]) -> Callable[[], object]:
@@ -66,23 +65,17 @@ def backward_inputs(state: TrainState) -> tuple[Tensor, ...]:
     return state.backward_inputs()
 
 
-def rates(optimizers: tuple[torch.optim.Optimizer, ...]) -> list[Any]:
-    """Each optimizer's first group's learning rate now (a copy of a tensor rate, which
-    schedulers update in place)."""
-    out = []
-    for optimizer in optimizers:
-        lr = optimizer.param_groups[0]["lr"]
-        out.append(lr.detach().clone() if isinstance(lr, Tensor) else lr)
-    return out
-
-
-def rate_metrics(metrics: dict[str, Tensor], rates: list[Any],
-                  optimizers: tuple[torch.optim.Optimizer, ...], device: torch.device) -> None:
-    """``lr``: the first optimizer's first group's rate; with several optimizers also
+def rate_metrics(metrics: dict[str, Tensor], optimizers: tuple[torch.optim.Optimizer, ...],
+                 device: torch.device) -> None:
+    """``lr``: the first optimizer's first group's learning rate now, the one the update uses
+    (a copy of a tensor rate, which schedulers update in place); with several optimizers also
     ``lr/<name>`` for each (its class name in lower case, ``_1``... for repeats). Fills, not
     copies: nothing waits for the device."""
-    values = [lr if isinstance(lr, Tensor) else torch.scalar_tensor(float(lr), device=device)
-              for lr in rates]
+    values = []
+    for optimizer in optimizers:
+        lr = optimizer.param_groups[0]["lr"]
+        values.append(lr.detach().clone() if isinstance(lr, Tensor)
+                      else torch.scalar_tensor(float(lr), device=device))
     metrics["lr"] = values[0]
     if len(values) == 1:
         return

@@ -97,6 +97,7 @@ class TrainState:
         self._model = model
         self._optimizers = optimizers
         self._schedulers = schedulers
+        self._has_scheduler = any(s is not None for s in schedulers)
         self.step = 0  # optimizer updates attempted (skipped ones included)
         self.epoch = 0  # epochs ended with end_epoch()
         self.scheduler_every = scheduler_every
@@ -178,7 +179,7 @@ class TrainState:
     @property
     def has_scheduler(self) -> bool:
         """Whether any optimizer has a scheduler."""
-        return any(s is not None for s in self._schedulers)
+        return self._has_scheduler
 
     @property
     def preparations(self) -> tuple[tuple[Any, Any, str], ...]:
@@ -196,7 +197,7 @@ class TrainState:
         step already steps it, so a loop that also calls ``scheduler.step()`` moves the
         schedule twice as fast.
         """
-        if not self.has_scheduler:
+        if not self._has_scheduler:
             return
         self._updates += 1
         for scheduler in self._schedulers:  # timm's: told the count of updates, each update

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..core.batch import Batch, batch_size, check_batch_dim, split_batch
+from ..core.batch import Batch, batch_size, check_batch_dim, split_batch, split_checked
 from ..core.places import Accumulation
 from ..core.protocol import CallContext, Plan, Sums, Transform
 
@@ -126,7 +126,7 @@ def _split_mode(n: int, dim: int, custom: Splitter | None, adaptive: bool) -> Ac
         size = batch_size(batch, dim)  # a shape: no host sync
         if size < n:
             _warn_small_batch(n, size)
-        micros, sizes = split_batch(batch, min(n, size), dim, with_sizes=True)
+        micros, sizes = split_checked(batch, min(n, size), dim)
         return Plan(micros, dim=dim, sizes=sizes)
 
     def retry(ctx: CallContext, error: BaseException) -> bool:

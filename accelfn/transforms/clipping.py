@@ -7,7 +7,7 @@ from typing import overload
 
 import torch
 
-from ..core.compat_optim import clip_grads_by_norm_, total_norm
+from ..core.compat_optim import clip_grad_norm_, clip_grads_by_norm_, total_norm
 from ..core.engine import LossFn, Step
 from ..core.places import Clipping
 from ..core.protocol import Transform, UpdateContext, configure
@@ -24,8 +24,6 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """``params`` grouped by the mesh their gradients are sharded over (one group without
     DTensors, or under DDP, FSDP2 and HSDP). Tensor-parallel layers live on the (dp, tp)
     mesh and the rest on dp only: a DTensor operation cannot take both at once."""
-    if all(type(p.grad) is torch.Tensor for p in params):
-        return [params]
     meshes: dict[object, list[torch.Tensor]] = {}
     for p in params:
         meshes.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
@@ -47,16 +45,24 @@ def _total_norm(groups: list[list[torch.Tensor]], norm_type: float) -> torch.Ten
 def _clipping(max_norm: float | None, norm_type: float, max_value: float | None) -> Transform:
     def clip(ctx: UpdateContext) -> torch.Tensor | None:
         # the model's parameter order, as clip_grad_norm_(model.parameters()) sums the norm
-        groups = _by_mesh([p for p in ctx.parameters() if p.grad is not None])
+        params = ctx.parameters()
+        if max_value is None:  # plain gradients of one device and dtype: in one call
+            assert max_norm is not None
+            norm = clip_grad_norm_([p.grad for p in params if p.grad is not None], max_norm,
+                                   norm_type)
+            if norm is not None:
+                ctx.metrics["grad_norm"] = norm
+                return norm
+        groups = _by_mesh([p for p in params if p.grad is not None])
         norm = _total_norm(groups, norm_type)
         ctx.metrics["grad_norm"] = norm.detach() if norm.requires_grad else norm
-        for params in groups:
+        for group in groups:
             if max_value is None:
                 assert max_norm is not None
-                clip_grads_by_norm_([p.grad for p in params if p.grad is not None], max_norm,
+                clip_grads_by_norm_([p.grad for p in group if p.grad is not None], max_norm,
                                     norm)
             else:  # clamping turns an Inf gradient into max_value: the norm before it tells
-                torch.nn.utils.clip_grad_value_(params, max_value)
+                torch.nn.utils.clip_grad_value_(group, max_value)
         return norm  # NaN/Inf when any gradient was: the non-finite decision reads it
 
     if max_value is not None:

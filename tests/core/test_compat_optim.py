@@ -186,3 +186,22 @@ def test_the_private_names_it_uses_exist() -> None:
     assert isinstance(optimizer._optimizer_step_pre_hooks, dict)
     assert isinstance(optimizer._optimizer_step_post_hooks, dict)
     assert "cpu" in compat_optim._foreach_devices
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf])
+def test_clip_grad_norm_in_one_call_is_bitwise_torchs(norm_type: float) -> None:
+    a, b = _model(), _model()
+    _grads(a, 4)
+    _grads(b, 4)
+    expected = torch.nn.utils.clip_grad_norm_(a.parameters(), 0.3, norm_type)
+    norm = compat_optim.clip_grad_norm_([p.grad for p in b.parameters()], 0.3, norm_type)
+    assert norm is not None and torch.equal(norm, expected)
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa.grad, pb.grad)
+
+
+def test_clip_grad_norm_in_one_call_leaves_other_gradients_to_torch() -> None:
+    grads = [torch.ones(3), torch.ones(2, dtype=torch.float64)]
+    assert compat_optim.clip_grad_norm_(grads, 0.1, 2.0) is None
+    assert compat_optim.clip_grad_norm_([], 0.1, 2.0) is None
+    assert all(torch.equal(g, torch.ones_like(g)) for g in grads)  # nothing changed
