@@ -54,6 +54,12 @@ def update(state: af.TrainState) -> None:
     state.step += 1
 
 
+def say(line: str) -> None:
+    """One whole line in one write: the main thread and the background write both speak."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def stop_half_way_through_state_pt() -> None:
     real = files.write_bytes
 
@@ -63,7 +69,7 @@ def stop_half_way_through_state_pt() -> None:
                 f.write(data[: len(data) // 2])
                 f.flush()
                 os.fsync(f.fileno())
-            print("writing", flush=True)
+            say("writing")
             time.sleep(600)
         real(path, data)
 
@@ -80,7 +86,7 @@ def kill(run: Path, out: Path, how: str) -> None:
     if how != "unpaused":
         stop_half_way_through_state_pt()
     handle = checkpointing.save(run, state, sharded=sharded, asynchronous=True)
-    print(f"returned {handle.done()}", flush=True)
+    say(f"returned {handle.done()}")
     time.sleep(600)
 
 
