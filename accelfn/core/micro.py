@@ -126,7 +126,8 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
         else:
             out = forward(spec, fn, carries, ctx, micro, i, carried)
         metrics = None
-        if type(out) is Tensor and (i or not check) and not weighted:  # a loss, as before
+        if type(out) is Tensor and not weighted and (  # a loss, as before (or checked here)
+                i or not check or (out.dim() == 0 and out.requires_grad)):
             loss, coef = out, fixed[i]
             weighted = False
         else:
