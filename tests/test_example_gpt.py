@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
+from document_pieces import segments
 from example_modules import load_example
 
 import accelfn.data as ad
@@ -35,17 +36,6 @@ def packed_batch(tmp_path):
     return batch
 
 
-def pieces(batch):
-    """``(row, start, stop)`` of each document piece of each row (padding left out)."""
-    for r, ids in enumerate(batch["document_ids"].tolist()):
-        start = 0
-        for j in range(1, len(ids) + 1):
-            if j == len(ids) or ids[j] != ids[start]:
-                if ids[start] >= 0:
-                    yield r, start, j
-                start = j
-
-
 def test_the_model_on_packed_rows_equals_each_document_alone(tmp_path):
     batch = packed_batch(tmp_path)
     torch.manual_seed(0)
@@ -62,7 +52,7 @@ def test_the_model_on_packed_rows_equals_each_document_alone(tmp_path):
     model.attention = "causal"
     total = torch.zeros(())
     tokens = 0
-    for r, a, b in pieces(batch):
+    for r, a, b in segments(batch["document_ids"]):
         ids = batch["inputs"][r:r + 1, a:b]
         assert torch.equal(batch["positions"][r, a:b], torch.arange(b - a))
         alone = model(ids)  # positions 0.. and is_causal=True

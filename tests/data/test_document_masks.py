@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from document_pieces import segments
 from torch import nn
 from torch.nn.attention.flex_attention import flex_attention
 
@@ -32,17 +33,6 @@ def packed_batch(tmp_path, seq_len: int = 40, rows: int = 3):
     batch = torch.cat(batches[-rows:])  # the last row holds the end of the data, padded
     assert (batch["document_ids"] == -1).any() and (batch["document_ids"].amax(1) > 0).any()
     return batch
-
-
-def segments(document_ids: torch.Tensor):
-    """``(row, start, stop)`` of every document of every row (padding excluded)."""
-    for r, ids in enumerate(document_ids.tolist()):
-        start = 0
-        for j in range(1, len(ids) + 1):
-            if j == len(ids) or ids[j] != ids[start]:
-                if ids[start] >= 0:
-                    yield r, start, j
-                start = j
 
 
 def qkv(batch, heads: int = 2, dim: int = 8):
