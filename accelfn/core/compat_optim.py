@@ -14,13 +14,12 @@ torch upgrade that changes it fails in one place.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.optim.optimizer as _optimizer_module
 from torch import Tensor
 
-__all__ = ["clip_grad_norm_", "clip_grads_by_norm_", "direct_step", "total_norm"]
+__all__ = ["clip_grad_norm_", "direct_step"]
 
 _profiler_enabled = torch._C._autograd._profiler_enabled
 _set_grad_enabled = torch._C._set_grad_enabled
@@ -57,35 +56,19 @@ def direct_step(optimizer: torch.optim.Optimizer) -> Callable[[], object]:
     return step
 
 
-def _plain(grads: list[Tensor]) -> torch.device | None:
-    """The one device of ``grads`` when they are plain tensors of one device and dtype with
-    foreach kernels (torch's clip then makes one group, in this order); else None."""
-    first = grads[0]
-    device, dtype = first.device, first.dtype
-    for g in grads:
-        if type(g) is not Tensor or g.device != device or g.dtype != dtype:
-            return None
-    return device if device.type in _foreach_devices else None
-
-
-def total_norm(grads: list[Tensor], norm_type: float) -> Tensor:
-    """``torch.nn.utils.get_total_norm(grads, norm_type)``, bitwise."""
-    if not grads or _plain(grads) is None:
-        return torch.nn.utils.get_total_norm(grads, norm_type)
-    previous = torch.is_grad_enabled()
-    _set_grad_enabled(False)
-    try:
-        norms = torch._foreach_norm(grads, norm_type)
-        return torch.linalg.vector_norm(torch.stack(norms), norm_type)  # type: ignore[no-any-return]
-    finally:
-        _set_grad_enabled(previous)
+def _plain(grads: list[Tensor]) -> bool:
+    """Whether ``grads`` are plain tensors of one device and dtype with foreach kernels
+    (torch's clip then makes one group of them, in this order)."""
+    device, dtype = grads[0].device, grads[0].dtype
+    return device.type in _foreach_devices and all(
+        type(g) is Tensor and g.device == device and g.dtype == dtype for g in grads)
 
 
 def clip_grad_norm_(grads: list[Tensor], max_norm: float, norm_type: float) -> Tensor | None:
     """``torch.nn.utils.clip_grad_norm_`` of the parameters of ``grads`` (in their order),
     bitwise, returning the total norm before clipping, when ``grads`` are plain tensors of
     one device and dtype; None, changing nothing, otherwise (take torch's call then)."""
-    if not grads or _plain(grads) is None:
+    if not grads or not _plain(grads):
         return None
     previous = torch.is_grad_enabled()
     _set_grad_enabled(False)
@@ -96,30 +79,3 @@ def clip_grad_norm_(grads: list[Tensor], max_norm: float, norm_type: float) -> T
         return norm  # type: ignore[no-any-return]
     finally:
         _set_grad_enabled(previous)
-
-
-def clip_grads_by_norm_(grads: list[Tensor], max_norm: float, norm: Tensor) -> None:
-    """``torch.nn.utils.clip_grads_with_norm_`` on the parameters of ``grads``, bitwise: each
-    gradient times ``min(max_norm / (norm + 1e-6), 1)``, in place."""
-    if not grads:
-        return
-    if _plain(grads) != norm.device:
-        holders: list[Any] = [_Holder(g) for g in grads]  # it reads their .grad
-        torch.nn.utils.clip_grads_with_norm_(holders, max_norm, norm)
-        return
-    previous = torch.is_grad_enabled()
-    _set_grad_enabled(False)
-    try:
-        torch._foreach_mul_(grads, torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0))
-    finally:
-        _set_grad_enabled(previous)
-
-
-class _Holder:
-    """A parameter-shaped holder of one gradient (``clip_grads_with_norm_`` takes
-    parameters and reads their ``.grad``)."""
-
-    __slots__ = ("grad",)
-
-    def __init__(self, grad: Tensor) -> None:
-        self.grad = grad

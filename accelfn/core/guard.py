@@ -209,11 +209,6 @@ def _device_flags(evidence: Evidence, device: torch.device) -> Tensor:
 
 def _host_flags(evidence: Evidence) -> list[bool]:
     with labelled_read(GUARD_READ):
-        if len(evidence) == 2 and not (evidence[0][1] or evidence[1][1]):  # loss, norm
-            # the common case in one read: a sum is finite when both are (an overflow of
-            # the sum alone is looked at value by value below)
-            if math.isfinite((evidence[0][0] + evidence[1][0]).item()):
-                return [False, False]
         values = torch.stack([t for t, _ in evidence]).tolist()  # the one host read
     return [v != 0 if is_flag else not math.isfinite(v)
             for v, (_, is_flag) in zip(values, evidence)]
@@ -234,9 +229,11 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10,
             guard.settle(ctx.state)  # the previous update's deferred decision
         if policy == "off" and overflow is None and skip_if is None:
             return _UNCHECKED
+        on_device = ctx.prepared.skips_on_device and policy != "raise"
         if (checks_on_host and overflow is None and norm is not None
-                and ctx.prepared.process_group is None and not ctx.prepared.skips_on_device):
-            # the common case: loss and norm finite, read at once (else decided below)
+                and ctx.distributed is None and not on_device):
+            # the common case in one read: a sum is finite when both are (a non-finite sum,
+            # or an overflow of the sum alone, is looked at value by value below)
             with labelled_read(GUARD_READ):
                 finite = math.isfinite((ctx.loss + norm).item())
             if finite:
@@ -249,8 +246,7 @@ def nonfinite(policy: str = "skip", max_consecutive: int = 10,
             if len(evidence) < 3:
                 evidence.append((torch.zeros((), dtype=torch.bool, device=ctx.device), True))
             evidence.append((_verdict(skip_if, ctx), True))
-        on_device = ctx.prepared.skips_on_device and policy != "raise"
-        if ctx.distributed is None and not on_device:  # judged on the host: one read
+        if ctx.distributed is None and not on_device:  # judged on the host, value by value
             flags = _host_flags(evidence)
             skip = guard.decide(flags, ctx.state.step, policy, max_consecutive)
             return _SKIP if skip else _PROCEED

@@ -7,7 +7,7 @@ from typing import overload
 
 import torch
 
-from ..core.compat_optim import clip_grad_norm_, clip_grads_by_norm_, total_norm
+from ..core.compat_optim import clip_grad_norm_
 from ..core.engine import LossFn, Step
 from ..core.places import Clipping
 from ..core.protocol import Transform, UpdateContext, configure
@@ -33,8 +33,8 @@ def _by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 def _total_norm(groups: list[list[torch.Tensor]], norm_type: float) -> torch.Tensor:
     """``get_total_norm`` of the groups' gradients, over all processes: each mesh's norm,
     then their norm (the plain call, bitwise, for one group)."""
-    norms = [_global(total_norm([p.grad for p in group if p.grad is not None], norm_type))
-             for group in groups]
+    norms = [_global(torch.nn.utils.get_total_norm(
+        [p.grad for p in group if p.grad is not None], norm_type)) for group in groups]
     if len(norms) == 1:
         return norms[0]
     stacked = torch.stack(norms)
@@ -47,6 +47,7 @@ def _clipping(max_norm: float | None, norm_type: float, max_value: float | None)
         # the model's parameter order, as clip_grad_norm_(model.parameters()) sums the norm
         params = ctx.parameters()
         if max_value is None:  # plain gradients of one device and dtype: in one call
+            # (sharded or mixed ones: torch's calls below, by mesh)
             assert max_norm is not None
             norm = clip_grad_norm_([p.grad for p in params if p.grad is not None], max_norm,
                                    norm_type)
@@ -59,8 +60,7 @@ def _clipping(max_norm: float | None, norm_type: float, max_value: float | None)
         for group in groups:
             if max_value is None:
                 assert max_norm is not None
-                clip_grads_by_norm_([p.grad for p in group if p.grad is not None], max_norm,
-                                    norm)
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
             else:  # clamping turns an Inf gradient into max_value: the norm before it tells
                 torch.nn.utils.clip_grad_value_(group, max_value)
         return norm  # NaN/Inf when any gradient was: the non-finite decision reads it

@@ -110,3 +110,40 @@ def test_clipping_norms_over_parameters_added_to_the_model_after_the_first_updat
         p_opt.zero_grad(set_to_none=True)
         assert torch.equal(metrics["grad_norm"], norm)
     assert_params_equal(model, plain)
+
+
+class _MixedDtypes(torch.nn.Module):
+    """A float32 layer and a float64 scale: gradients of two dtypes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 4)
+        self.scale = torch.nn.Parameter(torch.full((4,), 3.0, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).double() * self.scale
+
+
+def test_clipping_gradients_of_two_dtypes_equals_clip_grad_norm_bitwise():
+    torch.manual_seed(0)
+    model = _MixedDtypes()
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    p_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+
+    def loss_fn(m, b):
+        return torch.nn.functional.cross_entropy(m(b["x"]), b["y"])
+
+    step = af.with_clipping(max_norm=0.01)(loss_fn)
+    state = af.TrainState(model, opt)
+    for i in range(2):
+        g = torch.Generator().manual_seed(i)
+        batch = {"x": torch.randn(6, 8, generator=g), "y": torch.randint(0, 4, (6,), generator=g)}
+        metrics = step(state, batch)
+        loss_fn(plain, batch).backward()
+        norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)
+        p_opt.step()
+        p_opt.zero_grad(set_to_none=True)
+        assert norm > 0.01  # really clipped
+        assert torch.equal(metrics["grad_norm"], norm)
+    assert_params_equal(model, plain)
