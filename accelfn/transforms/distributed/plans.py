@@ -6,6 +6,13 @@
 names ``torch.distributed.tensor.parallel.parallelize_module`` takes, and refuses, before
 anything changes, a pattern that names no module, a module named twice, and a layer whose
 sharded width the tensor-parallel size does not divide.
+
+[`llama`][] is the plan of Llama-style decoder layers (Hugging Face ``transformers``' Llama,
+Mistral, Qwen2/3 module names), shipped so that a user does not write it out:
+
+    from accelfn.transforms.distributed import plans
+
+    step = af.distributed(strategy="fsdp", tp=2, tensor_parallel=plans.llama())(step)
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["apply_plan", "check_plan", "resolve_plan"]
+__all__ = ["apply_plan", "check_plan", "llama", "resolve_plan"]
 
 _WRAPPERS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
 
@@ -123,3 +130,53 @@ def apply_plan(model: nn.Module, tp_mesh: Any, resolved: Mapping[str, Any]) -> N
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, tp_mesh, dict(resolved))
+
+
+def llama(config: Any = None, *, tp: int | None = None) -> dict[str, Any]:
+    """Equivalent to the plan ``transformers`` declares for Llama (``base_model_tp_plan``):
+    in every decoder layer, the attention's ``q_proj``, ``k_proj``, ``v_proj`` and the MLP's
+    ``gate_proj``, ``up_proj`` column-wise, ``o_proj`` and ``down_proj`` row-wise.
+
+    Each process of a tensor-parallel group then holds ``1/tp`` of every layer's attention
+    heads and MLP width, and a layer costs two all-reduces (after ``o_proj`` and after
+    ``down_proj``), Megatron-LM's split. The embedding, the norms and ``lm_head`` stay whole
+    in the group (FSDP2 shards them over the data-parallel processes), so a step may read
+    ``model.lm_head.weight`` for ``af.linear_cross_entropy`` as in one process.
+
+    The patterns (``"*layers.*.self_attn.q_proj"``, ...) match a ``LlamaForCausalLM``
+    (``model.layers.0...``), a bare ``LlamaModel`` (``layers.0...``) and the models that
+    share Llama's module names (Mistral, Qwen2, Qwen3). ``tp`` must divide the number of
+    attention heads and of key-value heads, or a process would hold part of a head: pass the
+    model's ``config`` (anything with ``num_attention_heads``, and ``num_key_value_heads``
+    when it differs) and ``tp`` to have that checked here; the widths themselves are
+    checked by ``distributed`` before anything is sharded.
+    """
+    if (config is None) != (tp is None):
+        raise TypeError("plans.llama(config, tp=k) checks the heads against k: pass both "
+                        "(e.g. plans.llama(model.config, tp=2)) or neither")
+    if config is not None and tp is not None:
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"plans.llama(tp={tp!r}): tp is the number of processes a "
+                             "layer is sharded over, an int >= 1")
+        heads = getattr(config, "num_attention_heads", None)
+        if not isinstance(heads, int):
+            raise TypeError(f"plans.llama(config): {type(config).__name__} has no "
+                            "num_attention_heads; pass the model's config (model.config)")
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for what, count in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads)):
+            if count % tp:
+                divisors = [d for d in range(1, count + 1) if heads % d == 0 == kv_heads % d]
+                raise ValueError(
+                    f"plans.llama(tp={tp}): the model has {what}={count}, which {tp} does not "
+                    f"divide, so a process would hold part of a head; pick tp among "
+                    f"{divisors} (the divisors of both head counts)")
+    _, colwise, rowwise = _styles()
+    return {
+        "*layers.*.self_attn.q_proj": colwise(),
+        "*layers.*.self_attn.k_proj": colwise(),
+        "*layers.*.self_attn.v_proj": colwise(),
+        "*layers.*.self_attn.o_proj": rowwise(),
+        "*layers.*.mlp.gate_proj": colwise(),
+        "*layers.*.mlp.up_proj": colwise(),
+        "*layers.*.mlp.down_proj": rowwise(),
+    }
