@@ -185,11 +185,53 @@ def compare_schedulers(saved: Any, state: TrainState) -> None:
                 "optimizer, None where it had none)")
 
 
-def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer) -> None:
+# What torch's own optimizers keep per parameter in the parameter's shape (read from their
+# sources: each is made by ``zeros_like(p)`` or ``full_like(p)``). Adafactor's factored
+# moments have the parameter's shape with one dimension reduced to 1 (``_factored``). Other
+# optimizers (a subclass of these too: it may keep its states otherwise) are not compared:
+# a state's shape is their own business (stacked buffers, scalars).
+_PARAMETER_SHAPED: dict[type[torch.optim.Optimizer], tuple[str, ...]] = {
+    torch.optim.Adam: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    torch.optim.AdamW: ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    torch.optim.NAdam: ("exp_avg", "exp_avg_sq"),
+    torch.optim.RAdam: ("exp_avg", "exp_avg_sq"),
+    torch.optim.Adamax: ("exp_avg", "exp_inf"),
+    torch.optim.SparseAdam: ("exp_avg", "exp_avg_sq"),
+    torch.optim.SGD: ("momentum_buffer",),
+    torch.optim.RMSprop: ("square_avg", "momentum_buffer", "grad_avg"),
+    torch.optim.Adagrad: ("sum",),
+    torch.optim.Adadelta: ("square_avg", "acc_delta"),
+    torch.optim.ASGD: ("ax",),
+    torch.optim.Rprop: ("prev", "step_size"),
+    torch.optim.Adafactor: ("variance",),
+}
+_muon = getattr(torch.optim, "Muon", None)
+if isinstance(_muon, type) and issubclass(_muon, torch.optim.Optimizer):
+    _PARAMETER_SHAPED[_muon] = ("momentum_buffer",)
+
+
+def _expected_shape(optimizer: torch.optim.Optimizer, key: str,
+                    shape: torch.Size) -> list[int] | None:
+    """The shape torch's own ``optimizer`` keeps its state ``key`` in for a parameter of
+    ``shape``; None where it is not known (another optimizer, or a scalar such as ``step``)."""
+    kind = type(optimizer)
+    if key in _PARAMETER_SHAPED.get(kind, ()):
+        return list(shape)
+    if kind is torch.optim.Adafactor and key in ("row_var", "col_var") and len(shape) > 1:
+        factored = list(shape)
+        factored[-1 if key == "row_var" else -2] = 1
+        return factored
+    return None
+
+
+def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer,
+                          model: nn.Module | None = None) -> None:
     """The saved optimizer state fits this optimizer: a state entry per parameter of its
-    groups, as many parameters in each group. The parameters' order is checked by name
-    (``compare_optimizers``); a state's shape is the optimizer's own business (Adafactor's
-    factored moments, stacked buffers, scalars) and is never compared with its parameter's."""
+    groups, as many parameters in each group, and, for torch's own optimizers, every state
+    they keep in the parameter's shape (``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq``,
+    ``momentum_buffer``, ..., Adafactor's factored ``row_var``/``col_var``) of that shape.
+    The parameters' order is checked by name (``compare_optimizers``); another optimizer's
+    state shapes are its own business (stacked buffers, scalars) and are not compared."""
     if not isinstance(saved, dict) or not isinstance(saved.get("param_groups"), list) \
             or not isinstance(saved.get("state"), dict) \
             or not all(isinstance(g, dict) and isinstance(g.get("params"), list)
@@ -207,6 +249,23 @@ def check_optimizer_state(saved: Any, optimizer: torch.optim.Optimizer) -> None:
         if pid not in ids or not isinstance(entry, dict):
             raise CheckpointError(f"the checkpoint's optimizer state names parameter {pid}, "
                                   "which is in none of its groups: the checkpoint is damaged")
+    # torch's load_state_dict pairs the saved ids with this optimizer's parameters in order
+    params = {pid: p for g, mine in zip(saved["param_groups"], optimizer.param_groups)
+              for pid, p in zip(g["params"], mine["params"])}
+    names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+    for pid, entry in saved["state"].items():
+        param = params[pid]
+        for key, value in entry.items():
+            expected = _expected_shape(optimizer, key, param.shape)
+            if expected is None or not isinstance(value, torch.Tensor) \
+                    or list(value.shape) == expected:
+                continue
+            name = names.get(id(param), f"parameter {pid}")
+            raise CheckpointError(
+                f"the checkpoint's {type(optimizer).__name__} state {key!r} of {name} has "
+                f"shape {list(value.shape)}, where this parameter of shape {list(param.shape)} "
+                f"needs {expected}: the checkpoint is forged or damaged (the next update would "
+                "fail). Load an earlier checkpoint")
 
 
 def check_slots(saved: Any, state: TrainState) -> None:

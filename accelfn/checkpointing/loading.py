@@ -210,7 +210,7 @@ def _check_optimizers(saved: dict[str, Any], state: TrainState, record: dict[str
         return
     for entry, optimizer in zip(entries, state.optimizers):
         if entry is not None:  # else: in sharded/, where DCP checks it
-            checks.check_optimizer_state(entry, optimizer)
+            checks.check_optimizer_state(entry, optimizer, state.model)
 
 
 def _check_prepared(path: Path, states: dict[str, TrainState], checked: _Checked) -> None:

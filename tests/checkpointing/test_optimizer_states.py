@@ -214,3 +214,53 @@ def test_parameters_in_another_order_are_refused_by_their_names(tmp_path):
                        match=rf"group 0 holds {names[0]} in the checkpoint, {names[2]} here"):
         ckpt.load(path, fresh, step=fresh_step)
     assert_unchanged(before, fresh)
+
+
+def _forge_moment(path, key: str, index: int, shape: tuple[int, ...]) -> None:
+    """Give the saved state of parameter ``index`` under ``key`` another shape and re-sign
+    the checkpoint, as a forger would."""
+    import io
+
+    from checkpoint_helpers import forge
+    payload = torch.load(path / "state.pt", weights_only=True)
+    payload["state"]["optimizer"]["state"][index][key] = torch.zeros(shape)
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    forge(path, "state.pt", buffer.getvalue())
+
+
+@pytest.mark.parametrize("kind,key", [("adamw", "exp_avg"), ("adamw", "exp_avg_sq"),
+                                      ("sgd", "momentum_buffer"), ("adafactor", "row_var")])
+def test_a_moment_of_another_shape_than_its_parameter_is_refused_naming_both(
+        tmp_path, kind, key):
+    def made(seed: int = 0):
+        if kind == "adafactor":
+            return build("adafactor", seed)
+        torch.manual_seed(seed)
+        model = Net()
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-2) if kind == "adamw"
+               else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+        state = af.TrainState(model, opt, scheduler=torch.optim.lr_scheduler.StepLR(opt, 2, 0.5))
+        loader = data.loader(dataset(), batch_size=4, seed=1)
+        step = af.with_clipping(max_norm=1.0)(af.apply_transform(noisy, counter()))
+        step.prepare(state)
+        return state, loader, step
+
+    state, loader, step = made()
+    run(state, iter(loader), step, 2)
+    path = ckpt.save(tmp_path, state, loader=loader, step=step)
+    index, (name, param) = [(i, np) for i, np in enumerate(state.model.named_parameters())
+                            if np[1].dim() == 2][1]  # a matrix of blocks.0
+    _forge_moment(path, key, index, (param.shape[0] + 1, param.shape[1]))
+    fresh, fresh_loader, fresh_step = made(seed=1)
+    run(fresh, iter(fresh_loader), fresh_step, 1)  # a state of its own, left as it was
+    before = snapshot(fresh)
+    with pytest.raises(ckpt.CheckpointError, match=rf"{key!r}.*{name}|{name}.*{key!r}"):
+        ckpt.load(path, fresh, loader=fresh_loader, step=fresh_step)
+    assert_unchanged(before, fresh)
+
+
+def test_a_moment_of_its_parameters_shape_loads_for_an_optimizer_of_its_own(tmp_path):
+    # an optimizer of the user's keeps states of any shape (Stacked's (2, *p.shape)): not
+    # compared with the parameter's
+    _resumes_exactly(tmp_path, "stacked", False)
