@@ -42,24 +42,47 @@ def check_evaluate_options(averaging: Averaging | None, options: dict[str, objec
                         f"{offered}")
 
 
+#: The attribute an out-of-memory error gets from ``with_accumulation(adaptive=True)`` once
+#: it failed at one sample per micro-batch: the number of micro-batches of that last split.
+FINEST_SPLIT = "accelfn_finest_split"
+
+
 def out_of_memory(text: str, transforms: tuple[Transform, ...], spec: Spec,
                   error: BaseException) -> torch.OutOfMemoryError:
     """The advice for running out of memory in the forward or backward of the stack
-    ``text``."""
+    ``text``, ending in the allocator's own message (``error``'s)."""
     split = [t for t in transforms if t.part is spec.accumulation]
-    n = int(dict(split[0].options).get("n", 1)) if split else 1
-    advice = [f"with_accumulation({2 * n}) (same update, half the activations)"]
+    options = dict(split[0].options) if split else {}
+    n = int(options.get("n", 1))
+    finest = getattr(error, FINEST_SPLIT, None)
+    advice = []
+    if finest is not None:
+        where = (f"; with_accumulation(adaptive=True) already split the batch into {finest} "
+                 f"micro-batch{'es' if finest != 1 else ''} of one sample each, so more "
+                 "micro-batches cannot help")
+    elif options.get("adaptive"):
+        where = ("; with_accumulation(adaptive=True) retries with more micro-batches by "
+                 "itself, and did not this time (another process failed)")
+    else:
+        where = ""
+        advice.append(f"with_accumulation({2 * n}) (same update, half the activations)")
     if spec.checkpointing is None:
         advice.append("checkpointed (recompute block activations in backward)")
     if spec.precision is None and spec.float8 is None:
         advice.append("with_amp (bf16 activations take half the memory)")
-    advice.append("a smaller batch")
+    if finest is None:
+        advice.append("a smaller batch")
+    else:
+        advice.append("shorter samples (sequence length, image size) or a smaller model; "
+                      "distributed(strategy='fsdp') to shard parameters, gradients and "
+                      "optimizer state over processes")
     return torch.OutOfMemoryError(
-        f"out of memory in {text}; the parameters, optimizer and scheduler are unchanged "
-        f"and gradients were cleared (buffers the forward updated, such as BatchNorm running "
-        f"statistics, are as it left them). Try: {'; '.join(advice)}. To see what filled it: "
-        "accelfn.estimate_memory(step, state, batch) gives one update's peak by kind, and "
-        "Monitor(memory_snapshot='oom.json') dumps what was alive at the error. ({error})")
+        f"out of memory in {text}{where}; the parameters, optimizer and scheduler are "
+        f"unchanged and gradients were cleared (buffers the forward updated, such as BatchNorm "
+        f"running statistics, are as it left them). Try: {'; '.join(advice)}. To see what "
+        "filled it: accelfn.estimate_memory(step, state, batch) gives one update's peak by "
+        "kind, and Monitor(memory_snapshot='oom.json') dumps what was alive at the error. "
+        f"({error})")
 
 
 def optimizer_failed(fresh: bool) -> str:

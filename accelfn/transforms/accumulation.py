@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..core.batch import Batch, batch_size, check_batch_dim, split_batch, split_checked
+from ..core.checks import FINEST_SPLIT
 from ..core.places import Accumulation
 from ..core.protocol import CallContext, Plan, Sums, Transform
 
@@ -74,6 +75,7 @@ class _Count:
     def __init__(self, n: int) -> None:
         self.count = n
         self.tried = 0  # the batch size the current call is split for (0: none yet)
+        self.before: int | None = None  # the count before this call's retries (None: none)
 
     def state_dict(self) -> dict[str, Any]:
         return {"count": self.count}
@@ -134,13 +136,22 @@ def _split_mode(n: int, dim: int, custom: Splitter | None, adaptive: bool) -> Ac
         many micro-batches next time, up to one sample each; False when there is no smaller
         split to try."""
         count = ctx.state.get_slot(_SLOT)
-        if count is None or not count.tried or count.count >= count.tried:
+        if count is None or not count.tried:
             return False
+        if count.count >= count.tried:  # one sample each failed too: the call fails, and
+            if count.before is not None:  # the count is the one before it (the finer ones
+                count.count, count.before = count.before, None  # never worked)
+            setattr(error, FINEST_SPLIT, count.tried)  # what its message says
+            return False
+        if count.before is None:
+            count.before = count.count
         count.count = min(2 * count.count, count.tried)
         return True
 
     def report(ctx: CallContext) -> dict[str, torch.Tensor]:
         count = ctx.state.get_slot(_SLOT)
+        if count is not None:
+            count.before = None  # the call worked: its count is kept
         value = n if count is None else min(count.count, count.tried or count.count)
         return {"micro_batches": torch.scalar_tensor(float(value), device=ctx.device)}
 

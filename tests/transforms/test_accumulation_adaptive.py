@@ -220,3 +220,19 @@ def test_no_finer_split_in_one_process_raises_in_every_process(two_processes):
 def test_fsdp_is_refused_in_every_process_before_anything_changes(two_processes):
     for r in two_processes:
         assert "needs distributed() with DDP" in r["fsdp"] and r["fsdp_step"] == 0
+
+
+def test_a_count_that_never_worked_is_not_kept():
+    """Out of memory down to one sample per micro-batch: the call fails and the count
+    stays the one before it (not the finest, which never worked)."""
+    model = Limited(limit=4)
+    state = _state(model)
+    step = af.with_accumulation(2, adaptive=True)(classify)
+    step(state, make_batch(n=16, seed=0))  # 2 of 8 fail; 4 of 4 fit
+    assert state.state_dict()["slots"]["accumulation"] == {"count": 4}
+    model.limit = 0  # nothing fits any more: 4, 8, 16 micro-batches fail
+    with pytest.raises(torch.OutOfMemoryError):
+        step(state, make_batch(n=16, seed=1))
+    assert state.state_dict()["slots"]["accumulation"] == {"count": 4}
+    model.limit = 4
+    assert int(step(state, make_batch(n=16, seed=2))["micro_batches"]) == 4
