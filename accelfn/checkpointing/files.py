@@ -250,13 +250,12 @@ def latest(directory: str | os.PathLike[str]) -> Path | None:
 
 
 def final_name(root: Path, step: int) -> Path:
-    """``root/step-<step>``, or ``step-<step>.<n>`` when that step was saved before."""
+    """``root/step-<step>``, or ``step-<step>.<n>`` when that step was saved before, ``n``
+    past every earlier one's (the newest at a step is always the last by name)."""
     base = f"step-{step:09d}"
-    candidate, i = root / base, 0
-    while candidate.exists():
-        i += 1
-        candidate = root / f"{base}.{i}"
-    return candidate
+    taken = [found[1] for entry in root.iterdir()
+             if (found := parse_name(entry.name)) is not None and found[0] == step]
+    return root / base if not taken else root / f"{base}.{max(taken) + 1}"
 
 
 def remove_checkpoint(path: Path) -> None:
@@ -268,13 +267,21 @@ def remove_checkpoint(path: Path) -> None:
 
 
 def rotate(root: Path, keep: int | None, newest: Path) -> None:
-    """Delete checkpoints beyond the newest ``keep`` and leftovers of crashed saves."""
+    """Delete earlier checkpoints of ``newest``'s step (it replaces them: saving twice at one
+    step keeps one checkpoint, and evicts nothing else), then checkpoints beyond the newest
+    ``keep``, and leftovers of crashed saves."""
+    named = parse_name(newest.name)
     for entry in root.iterdir():
         if entry == newest or not entry.is_dir():
             continue
         if entry.name.startswith(TMP_PREFIX) or (
                 parse_name(entry.name) is not None and not is_committed(entry)):
             shutil.rmtree(entry, ignore_errors=True)
+    if named is not None:  # only once the new one is committed: there is always one
+        for old in checkpoints(root):
+            found = parse_name(old.name)
+            if old != newest and found is not None and found[0] == named[0]:
+                remove_checkpoint(old)
     if keep is not None:
         committed = [p for p in checkpoints(root) if p != newest]
         for old in committed[: max(0, len(committed) - (keep - 1))]:

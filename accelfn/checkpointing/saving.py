@@ -144,7 +144,9 @@ def save(
             [`load`][] refuses another one. For several states, ``{name: step}`` (some names
             only, or None, to record no stack for the others).
         keep: keep only the newest ``keep`` checkpoints (older ones are deleted after this one
-            is committed); None keeps all.
+            is committed); None keeps all. A save at a step saved before replaces that
+            checkpoint once it is committed (as ``step-<step>.<n>``), whatever ``keep``: one
+            checkpoint per step, and no other evicted for it.
         extra: plain data to store along (e.g. ``{"epoch": 3, "best": 0.91}``), returned by
             [`load`][] as ``info.extra``.
         sharded: write model and optimizer with ``torch.distributed.checkpoint``; the default

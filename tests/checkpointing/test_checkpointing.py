@@ -213,12 +213,22 @@ def test_rotation_keeps_the_newest_and_deletes_only_after_a_commit(tmp_path, mon
     assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-000000003", "step-000000004"]
 
 
-def test_saving_the_same_step_twice_keeps_both(tmp_path):
-    state, _, _ = setup()
-    first = ckpt.save(tmp_path, state)
-    second = ckpt.save(tmp_path, state)
-    assert (first.name, second.name) == ("step-000000000", "step-000000000.1")
-    assert ckpt.latest(tmp_path) == second
+def test_saving_the_same_step_twice_keeps_one_checkpoint_and_evicts_nothing(tmp_path):
+    # "save every N, then at the end": the end's save is at a step saved already
+    state, loader, step = setup()
+    it = iter(loader)
+    for _ in range(2):
+        run(state, it, step, 1)
+        ckpt.save(tmp_path, state, keep=2)
+    again = ckpt.save(tmp_path, state, keep=2, extra={"at": "end"})
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-000000001",
+                                                            "step-000000002.1"]
+    assert ckpt.latest(tmp_path) == again
+    fresh, _, _ = setup(seed=1)
+    assert ckpt.load(tmp_path, fresh).extra == {"at": "end"}  # the newer save is the one kept
+    ckpt.save(tmp_path, state)  # without keep= too
+    assert [p.name for p in ckpt.checkpoints(tmp_path)] == ["step-000000001",
+                                                            "step-000000002.2"]
 
 
 @pytest.mark.parametrize("damage", ["truncate", "remove"])
