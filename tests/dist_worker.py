@@ -16,6 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import Net, classify, token_loss
+from trunk_models import TrunkNet, via_method, via_submodule
 
 import accelfn as af
 
@@ -50,7 +51,28 @@ CASES = {
         af.distributed(classify)))),
     "fsdp_compiled_ckpt": lambda: af.compiled(af.distributed(strategy="fsdp")(
         af.with_accumulation(2)(af.checkpointed(classify)))),
+    # the loss outside forward: submodules called, the head's weight read; a method
+    "ddp_trunk_clip_amp": lambda: af.with_amp(dtype=torch.bfloat16)(af.distributed(
+        af.with_accumulation(2)(af.with_clipping(max_norm=0.05)(received(via_submodule))))),
+    "ddp_method_acc3": lambda: af.with_accumulation(3)(af.distributed(received(via_method))),
+    "fsdp_trunk_acc2_clip": lambda: af.with_clipping(max_norm=0.05)(af.with_accumulation(2)(
+        af.distributed(strategy="fsdp")(af.checkpointed(received(via_submodule))))),
+    "fsdp_method_once": lambda: af.with_accumulation(2)(af.distributed(
+        strategy="fsdp", fsdp_sync="once")(received(via_method))),
 }
+MODELS = {name: TrunkNet for name in CASES if "trunk" in name or "method" in name}
+RECEIVED: list[str] = []  # the class of the model each call of a received(fn) got
+
+
+def received(fn):
+    """``fn``, noting the class of the model it receives."""
+    def spy(model, batch):
+        RECEIVED.append(type(model).__name__ if isinstance(model, TrunkNet) else
+                        f"not a TrunkNet: {type(model).__name__}")
+        return fn(model, batch)
+
+    spy.__name__ = fn.__name__
+    return spy
 
 
 class Counter:
@@ -71,14 +93,15 @@ def main(out_dir: str) -> None:
     selected = {k: v for k, v in CASES.items() if not only or k in only.split(",")}
     for name, build in selected.items():
         torch.manual_seed(0)
-        model = Net()
+        model = MODELS.get(name, Net)()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         step = build()
         state = af.TrainState(model, optimizer)
         counter = Counter()
         counts = []
-        if name == "ddp_acc3":
-            step.prepare(state).model.register_comm_hook(counter, counting_hook)
+        RECEIVED.clear()
+        if name in ("ddp_acc3", "ddp_method_acc3"):  # the DDP that runs the step function
+            step.prepare(state).call.register_comm_hook(counter, counting_hook)
         for i in range(STEPS):
             rows = RANK_ROWS[rank]
             batch = {k: v[rows] for k, v in global_batch(i).items()}
@@ -90,7 +113,8 @@ def main(out_dir: str) -> None:
             full[pname] = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
         results[name] = {"params": {k: v.clone() for k, v in full.items()},
                          "counts": counts, "loss": metrics["loss"].clone(),
-                         "reduced": af.reduce_metrics(metrics).to_dict()}
+                         "reduced": af.reduce_metrics(metrics).to_dict(),
+                         "received": sorted(set(RECEIVED))}
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -10,6 +10,7 @@ from conftest import Net, as_dict, assert_params_equal, classify, make_batch
 from reference import reference_update
 
 import accelfn as af
+from accelfn.core import compat
 
 
 @pytest.fixture
@@ -37,7 +38,9 @@ def test_compiled_stack_matches_eager_reference_without_recompiling(no_recompile
     with torch._dynamo.config.patch(error_on_recompile=False):
         metrics = step.evaluate(state, make_batch(n=10))  # no_grad and eval mode: new graph
     assert torch.isfinite(metrics["loss"])
-    assert isinstance(step.prepare(state).model, torch._dynamo.eval_frame.OptimizedModule)
+    # compiled in place: the function receives the model itself, whose call is compiled
+    assert step.prepare(state).model is m1
+    assert type(m1) is Net and compat.is_compiled(m1)
 
 
 @pytest.mark.compile

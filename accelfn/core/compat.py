@@ -38,6 +38,7 @@ __all__ = [
     "inductor_header_dir",
     "inductor_isa_probe_files",
     "inductor_precompiled_headers",
+    "is_compiled",
     "module_apply",
     "non_finite_check_and_unscale_",
     "scaler_forget_step",
@@ -151,6 +152,12 @@ def step_supports_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step`` reads a ``found_inf`` attribute and skips on the device
     (``Optimizer._step_supports_amp_scaling``, set by the fused Adam, AdamW and SGD)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s call is compiled: compiled in place (``Module.compile``, which sets
+    ``_compiled_call_impl``) or a ``torch.compile`` wrapper."""
+    return getattr(model, "_compiled_call_impl", None) is not None or hasattr(model, "_orig_mod")
 
 
 def unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:

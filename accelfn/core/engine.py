@@ -236,16 +236,15 @@ class Step:
         the gradients are all-reduced once, after the agreement, so an out-of-memory error in
         one process never leaves a collective half done in the others (refused where the
         wrapping cannot skip the sync: FSDP, DDP's static graph)."""
-        part = self.spec.accumulation
+        part, sharding = self.spec.accumulation, self.spec.sharding
         if ctx.distributed is None or part is None or part.count is None:
             return False
-        ddp = compat.unwrap_compiled(ctx.model)
-        static = bool(getattr(ddp, "static_graph", False))
-        if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel) or static:
+        refusal = sharding.unsynced_refusal(ctx) if sharding and sharding.unsynced_refusal \
+            else None
+        if refusal is not None:
             raise ValueError(
                 f"with_accumulation(adaptive=True) in several processes needs distributed() "
-                f"with DDP and no static graph, got {type(ddp).__name__}"
-                f"{' (static_graph=True)' if static else ''} in {describe(self)}: "
+                f"with DDP and no static graph, got {refusal} in {describe(self)}: "
                 "its backward must run without collectives until the processes agree. Find "
                 "the count with DDP (or in one process) and set it with with_accumulation(n)")
         return True
@@ -264,8 +263,9 @@ class Step:
         torch.distributed.all_reduce(flags, torch.distributed.ReduceOp.MAX, ctx.distributed)
         failed, stuck, other, count = flags.tolist()
         if not failed:
-            # as after DDP's synced backward: the next call's first forward broadcasts buffers
-            setattr(compat.unwrap_compiled(ctx.model), "require_forward_param_sync", True)  # noqa: B010
+            sharding = self.spec.sharding
+            if sharding is not None and sharding.agreed is not None:
+                sharding.agreed(ctx)
             return True
         if other or stuck:
             if error is not None:

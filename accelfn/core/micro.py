@@ -34,12 +34,19 @@ __all__ = ["forward", "forward_and_backward"]
 
 def forward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext, micro: Batch,
             index: int = 0, carried: dict[int, Any] | None = None) -> Any:
-    """``fn(model, micro)`` under autocast and float8's forward context, with the carry of
-    a step function that takes one (see accelfn.core.carry)."""
+    """``fn(model, micro)`` under autocast, float8's forward context and activation
+    checkpointing's scope, run as the model's forward when it is sharded (``Prepared.call``),
+    with the carry of a step function that takes one (see accelfn.core.carry). ``model`` is
+    the state's own module: its submodules and methods work as through ``model(...)``."""
     managers = [part.autocast(ctx) for part in (spec.precision,) if part is not None]
-    managers += [part.forward(ctx) for part in (spec.float8,) if part is not None]
+    scopes = (spec.float8 and spec.float8.forward,
+              spec.checkpointing and spec.checkpointing.forward)
+    managers += [scope(ctx) for scope in scopes if scope]
     model = ctx.prepared.model
+    call = ctx.prepared.call
     if not carries:
+        if call is not None:
+            with entered(managers): return call(lambda: fn(model, micro))  # noqa: E701
         if not managers:
             return fn(model, micro)
         if len(managers) == 1:  # autocast: no context stack
@@ -47,7 +54,10 @@ def forward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext,
         with entered(managers): return fn(model, micro)  # noqa: E701
     mode = "train" if ctx.training else "evaluate"
     carry = ctx.state.slot(CARRY, Carries).get(mode, index)
-    with entered(managers): out = fn(model, micro, carry=carry)  # noqa: E701
+    if call is None:
+        with entered(managers): out = fn(model, micro, carry=carry)  # noqa: E701
+    else:
+        with entered(managers): out = call(lambda: fn(model, micro, carry=carry))  # noqa: E701
     if not isinstance(out, Mapping) or "carry" not in out:
         raise ValueError("a step function taking 'carry' returns a mapping with 'loss' and "
                          "'carry' (None to carry nothing)")
@@ -99,7 +109,7 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
     fixed = _coefficients(plan, absolute)
     sharding, precision, float8 = spec.sharding, spec.precision, spec.float8
     scale = precision.scale if precision is not None else None
-    plain = not carries and sharding is None
+    plain = not carries and sharding is None and spec.checkpointing is None
     # autocast and nothing else: entered here, without a call
     autocast = precision.autocast if plain and float8 is None and precision is not None else None
     direct = plain and precision is None and float8 is None

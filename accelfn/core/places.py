@@ -68,9 +68,12 @@ class Precision:
 
 @dataclass(frozen=True, slots=True)
 class Checkpointing:
-    """``checkpointed``: activation checkpointing of the blocks."""
+    """``checkpointed``: activation checkpointing of the blocks, wrapped in place when
+    preparing; ``forward`` is the scope of a call of the step function in which the blocks
+    run with this step's settings (whichever submodule or method the function calls)."""
 
     wrap: Prepare
+    forward: Callable[[CallContext], Context] | None = None
     check: Check | None = None
 
 
@@ -85,6 +88,11 @@ class Sharding:
     abort: Callable[[CallContext], None] | None = None
     # a failed forward or backward's error in the strategy's terms (None: as it is)
     explain: Callable[[CallContext, BaseException], BaseException | None] | None = None
+    # adaptive accumulation: why the backward cannot run without collectives until the
+    # processes agree (None: it can); and what a synced backward would leave, set after
+    # an agreed pass whose gradients the reduction all-reduces once
+    unsynced_refusal: Callable[[CallContext], str | None] | None = None
+    agreed: Callable[[CallContext], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

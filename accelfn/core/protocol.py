@@ -141,7 +141,10 @@ class Prepared:
     """What a [`TrainState`][] looks like to a step after preparation (immutable).
 
     Each preparing part returns a new one (``dataclasses.replace``). Fields and their owners:
-    ``model`` (what ``fn`` receives: every preparing part may wrap it), ``optimizer_step``
+    ``model`` (what ``fn`` receives: the state's model itself, every technique applied to it
+    in place), ``call`` (sharding: runs a call of the step function as the model's forward,
+    so DDP's and FSDP2's forward hooks wrap the whole function, whichever submodules and
+    methods it calls; None: called as it is), ``optimizer_step``
     (compilation may replace it), ``device`` (the engine), ``compute_dtype`` (mixed
     precision: the autocast dtype of the forward, None in fp32), ``process_group``
     (sharding: the group gradients are reduced over, None in one process),
@@ -154,6 +157,7 @@ class Prepared:
     model: nn.Module
     optimizer_step: Callable[[], object]
     device: torch.device
+    call: Callable[[Callable[[], Any]], Any] | None = None
     compute_dtype: torch.dtype | None = None
     process_group: Any = None
     skips_on_device: bool = False

@@ -4,7 +4,6 @@ activation offload to the host (``offload="cpu"``: kept, not recomputed)."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Iterable
@@ -23,7 +22,7 @@ from torch.utils.checkpoint import (
 from ..core.engine import LossFn, Step
 from ..core.modules import find_blocks, running_stat_modules, wrap_forward
 from ..core.places import Checkpointing
-from ..core.protocol import Prepared, Transform, configure
+from ..core.protocol import CallContext, Prepared, Transform, configure
 from ..core.state import TrainState
 
 __all__ = ["checkpointed"]
@@ -154,41 +153,24 @@ def _key(options: tuple[Any, ...]) -> int:
         return next(_UNHASHABLE)
 
 
-class _Scoped(nn.Module):
-    """What a checkpointed step's function receives: its model, whose call marks this
-    preparation as the one running, so that each block's wrapper runs with the settings of
-    this step's ``checkpointed(...)`` (steps of other options on the same state, or none,
-    keep theirs). Attributes and ``training`` are the model's (as ``torch.compile``'s
-    wrapper does); the model's own ``state_dict`` keys are unchanged."""
+class _Scope:
+    """The scope of one call of a checkpointed step's function: this preparation is the one
+    running, so that each block's wrapper runs with the settings of this step's
+    ``checkpointed(...)`` whichever submodule or method of the model the function calls
+    (steps of other options on the same state, or none, keep theirs)."""
 
-    def __init__(self, model: nn.Module, key: int) -> None:
-        super().__init__()
-        self.module = model
-        self.accelfn_checkpoint_key = key
+    __slots__ = ("key", "previous")
 
-    @property  # type: ignore[override]
-    def training(self) -> bool:
-        return bool(self._modules["module"].training)  # type: ignore[union-attr]
+    def __init__(self, key: int) -> None:
+        self.key = key
+        self.previous: int | None = None
 
-    @training.setter
-    def training(self, mode: bool) -> None:
-        if "_modules" in self.__dict__:  # nn.Module.__init__ sets it before the model exists
-            self._modules["module"].training = mode  # type: ignore[union-attr]
+    def __enter__(self) -> None:
+        self.previous = _RUNNING.key
+        _RUNNING.key = self.key
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        running = _RUNNING
-        previous = running.key
-        running.key = self.accelfn_checkpoint_key
-        try:
-            return self.module(*args, **kwargs)
-        finally:
-            running.key = previous
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self._modules["module"], name)
+    def __exit__(self, *exc: object) -> None:
+        _RUNNING.key = self.previous
 
 
 def _is_parameter(tensor: torch.Tensor) -> bool:
@@ -264,13 +246,17 @@ def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None,
         chosen = check(state)
         # Each preparation's settings are kept on the blocks under its options' key: steps of
         # other checkpointed(...) options (or none) on the same state keep theirs.
-        key = _key((blocks, every, save, offload))
         for _, module in chosen[::every]:
             module.__dict__.setdefault("_accelfn_ckpt", {})[key] = (
                 save, running_stat_modules(module), offload)
             wrap_forward(module, "checkpoint", _run_checkpointed)
         state.slot(_SLOT, lambda: {"blocks": len(chosen[::every])})
-        return dataclasses.replace(prepared, model=_Scoped(prepared.model, key))
+        return prepared
+
+    key = _key((blocks, every, save, offload))
+
+    def scope(ctx: CallContext) -> _Scope:
+        return _Scope(key)
 
     parts = [f"blocks={blocks if isinstance(blocks, str) else 'custom'}"]
     if every != 1:
@@ -280,7 +266,7 @@ def _checkpointed(blocks: BlockSpec, every: int, save: tuple[Any, ...] | None,
     if offload is not None:
         parts.append(f"offload={offload}")
     return Transform(
-        _SLOT, Checkpointing(checkpoint, check=check),
+        _SLOT, Checkpointing(checkpoint, scope, check=check),
         options=(("blocks", blocks), ("every", every), ("save", save), ("offload", offload)),
         label=f"checkpointed({', '.join(parts)})")
 

@@ -176,11 +176,11 @@ def _check_held(model: nn.Module, optimizers: tuple[torch.optim.Optimizer, ...],
 
 def _is_compiled(ctx: CallContext) -> bool:
     """Whether this call's preparation compiled the model: a transform of the stack that
-    prepared it compiles, or the model is a ``torch.compile`` wrapper."""
+    prepared it compiles, or the model is compiled (in place or a ``torch.compile`` wrapper)."""
     for key, prepared, _ in ctx.state.preparations:
         if prepared is ctx.prepared and any(isinstance(t.part, Compilation) for t in key):
             return True
-    return compat.unwrap_compiled(ctx.model) is not ctx.model
+    return compat.is_compiled(ctx.model)
 
 
 def _float8(min_features: int, predicate: Predicate | None, recipe: str,

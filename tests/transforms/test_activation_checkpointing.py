@@ -11,6 +11,7 @@ import torchvision
 from conftest import Block, Net, as_dict, assert_params_equal, classify, clone_setup, make_batch
 from reference import reference_update
 from torch import nn
+from trunk_models import TrunkNet, via_forward, via_method, via_submodule
 
 import accelfn as af
 
@@ -52,28 +53,78 @@ def test_gradients_identical_to_no_checkpointing(options):
     _assert_equals_plain_loop(DropNet(), af.checkpointed(**options)(classify), updates=3)
 
 
-def test_checkpointing_saves_fewer_activations():
-    def saved_bytes(model):
-        total = [0]
+def _saved_bytes(step, model) -> int:
+    """The bytes saved for the backward by one call of ``step`` on ``model``, outside what
+    the checkpointed regions keep for themselves (their own hooks take precedence)."""
+    total = [0]
 
-        def pack(t):
-            total[0] += t.numel() * t.element_size()
-            return t
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
 
-        batch = make_batch(n=64)
+    def counted(model, batch):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            classify(model, as_dict(batch))["loss"]
-        return total[0]
+            return step.fn(model, batch)
+
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    af.Step(counted, step.transforms)(state, make_batch(n=64))
+    return total[0]
+
+
+@pytest.mark.parametrize("fn", [via_forward, via_submodule, via_method])
+def test_checkpointing_saves_fewer_activations(fn):
+    torch.manual_seed(0)
+    model = TrunkNet(dim=64, depth=4)
+    plain = _saved_bytes(af.lift(fn), copy.deepcopy(model))
+    assert _saved_bytes(af.checkpointed(fn), model) < plain / 2
+    # the model itself, called by a step without checkpointing on the same state, keeps
+    # its activations
+    assert _saved_bytes(af.lift(fn), model) == plain
+
+
+def _block_runs(step, model, updates: int = 2) -> list[int]:
+    """How many times each block's forward ran per update (a recompute runs it again: the
+    block's own call is counted by its first layer's, which the recompute calls again)."""
+    runs = [0] * len(model.blocks)
+    for i, block in enumerate(model.blocks):
+        block.fc1.register_forward_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for u in range(updates):
+        step(state, make_batch(seed=u))
+    return [r // updates for r in runs]
+
+
+@pytest.mark.parametrize("fn", [via_submodule, via_method])
+def test_blocks_are_recomputed_through_a_submodule_or_method_as_through_forward(fn):
+    torch.manual_seed(0)
+    model = TrunkNet()
+    through_forward = _block_runs(af.checkpointed(via_forward), copy.deepcopy(model))
+    assert through_forward == [2, 2, 2]  # a forward, then a recompute in the backward
+    assert _block_runs(af.checkpointed(fn), copy.deepcopy(model)) == through_forward
+    assert _block_runs(af.lift(fn), copy.deepcopy(model)) == [1, 1, 1]
+
+
+@pytest.mark.parametrize("fn", [via_forward, via_submodule, via_method])
+def test_the_function_receives_the_model_itself(fn):
+    seen = []
+
+    def spy(model, batch):
+        seen.append(model)
+        return fn(model, batch)
 
     torch.manual_seed(0)
-    model = Net(dim=64, depth=4)
-    plain = saved_bytes(model)
+    model = TrunkNet()
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    prepared = af.checkpointed(classify).prepare(state)
-    assert saved_bytes(prepared.model) < plain / 2  # the model the step's function receives
-    # the model itself, called outside a checkpointed step (as a plain step on the same state
-    # calls it), keeps its activations
-    assert saved_bytes(model) == plain
+    step = af.checkpointed(spy)
+    step(state, make_batch())
+    step.evaluate(state, make_batch())
+    assert seen == [model, model]
+    (m1, o1), (m2, o2) = clone_setup(TrunkNet())
+    state = af.TrainState(m1, o1)
+    for i in range(3):
+        af.checkpointed(fn)(state, make_batch(seed=i))
+        reference_update(m2, o2, as_dict(make_batch(seed=i)), fn)
+    assert_params_equal(m1, m2)
 
 
 def test_find_blocks_resnet_and_transformer():

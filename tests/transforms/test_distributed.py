@@ -51,7 +51,7 @@ def single_process(case: str) -> dict:
     for i in range(STEPS):
         batch = global_batch(i)
         reference_update(model, optimizer, batch, fn,
-                         amp_dtype=torch.bfloat16 if case == "ddp_clip_amp" else None,
+                         amp_dtype=torch.bfloat16 if "amp" in case else None,
                          max_norm=0.05 if "clip" in case else None)
     return dict(model.named_parameters())
 
@@ -62,8 +62,8 @@ pytestmark = pytest.mark.distributed
 @pytest.mark.parametrize("case", list(CASES))
 def test_update_equals_single_process_on_all_ranks_batches(results, case):
     expected = single_process(case)
-    tol = {"ddp_clip_amp": 2e-2, "ddp_bf16_hook": 1e-2, "ddp_compiled_ckpt": 1e-4,
-           "fsdp_compiled_ckpt": 1e-4}.get(case, 1e-5)
+    tol = {"ddp_clip_amp": 2e-2, "ddp_trunk_clip_amp": 2e-2, "ddp_bf16_hook": 1e-2,
+           "ddp_compiled_ckpt": 1e-4, "fsdp_compiled_ckpt": 1e-4}.get(case, 1e-5)
     for rank in range(2):
         got = results[rank][case]["params"]
         for name, value in expected.items():
@@ -78,8 +78,16 @@ def test_update_equals_single_process_on_all_ranks_batches(results, case):
 def test_one_all_reduce_per_bucket_per_update_none_on_other_micro_batches(results):
     # the tiny model fits one bucket: exactly one all-reduce per update, whatever the
     # number of micro-batches (3), on both ranks
-    assert results[0]["ddp_acc3"]["counts"] == [1] * STEPS
-    assert results[1]["ddp_acc3"]["counts"] == [1] * STEPS
+    for case in ("ddp_acc3", "ddp_method_acc3"):  # through forward, and through a method
+        assert results[0][case]["counts"] == [1] * STEPS
+        assert results[1][case]["counts"] == [1] * STEPS
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if "trunk" in c or "method" in c])
+def test_the_function_receives_the_users_model_under_ddp_and_fsdp(results, case):
+    # its class, its submodules and methods: the step computes the loss outside forward
+    for rank in range(2):
+        assert results[rank][case]["received"] == ["TrunkNet"], results[rank][case]["received"]
 
 
 def test_single_process_distributed_is_a_no_op():

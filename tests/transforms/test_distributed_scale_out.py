@@ -26,6 +26,7 @@ if TESTS not in sys.path:  # under torchrun: conftest, dist_worker and reference
 from conftest import Net, classify, save_rank_results, torchrun_results  # noqa: E402
 from dist_worker import RANK_ROWS, STEPS, global_batch  # noqa: E402
 from reference import reference_update  # noqa: E402
+from trunk_models import Hidden, TrunkNet, via_method, via_submodule  # noqa: E402
 
 import accelfn as af  # noqa: E402
 
@@ -62,6 +63,10 @@ class MLPNet(nn.Module):
         return self.head(h)
 
 
+class TrunkMLPNet(Hidden, MLPNet):
+    """``MLPNet`` with a ``hidden`` method (the same parameters, initialised alike)."""
+
+
 def tp_plan() -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -77,7 +82,14 @@ CASES = {
     "fsdp_offload": (Net, {"strategy": "fsdp", "offload": "cpu",
                            "reshard_after_forward": False}, 1, False),
     "zero_ddp": (Net, {"strategy": "ddp"}, 1, True),
+    # the loss outside forward (submodules called, the head's weight read) and a method
+    "hsdp_trunk": (TrunkNet, {"strategy": "hsdp", "replicate": 2}, 1, False),
+    "fsdp_tp_method": (TrunkMLPNet, {"strategy": "fsdp", "tp": 2}, 2, False),
+    "hsdp_tp_trunk": (TrunkMLPNet, {"strategy": "hsdp", "replicate": 2, "tp": 2}, 2, False),
 }
+# the step function of a case (classify otherwise): each computes what classify does
+FUNCTIONS = {"hsdp_trunk": via_submodule, "fsdp_tp_method": via_method,
+             "hsdp_tp_trunk": via_submodule}
 
 
 def _optimizer(model: nn.Module, zero: bool, overlap: bool = False) -> torch.optim.Optimizer:
@@ -118,8 +130,18 @@ SAVED = ("hsdp", "fsdp_tp")  # saved sharded after training, loaded by one proce
 def _step(name: str) -> af.Step:
     _, options, tp, _ = CASES[name]
     plan = {"tensor_parallel": tp_plan()} if tp > 1 else {}
+    fn = FUNCTIONS.get(name, classify)
+
+    def function(model, batch):  # notes what it receives: the user's model
+        RECEIVED.add(type(model).__name__)
+        return fn(model, batch)
+
+    function.__name__ = fn.__name__
     return af.with_clipping(max_norm=MAX_NORM)(af.with_accumulation(2)(
-        af.distributed(**options, **plan)(classify)))
+        af.distributed(**options, **plan)(function)))
+
+
+RECEIVED: set[str] = set()
 
 
 def _train(name: str, out_dir: str) -> dict:
@@ -134,8 +156,9 @@ def _train(name: str, out_dir: str) -> dict:
     state = af.TrainState(model, _optimizer(model, zero))
     step = _step(name)
     counter = _Counter()
+    RECEIVED.clear()
     if zero:  # count DDP's all-reduces: one per update, none on the first micro-batch
-        step.prepare(state).model.register_comm_hook(counter, _counting_hook)
+        step.prepare(state).call.register_comm_hook(counter, _counting_hook)
     rows = SHARDS[WORLD // tp][rank // tp]  # a tensor-parallel group shares its data shard
     norms, counts = [], []
     for i in range(STEPS):
@@ -144,6 +167,7 @@ def _train(name: str, out_dir: str) -> dict:
         norms.append(metrics["grad_norm"].clone())
         counts.append(counter.calls - before)
     out: dict = {"params": _full(model), "norms": norms, "counts": counts,
+                 "received": sorted(RECEIVED),
                  "label": repr(step), "save_error": None}
     if name in SAVED:
         try:
@@ -263,6 +287,12 @@ def test_update_equals_one_process_on_every_ranks_rows(results, case):
             torch.testing.assert_close(norm, want, atol=1e-5, rtol=1e-5,
                                        msg=f"{case} rank {rank} update {i}")
             assert want > MAX_NORM
+
+
+@pytest.mark.parametrize("case", list(FUNCTIONS))
+def test_the_function_receives_the_users_model_under_hsdp_and_tensor_parallel(results, case):
+    for rank in range(WORLD):
+        assert results[rank][case]["received"] == [CASES[case][0].__name__]
 
 
 def test_hsdp_shards_inside_a_replica_and_replicates_across(results):

@@ -25,6 +25,21 @@ __all__ = ["compiled"]
 CachePath = str | os.PathLike[str]
 
 
+_COMPILED = "_accelfn_compiled_with"  # on a model compiled in place: (options, label)
+
+
+def _check_in_place(state: TrainState, kwargs: dict[str, Any], label: str) -> None:
+    """Refuse to compile in place a model an earlier step compiled with other options (its
+    call holds one compiled function, as after ``model.compile(...)``)."""
+    done = state.model.__dict__.get(_COMPILED)
+    if done is not None and done[0] != repr(kwargs):
+        raise ValueError(
+            f"{label} would compile the model in place, but another step on this TrainState "
+            f"compiled it with {done[1]} (a model's call holds one compiled function); use "
+            "the same compiled(...) options in every step of a state, or build a new "
+            "TrainState")
+
+
 def _tensor_lrs(optimizer: torch.optim.Optimizer) -> None:
     """Every learning rate a tensor: schedulers change it without recompiling the step."""
     for group in optimizer.param_groups:
@@ -41,7 +56,7 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
     def compile(prepared: Prepared, state: TrainState) -> Prepared:
         if cache is not None:
             cache_file.load(cache, prepared.device, state)
-        model, sharded = prepared.model, prepared.process_group is not None
+        model, sharded = state.model, prepared.process_group is not None
         in_place = False
         if regional is not False:
             reason = regions.in_place_reason(state.model, regional, sharded, backend)
@@ -52,10 +67,11 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
                     f"{reason}; the rest of the model runs eager"))
             # what the check of a later step's regional compile compares with
             regions.wrap_blocks(state.model, kwargs, (in_place, sharded, repr(kwargs), label))
-        if not in_place:
-            model = torch.compile(model, **kwargs)  # type: ignore[assignment]
+        if not in_place and model.__dict__.get(_COMPILED) is None:
+            model.compile(**kwargs)  # the model's own call compiled, where it is
+            model.__dict__[_COMPILED] = (repr(kwargs), label)
         if not optimizer:
-            return dataclasses.replace(prepared, model=model)
+            return prepared
         optimizers = state.optimizers
         for optim in optimizers:
             _tensor_lrs(optim)
@@ -67,7 +83,7 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
                 _tensor_lrs(optim)
             compiled_step()
 
-        return dataclasses.replace(prepared, model=model, optimizer_step=optimizer_step)
+        return dataclasses.replace(prepared, optimizer_step=optimizer_step)
 
     def after_update(ctx: UpdateContext, skipped: Tensor) -> None:
         assert cache is not None
@@ -83,7 +99,7 @@ def _compiled(mode: str | None, fullgraph: bool, dynamic: bool | None, backend: 
     label = f"compiled({', '.join(parts)})" if parts else "compiled"
     part = Compilation(
         compile,
-        check=None if regional is False else (
+        check=(lambda s: _check_in_place(s, kwargs, label)) if regional is False else (
             lambda s: regions.check(s, regional, backend, repr(kwargs), label)),
         after_update=None if cache is None else after_update)
     return Transform(
@@ -132,9 +148,13 @@ def compiled(
     before the loop (and, with ``optimizer=True``, ``torch.compile`` of ``optimizer.step``
     with the learning rate held as a tensor so that schedules never recompile).
 
-    The compiled model is what the step function receives, in training and in
-    ``step.evaluate``; the wrap happens once, after checkpoint wrapping and after DDP/FSDP,
-    whatever the stacking order. Steps of equal shapes do not recompile.
+    The model is compiled in place, as ``model.compile(...)`` does: the step function receives
+    the model itself (an instance of its own class, its submodules and methods as they are),
+    and ``model(...)`` runs the compiled code, in training, in ``step.evaluate`` and in the
+    user's own calls. It happens once, after checkpoint wrapping and after DDP/FSDP, whatever
+    the stacking order. Steps of equal shapes do not recompile. A step function that calls
+    a submodule or a method instead of ``model(...)`` reaches no compiled code that way:
+    ``regional=True`` compiles the repeated blocks where they sit, for every caller.
 
     ``regional=True`` is torch's regional compilation, equivalent to ``for block in blocks:
     block.compile()``: each repeated block (``af.find_blocks``) compiled in place, inside

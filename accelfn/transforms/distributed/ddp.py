@@ -1,20 +1,54 @@
-"""DDP: the model wrapped in ``DistributedDataParallel``, and the all-reduce of gradients that
-a window's last backward did not synchronise (``step.flush``)."""
+"""DDP: the model's gradients synchronised by ``DistributedDataParallel``, the step function
+run as its forward; and the all-reduce of gradients that a window's last backward did not
+synchronise (``step.flush``).
+
+DDP prepares its reducer in its own forward, so whatever the step function calls must run
+inside that forward. DDP wraps :class:`StepCall`, a module whose only child is the user's
+model and whose forward runs one call of the step function: DDP's buffer broadcast, reducer
+and ``no_sync`` wrap the whole function, and the function gets the model itself (its
+submodules and methods reach the same parameters, whose gradients DDP's hooks reduce).
+torch's composable ``replicate`` would do the same in place, but is not public API and has
+none of DDP's communication hooks, static graph or bucket settings.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from tensordict import TensorDictBase
 from torch import nn
 
-__all__ = ["all_reduce_grads", "wrap_ddp"]
+__all__ = ["StepCall", "all_reduce_grads", "plain_output", "wrap_ddp"]
+
+
+class StepCall(nn.Module):
+    """What DDP wraps: the model (as ``module``, so DDP's names are the model's behind
+    ``module.``) and a forward that runs one call of the step function."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.module = model
+
+    def forward(self, call: Callable[[], Any]) -> Any:
+        return plain_output(call())
+
+
+def plain_output(out: Any) -> Any:
+    """A TensorDict output as a dict of its entries: DDP and FSDP2 find the tensors of an
+    output (to hook the backward) in dicts, lists and tuples."""
+    if isinstance(out, TensorDictBase):
+        return dict(out.items())
+    return out
 
 
 def wrap_ddp(model: nn.Module, device: torch.device, static_graph: bool,
              compression: str | None, bucket_cap_mb: float | None,
-             find_unused_parameters: bool) -> nn.Module:
+             find_unused_parameters: bool) -> nn.parallel.DistributedDataParallel:
+    """``DistributedDataParallel`` over :class:`StepCall` of ``model``: calling it with a
+    function of no argument runs the function as DDP's forward."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
     from torch.nn.parallel import DistributedDataParallel
 
@@ -24,7 +58,7 @@ def wrap_ddp(model: nn.Module, device: torch.device, static_graph: bool,
         kwargs["device_ids"] = [device.index]
     if bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = bucket_cap_mb
-    ddp = DistributedDataParallel(model, **kwargs)
+    ddp = DistributedDataParallel(StepCall(model), **kwargs)
     _no_buffer_sync_without_grad(ddp)
     if compression == "fp16":
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)

@@ -52,12 +52,13 @@ def _unused_names(text: str, model: nn.Module | None) -> list[str]:
     """The unused parameters' names, from DDP's message (by name, or by index into the
     model's trainable parameters in DDP's order)."""
     named = _UNUSED_NAMES.search(text)
-    if named:
-        return [name.strip() for name in named.group(1).split(",") if name.strip()]
+    if named:  # DDP names them inside the module it wraps, which holds the model as "module"
+        return [name.strip().removeprefix("module.") for name in named.group(1).split(",")
+                if name.strip()]
     indices = _UNUSED_INDICES.search(text)
     if not indices:
         return []
-    inner = getattr(model, "module", model)  # DistributedDataParallel holds the model
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     if not isinstance(inner, nn.Module):
         return [f"index {i}" for i in indices.group(1).split()]
     names = [name for name, p in inner.named_parameters() if p.requires_grad]
@@ -112,8 +113,9 @@ def translate(error: BaseException, *, model: nn.Module | None = None,
               where: str = "") -> DistributedError | None:
     """The :class:`DistributedError` explaining ``error``, or None when it is not one of the
     torch.distributed failures it knows (unused parameters under DDP, processes disagreeing
-    on shapes, a collective's timeout, a process lost). ``model`` (the DDP-wrapped model)
-    names unused parameters; ``where`` (e.g. ``" while wrapping the model"``) places the failure."""
+    on shapes, a collective's timeout, a process lost). ``model`` (the model DDP
+    synchronises) names unused parameters; ``where`` (e.g. ``" while wrapping the model"``)
+    places the failure."""
     if not isinstance(error, RuntimeError) or isinstance(error, DistributedError):
         return None
     text = str(error)

@@ -5,6 +5,7 @@ optimizers that sharded parameters cannot be trained by."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,8 +13,10 @@ from torch import nn
 
 from ...core.modules import find_blocks
 from ...core.state import TrainState
+from .ddp import plain_output
 
-__all__ = ["check_optimizers", "parameter_names", "repoint_optimizers", "shard_fsdp"]
+__all__ = ["check_optimizers", "parameter_names", "repoint_optimizers", "root_call",
+           "shard_fsdp"]
 
 
 def shard_fsdp(model: nn.Module, mesh: Any, param_dtype: torch.dtype | None,
@@ -28,11 +31,34 @@ def shard_fsdp(model: nn.Module, mesh: Any, param_dtype: torch.dtype | None,
         kwargs["mesh"] = mesh
     if offload == "cpu":  # pinned host memory only where there is a device to copy to
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    blocks = dict(kwargs)
     if reshard_after_forward is not None:
-        kwargs["reshard_after_forward"] = reshard_after_forward
+        blocks["reshard_after_forward"] = reshard_after_forward
     for _, block in find_blocks(model):
-        fully_shard(block, **kwargs)
+        fully_shard(block, **blocks)
+    # the root keeps FSDP2's default: gathered from its forward to the backward, so the
+    # parameters it owns stay gathered for the whole step function (see root_call)
     fully_shard(model, **kwargs)
+
+
+_CALL = "_accelfn_step_call"
+
+
+def _run(call: Callable[[], Any]) -> Any:
+    return plain_output(call())
+
+
+def root_call(model: nn.Module) -> Callable[[Callable[[], Any]], Any]:
+    """A function running a call of the step function as a forward of the FSDP2 root
+    ``model`` (``register_fsdp_forward_method``): the parameters the root owns are gathered
+    for the whole function, so a submodule, a method or a parameter read directly
+    (``model.head.weight``) gets what ``model(...)`` gets; the blocks gather their own."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    model.__dict__[_CALL] = _run
+    register_fsdp_forward_method(model, _CALL)
+    call: Callable[[Callable[[], Any]], Any] = getattr(model, _CALL)
+    return call
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:

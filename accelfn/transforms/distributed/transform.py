@@ -22,7 +22,7 @@ from ...core.protocol import CallContext, Prepared, Transform, UpdateContext, co
 from ...core.state import TrainState
 from .ddp import all_reduce_grads, wrap_ddp
 from .errors import Translating, translate
-from .fsdp import check_optimizers, parameter_names, repoint_optimizers, shard_fsdp
+from .fsdp import check_optimizers, parameter_names, repoint_optimizers, root_call, shard_fsdp
 from .mesh import build_mesh, data_mesh, layout
 from .plans import apply_plan, check_plan, resolve_plan
 
@@ -92,8 +92,8 @@ def _distributed(o: _Options) -> Transform:
             _sync_batchnorm(model, device)
         with Translating(where=" while the first step wrapped the model"):
             if not fsdp:
-                model = wrap_ddp(model, device, o.static_graph, o.compression,
-                                 o.bucket_cap_mb, o.find_unused_parameters)
+                call: Any = wrap_ddp(model, device, o.static_graph, o.compression,
+                                     o.bucket_cap_mb, o.find_unused_parameters)
             else:  # the islands phase (with_amp) set the compute dtype: FSDP's parameter dtype
                 before = parameter_names(model)
                 mesh = build_mesh(grid, device.type) \
@@ -104,14 +104,17 @@ def _distributed(o: _Options) -> Transform:
                 shard_fsdp(model, None if mesh is None else data_mesh(mesh, grid),
                            prepared.compute_dtype, o.offload, o.reshard_after_forward)
                 repoint_optimizers(state, model, before)
-        return dataclasses.replace(prepared, model=model, process_group=dist.group.WORLD)
+                call = root_call(model)
+        # the model stays the user's: the step function runs as the forward of DDP (over
+        # the model) or of the FSDP2 root (the model itself, sharded in place)
+        return dataclasses.replace(prepared, call=call, process_group=dist.group.WORLD)
 
     def _micro_context(ctx: CallContext,
                        sync: bool) -> contextlib.AbstractContextManager[Any] | None:
         model = ctx.model
         if sync:
             if fsdp:
-                _root(model).set_requires_gradient_sync(True)
+                _fsdp(model).set_requires_gradient_sync(True)
             unsynced.pop(model, None)
             return None
         if not fsdp:
@@ -120,11 +123,11 @@ def _distributed(o: _Options) -> Transform:
                 # too (what is reduced already is equal on every process)
                 return None
             unsynced[model] = True
-            no_sync: contextlib.AbstractContextManager[Any] = getattr(model, "no_sync")()  # noqa: B009
+            no_sync: contextlib.AbstractContextManager[Any] = _ddp(ctx).no_sync()
             return no_sync
         if o.fsdp_sync == "once":  # HSDP: neither reduce-scatter nor all-reduce until then
             unsynced[model] = True
-            _root(model).set_requires_gradient_sync(False)
+            _fsdp(model).set_requires_gradient_sync(False)
         return None
 
     def micro_context(ctx: CallContext, index: int,
@@ -133,7 +136,7 @@ def _distributed(o: _Options) -> Transform:
             return contextlib.nullcontext()
         # torch.distributed's failures in the forward (DDP's unused parameters found at the
         # next forward, FSDP's all-gathers, a timeout) are explained (errors.translate)
-        return Translating(_micro_context(ctx, sync), model=_root(ctx.model),
+        return Translating(_micro_context(ctx, sync), model=ctx.model,
                            where=" in a micro-batch's forward")
 
     def reduce(ctx: UpdateContext) -> None:
@@ -172,7 +175,7 @@ def _distributed(o: _Options) -> Transform:
         if ctx.distributed is None:
             return
         unsynced.pop(ctx.model, None)
-        root = _root(ctx.model)
+        root = _fsdp(ctx.model)
         compat.fsdp_drop_unreduced_grads(root)
         root.set_requires_gradient_sync(True)
 
@@ -181,11 +184,21 @@ def _distributed(o: _Options) -> Transform:
         # reduce-scatter) in accelfn's terms; the forward's are explained by micro_context
         if ctx.distributed is None:
             return None
-        return translate(error, model=_root(ctx.model), where=" in a micro-batch's backward")
+        return translate(error, model=ctx.model, where=" in a micro-batch's backward")
+
+    def unsynced_refusal(ctx: CallContext) -> str | None:
+        if fsdp or o.static_graph:
+            what = f"FSDP2 (strategy={o.strategy!r})" if fsdp else "DDP (static_graph=True)"
+            return what
+        return None
+
+    def agreed(ctx: CallContext) -> None:
+        # as after DDP's synced backward: the next call's first forward broadcasts buffers
+        _ddp(ctx).require_forward_param_sync = True
 
     # DDP keeps nothing the engine's zero_grad does not clear
     part = Sharding(shard, micro_context, reduce, abort=abort if fsdp else None,
-                    explain=explain)
+                    explain=explain, unsynced_refusal=unsynced_refusal, agreed=agreed)
     return Transform("distributed", part, options=_option_values(o), label=_label(o))
 
 
@@ -216,8 +229,16 @@ def _label(o: _Options) -> str:
     return f"distributed({', '.join(parts)})"
 
 
-def _root(model: nn.Module) -> Any:
-    return compat.unwrap_compiled(model)
+def _fsdp(model: nn.Module) -> Any:
+    """The model as the FSDP2 root it became in place (``FSDPModule``'s methods)."""
+    return model
+
+
+def _ddp(ctx: CallContext) -> nn.parallel.DistributedDataParallel:
+    """The DistributedDataParallel that runs the step function as its forward."""
+    ddp = ctx.prepared.call
+    assert isinstance(ddp, nn.parallel.DistributedDataParallel)
+    return ddp
 
 
 def _positive_int(name: str, value: object) -> int:
