@@ -20,6 +20,7 @@ from .checkpointing import (
 )
 
 # core: the step protocol, the engine, TrainState, processes
+from .core.chain import chain
 from .core.engine import Step, apply_transform, describe, lift
 from .core.guard import NonFiniteError
 from .core.modules import find_blocks
@@ -105,6 +106,7 @@ __all__ = [
     "Transform",
     "WarmupPlateau",
     "apply_transform",
+    "chain",
     "channels_last",
     "checkpointed",
     "checkpointing",

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor, nn
 
+from .core.chain import GradientTransformError
 from .core.engine import Step, apply_transform
 from .core.protocol import GradientTransform, Transform
 from .core.state import TrainState
@@ -276,7 +277,11 @@ def check_transform(
 
     # 1. equivalence to the hand-written reference, on the batches as made
     pristine = _batch_tensors(batches)
-    _, params = _train(step, make_model, make_optimizer, batches)
+    try:
+        _, params = _train(step, make_model, make_optimizer, batches)
+    except GradientTransformError as error:  # the engine's own check refused it
+        where = "against the reference" if reference is not None else "in a first run"
+        raise AssertionError(f"{transform!r} {where}: {error}") from error
     _assert_same(pristine, _batch_tensors(batches),
                  "a step changed its batch in place (it must not write to its input)")
     if reference is not None:

@@ -1,10 +1,17 @@
 """The user's gradient transforms, run as one chain in the order they were stacked.
 
-Each [`GradientTransform`][accelfn.GradientTransform] keeps its state in the TrainState
+[`chain`][accelfn.chain]``(a, b, ...)`` writes that order once: ``chain(a, b)(fn)`` is
+``b(a(fn))``, as ``optax.chain(a, b)``. Each transform keeps its state in the TrainState
 (slot ``"gradients.<name>"``), made by its ``init(params)`` at the first update. The chain
 returns the new states instead of storing them: the engine commits them with the update,
 so a call that fails before the optimizer step, or an update skipped on the host, leaves
-them as they were (as ``optax.apply_if_finite`` leaves its inner state).
+them as they were (as ``optax.apply_if_finite`` leaves its inner state). Committing runs
+the transforms' ``after_step`` places too, right after the optimizer step, in chain order.
+
+After each transform the chain checks what it left (only when there are user transforms:
+a step without them reads nothing): every gradient of its parameter's shape, dtype and
+device, and no parameter written (their autograd version counters unchanged); else it
+raises [`GradientTransformError`][] naming the transform, before any optimizer state changes.
 """
 
 from __future__ import annotations
@@ -13,11 +20,52 @@ import copy
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from .protocol import GradientTransform, UpdateContext
+from .protocol import Chained, GradientTransform, Transform, UpdateContext
 
-__all__ = ["Held", "commit", "run"]
+__all__ = ["GradientTransformError", "Held", "Pending", "chain", "commit", "run"]
+
+
+class GradientTransformError(RuntimeError):
+    """A gradient transform broke its contract: it left a gradient unlike its parameter, or
+    wrote into a parameter. Raised before any optimizer state changes."""
+
+
+def chain(*transforms: Transform | GradientTransform) -> Transform:
+    """The gradient transforms ``transforms`` as one, run in the order written: equivalent to
+    applying them one by one, ``chain(a, b)(fn) == b(a(fn))``, as ``optax.chain(a, b)``.
+
+    Each keeps its own state (slot ``"gradients.<name>"``) and its ``after_step`` (run after
+    the optimizer step, in the same order). A chain in a chain is flattened; ``chain()``
+    changes nothing. The built-ins are refused: each fills its own place of the update
+    whatever the order (clipping comes after every gradient transform), so stack them
+    around the chain: ``with_clipping(max_norm=1.0)(chain(a, b)(fn))``.
+    """
+    members: list[Transform] = []
+    for t in transforms:
+        if isinstance(t, GradientTransform):
+            t = t.transform()
+        if not isinstance(t, Transform):
+            raise TypeError(f"chain() takes gradient transforms (accelfn.Transform(name, "
+                            f"update=...)), got {t!r}")
+        if isinstance(t.part, Chained):
+            members.extend(t.part.members)
+        elif isinstance(t.part, GradientTransform):
+            members.append(t)
+        else:
+            raise TypeError(
+                f"chain() takes gradient transforms; {t!r} is a built-in, which fills its own "
+                "place of the update whatever the order: stack it around the chain, "
+                f"{t!r}(chain(...)(fn))")
+    names = [m.name for m in members]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"chain() holds two gradient transforms named {', '.join(twice)}: "
+                         "their states would share a slot; give each its own name")
+    return Transform("chain", Chained(tuple(members)), options=(("transforms", tuple(members)),),
+                     label=f"chain({', '.join(repr(m) for m in members)})")
 
 
 class Held:
@@ -54,19 +102,39 @@ class Held:
             self.value = copy.deepcopy(saved)
 
 
-Pending = list[tuple[Held, Any]]
+class Pending:
+    """What a run of the chain leaves for the update: the new states (kept with it) and the
+    transforms with an ``after_step``, with the parameters they were handed."""
+
+    __slots__ = ("after", "params", "states")
+
+    def __init__(self, states: list[tuple[Held, Any]], after: list[tuple[GradientTransform, Held]],
+                 params: list[Tensor]) -> None:
+        self.states = states
+        self.after = after
+        self.params = params
+
+    def __bool__(self) -> bool:
+        """Whether committing does anything."""
+        return bool(self.states or self.after)
 
 
 def run(chain: Sequence[GradientTransform], ctx: UpdateContext) -> Pending:
-    """Run ``chain`` on the update's gradients (edited in place); returns the new states."""
+    """Run ``chain`` on the update's gradients (edited in place), each transform checked
+    after it ran; returns the new states and what runs after the optimizer step."""
     grads, params = ctx.params_with_grads()
-    pending: Pending = []
+    states: list[tuple[Held, Any]] = []
+    after: list[tuple[GradientTransform, Held]] = []
     for transform in chain:
         held: Held = ctx.state.slot(transform.slot, _factory(transform, params))
+        versions = [p._version for p in params]
         new = transform.update(grads, params, held.value)
+        _check(transform, params, versions, ctx)
         if new is not None:
-            pending.append((held, new))
-    return pending
+            states.append((held, new))
+        if transform.after_step is not None:
+            after.append((transform, held))
+    return Pending(states, after, params)
 
 
 def _factory(transform: GradientTransform, params: list[Tensor]) -> Callable[[], Held]:
@@ -75,6 +143,53 @@ def _factory(transform: GradientTransform, params: list[Tensor]) -> Callable[[],
 
 
 def commit(pending: Pending) -> None:
-    """Keep the new states of an update that was applied."""
-    for held, new in pending:
+    """Keep the new states of an update that was applied, then run the transforms'
+    ``after_step`` places in chain order (right after the optimizer step)."""
+    for held, new in pending.states:
         held.value = new
+    if pending.after:
+        params = pending.params
+        with torch.no_grad():
+            for transform, held in pending.after:
+                assert transform.after_step is not None
+                transform.after_step(params, held.value)
+
+
+_NOTHING_APPLIED = ("no update was applied: the gradients were cleared, and the optimizer "
+                    "state, the scheduler and the gradient transforms' states are unchanged")
+
+
+def _check(transform: GradientTransform, params: list[Tensor], versions: list[int],
+           ctx: UpdateContext) -> None:
+    """Refuse what ``transform`` left: a parameter written, or a gradient whose shape, dtype
+    or device is not its parameter's (one pass over the parameters)."""
+    for i, p in enumerate(params):
+        g = p.grad
+        if p._version != versions[i]:
+            raise GradientTransformError(
+                f"the gradient transform {_named(transform)} wrote into the parameter "
+                f"{_name_of(ctx, p, i)}: update(grads, params, state) edits the gradients only "
+                "(the optimizers change the parameters); for a projection or a constraint of "
+                "the weights after the optimizer step, give it after_step= instead; "
+                f"{_NOTHING_APPLIED}, but its write stays in the parameter: reload the model "
+                "(from a checkpoint) before training on")
+        if g is not None and (g.shape != p.shape or g.dtype != p.dtype
+                              or g.device != p.device):
+            raise GradientTransformError(
+                f"the gradient transform {_named(transform)} left a gradient of shape "
+                f"{tuple(g.shape)}, {g.dtype} on {g.device} for the parameter "
+                f"{_name_of(ctx, p, i)} of shape {tuple(p.shape)}, {p.dtype} on {p.device}: "
+                "edit the gradients in place, each keeping its shape, dtype and device "
+                f"(g.mul_(...), g.copy_(new)); {_NOTHING_APPLIED}")
+
+
+def _named(transform: GradientTransform) -> str:
+    label = transform.label
+    return repr(transform.name) + (f" ({label})" if label and label != transform.name else "")
+
+
+def _name_of(ctx: UpdateContext, param: Tensor, index: int) -> str:
+    for name, p in ctx.state.model.named_parameters():
+        if p is param:
+            return repr(name)
+    return f"number {index} of the optimizers' (not in the model)"

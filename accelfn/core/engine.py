@@ -312,14 +312,14 @@ class Step:
                 grads = uctx.local_grads()
                 if grads:
                     compat.foreach_div_(grads, uctx.divisor)
-            states = chain.run(spec.gradients, uctx) if spec.gradients else []
+            states = chain.run(spec.gradients, uctx) if spec.gradients else None  # checked
             norm = spec.clipping.clip(uctx) if spec.clipping is not None else None
             # the decision, then the optimizer steps
             decision = self._guard.decide(uctx, overflow, norm, not spec.gradients)
             optimizers_.rate_metrics(metrics, optimizers, prepared.device)  # what it uses
             on_device = self._apply(uctx, decision, applied)  # a device flag: decided there
             # from here on the update is applied (or skipped): it cannot be undone
-            if states and decision.skip is not True:
+            if states and decision.skip is not True:  # the user's after-step places run here
                 chain.commit(states)
             advance = self._guard.advance_skipped  # as loops stepping them unconditionally
             if decision.skip is False or advance:
@@ -482,8 +482,26 @@ def apply_transform(fn: LossFn | Step, transform: Transform | GradientTransform)
 
 
 def describe(step: Step | Callable[..., Any]) -> str:
-    """The stack as text, outermost first: ``compiled ∘ with_amp(bf16) ∘ my_step``."""
+    """The stack as text, outermost first, in the order the update runs (``f ∘ g`` runs ``g``
+    first): ``compiled ∘ with_amp(bf16) ∘ my_step``. The built-ins print as they were stacked
+    (their order changes nothing); the user's gradient transforms print together, in the
+    order they run (one alone, several as their ``chain(...)``), inside ``with_clipping`` and
+    ``with_nonfinite``, which act on what they leave, and outside the other built-ins, whose
+    unscaling, reduction and weighting come before them:
+    ``with_clipping(max_norm=1) ∘ chain(a, b) ∘ with_amp(bf16) ∘ my_step``."""
+    from .places import Clipping, NonFinite
+    from .protocol import Chained
+
     if not isinstance(step, Step):
         return getattr(step, "__name__", repr(step))
-    parts = [repr(t) for t in reversed(step.transforms)]
-    return " ∘ ".join([*parts, getattr(step.fn, "__name__", type(step.fn).__name__)])
+    name = getattr(step.fn, "__name__", type(step.fn).__name__)
+    stack = [m for t in reversed(step.transforms)
+             for m in (reversed(t.part.members) if isinstance(t.part, Chained) else (t,))]
+    user = [t for t in stack if isinstance(t.part, GradientTransform)][::-1]  # run order
+    if not user:
+        return " ∘ ".join([*(repr(t) for t in stack), name])
+    builtins = [t for t in stack if not isinstance(t.part, GradientTransform)]
+    after = [isinstance(t.part, (Clipping, NonFinite)) for t in builtins]  # run after them
+    chained = repr(user[0]) if len(user) == 1 else f"chain({', '.join(map(repr, user))})"
+    return " ∘ ".join([*(repr(t) for t, a in zip(builtins, after) if a), chained,
+                       *(repr(t) for t, a in zip(builtins, after) if not a), name])

@@ -22,6 +22,7 @@ from torch import Tensor
 from .batch import Batch
 from .protocol import (
     CallContext,
+    Chained,
     Decision,
     GradientTransform,
     Plan,
@@ -193,12 +194,14 @@ class Spec:
 
 
 def spec_of(transforms: tuple[Transform, ...], text: Callable[[], str]) -> Spec:
-    """The spec of ``transforms`` (innermost first); refuses a built-in twice, and two
-    gradient transforms of one name (their states would share a slot)."""
+    """The spec of ``transforms`` (innermost first; a chain's transforms in its order);
+    refuses a built-in twice, and two gradient transforms of one name (their states would
+    share a slot)."""
     places: dict[str, Any] = {}
     gradients: list[GradientTransform] = []
     names: set[str] = set()
-    for t in transforms:
+    for t in (m for each in transforms
+              for m in (each.part.members if isinstance(each.part, Chained) else (each,))):
         if t.name in names:
             raise ValueError(f"{t.name} is applied twice in {text()}; apply each transform once")
         names.add(t.name)
@@ -210,7 +213,8 @@ def spec_of(transforms: tuple[Transform, ...], text: Callable[[], str]) -> Spec:
         if place is None:
             raise TypeError(
                 f"transform {t.name!r} fills no place of the update ({type(part).__name__}); "
-                "extend the update with accelfn.GradientTransform(name, update, init)")
+                "extend the update with a gradient transform: accelfn.Transform(name, "
+                "update=fn) (accelfn.GradientTransform(name, fn) makes the same)")
         if place in places:
             raise ValueError(f"{places[place][0]} and {t.name} both fill the {place!r} place "
                              f"of the update; keep one of them in {text()}")
