@@ -17,6 +17,7 @@ from torch.nn.attention.flex_attention import flex_attention
 
 import accelfn as af
 import accelfn.data as ad
+from accelfn.core import compat
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -119,12 +120,13 @@ def test_under_accelfn_compiled_each_document_is_computed_alone(tmp_path):
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.0))
     step = af.compiled(lm_loss)
     compiled_model = step.prepare(state).model
-    assert compiled_model is not model  # torch.compile's module
+    assert compiled_model is model and compat.is_compiled(model)  # compiled in place
     with torch.no_grad():
         out = compiled_model(batch["inputs"], batch["document_ids"], batch["positions"])
         for r, a, b in segments(batch["document_ids"]):
-            one = model(batch["inputs"][r:r + 1, a:b], torch.zeros(1, b - a, dtype=torch.long),
-                        torch.arange(b - a)[None])  # the document on its own, eager
+            one = model.forward(  # the document on its own, eager (its forward, not its call)
+                batch["inputs"][r:r + 1, a:b], torch.zeros(1, b - a, dtype=torch.long),
+                torch.arange(b - a)[None])
             torch.testing.assert_close(out[r:r + 1, a:b], one, rtol=0, atol=1e-6)
     # the step's own forward, compiled (torch 2.14 has no flex-attention backward on the CPU:
     # training with it needs a GPU; on the CPU train with document_causal_mask)

@@ -73,15 +73,15 @@ def test_a_plan_resolves_to_the_modules_its_patterns_name_in_model_order():
         "blocks.0.norm", "blocks.1.norm"]
 
 
-def test_a_plan_names_the_models_own_modules_under_checkpointeds_scope():
-    """checkpointed hands the step its model inside a scope module (under "module"): the
-    patterns still name the model's modules, and resolve to the scope's names."""
+def test_a_plan_names_the_models_own_modules_under_checkpointed():
+    """checkpointed hands the step its model itself (the blocks wrapped in place): the
+    patterns name the model's modules, as without it."""
     model = MLPNet()
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    scoped = af.checkpointed(blocks=(MLPBlock,))(classify).prepare(state).model
-    assert hasattr(scoped, "accelfn_checkpoint_key")
-    resolved = resolve_plan(scoped, {"blocks.*.up": ColwiseParallel()}, tp=2)
-    assert list(resolved) == ["module.blocks.0.up", "module.blocks.1.up"]
+    prepared = af.checkpointed(blocks=(MLPBlock,))(classify).prepare(state).model
+    assert prepared is model
+    resolved = resolve_plan(prepared, {"blocks.*.up": ColwiseParallel()}, tp=2)
+    assert list(resolved) == ["blocks.0.up", "blocks.1.up"]
 
 
 @pytest.mark.parametrize("plan, tp, words", [
