@@ -191,6 +191,7 @@ TINY_GPT = ["--text-bytes", "30000", "--batch-size", "8", "--seq-len", "32", "--
             "--depth", "2", "--quiet"]
 TINY_IMAGES = ["--size", "16", "--batch-size", "8", "--quiet"]
 TINY_MUON = ["--batch-size", "8", "--seq-len", "16"]
+TINY_HF = ["--batch-size", "8", "--seq-len", "16", "--dim", "32", "--quiet"]
 # name: (the 2-process run, the 1-process resume of it, the updates the resume ends at)
 TORCHRUN_CASES = {
     "classify_digits": (["--steps", "6", "--stop-at", "3", "--quiet"], ["--steps", "6", "--quiet"],
@@ -206,6 +207,8 @@ TORCHRUN_CASES = {
                 ["--steps", "6", "--teacher-steps", "10"], 6),
     "muon_adamw": (["--steps", "6", "--stop-at", "3", *TINY_MUON], ["--steps", "6", *TINY_MUON],
                    6),
+    # DDP of a transformers LlamaForCausalLM, the loss from model.model(...)'s states
+    "finetune_hf": (["--steps", "4", "--stop-at", "2", *TINY_HF], ["--steps", "4", *TINY_HF], 4),
 }
 @pytest.mark.slow
 @pytest.mark.distributed
@@ -468,6 +471,11 @@ BAD_ARGUMENTS = [  # (example, arguments, what its one-line error says)
     ("distill", ["--temperature", "0"], "argument --temperature: must be > 0, got 0"),
     ("muon_adamw", ["--accumulation", "9", "--batch-size", "8"],
      "--accumulation 9 cannot split a batch of 8 samples into 9 micro-batches"),
+    ("finetune_hf", ["--tp", "2"], "--tp shards the decoder layers inside FSDP2's mesh: pass "
+                                   "--fsdp too"),
+    ("finetune_hf", ["--from", "no/such/folder"], "--from no/such/folder: no config.json"),
+    ("finetune_hf", ["--text", "no_such_module"], "--text no_such_module: not a module of "
+                                                  "Python source"),
 ]
 NO_QUIET = ("custom_transform", "hand_written_loop", "gan", "muon_adamw")
 
