@@ -6,7 +6,7 @@
 
 Time: 4.5 s on a 2-core CPU shared with other work (load average 3), 200 updates.
 
-``with_gradient_noise`` is an ``accelfn.GradientTransform``: a name, an update of the
+``with_gradient_noise`` is an ``accelfn.Transform`` of the user's: a name, an update of the
 gradients (after unscaling, micro-batch weighting and the reduction across processes,
 before clipping), and a state (its random generator's), which the TrainState keeps and
 checkpoints. ``tests/test_examples.py`` checks it against the noise written by hand and runs
@@ -30,7 +30,7 @@ from accelfn import data
 from accelfn.data.datasets import digits
 
 
-def with_gradient_noise(*, std: float = 0.01, seed: int = 0) -> af.GradientTransform:
+def with_gradient_noise(*, std: float = 0.01, seed: int = 0) -> af.Transform:
     """Equivalent to ``p.grad += std * randn_like(p.grad)`` for every parameter, before
     clipping and the optimizer step."""
     if not std > 0:
@@ -49,8 +49,8 @@ def with_gradient_noise(*, std: float = 0.01, seed: int = 0) -> af.GradientTrans
                    alpha=std)
         return {"rng": generator.get_state()}  # the new state: kept if the update applies
 
-    return af.GradientTransform("with_gradient_noise", add_noise, init,
-                                label=f"with_gradient_noise({std:g})")
+    return af.Transform("with_gradient_noise", update=add_noise, init=init,
+                        label=f"with_gradient_noise({std:g})")
 
 
 def mlp_step(model: nn.Module, batch: TensorDictBase) -> dict[str, torch.Tensor]:

@@ -48,7 +48,8 @@ class Transform:
     ``update(grads, params, state)`` edits ``grads`` in place and returns the new state (None:
     keep it); ``init(params)`` makes the first state; ``after_step(params, state)`` changes the
     parameters after the optimizer step (a projection, a constraint), skipped with the update
-    (see [`GradientTransform`][] for the rules, docs/writing-a-transform.md for a guide).
+    (given alone, without ``update``, the gradients are left as they are). See
+    [`GradientTransform`][] for the rules, docs/writing-a-transform.md for a guide.
 
     A built-in is ``Transform(name, part, options, label)``, ``part`` its place in the update
     (one of [`accelfn.core.places`][]'s types). Two transforms are equal when their name,

@@ -347,7 +347,7 @@ def test_under_fp16_a_gradient_transform_sees_unscaled_gradients():
         seen.append([g.clone() for g in grads])
         agc(grads, params, state)
 
-    agc = adaptive_gradient_clipping(0.01).update
+    agc = adaptive_gradient_clipping(0.01).part.update
     step = af.with_amp(dtype=torch.float16)(
         af.GradientTransform("record_then_clip", record_then_clip)(classify))
     model, optimizer = _model_and_sgd()

@@ -316,3 +316,23 @@ def test_describe_prints_the_update_in_the_order_it_runs():
         "with_clipping(max_norm=0.5) ∘ with_amp(fp16) ∘ classify"  # as stacked
     assert af.describe(amp(clip(classify))) == \
         "with_amp(fp16) ∘ with_clipping(max_norm=0.5) ∘ classify"
+
+
+def test_an_after_step_that_raises_counts_the_applied_update_and_the_next_call_works():
+    fail = {"on": True}
+
+    def after_step(params, state):
+        if fail["on"]:
+            fail["on"] = False
+            raise RuntimeError("projection failed")
+
+    step = af.Transform("flaky", after_step=after_step)(classify)
+    state = _state()
+    before = copy.deepcopy(state.model.state_dict())
+    with pytest.raises(RuntimeError, match="projection failed") as caught:
+        step(state, BATCHES[0])
+    assert "failed after the optimizer step" in "".join(caught.value.__notes__)
+    assert state.step == 1 and all(p.grad is None for p in state.model.parameters())
+    assert not torch.equal(before["head.weight"], state.model.head.weight)  # it was applied
+    step(state, BATCHES[1])
+    assert state.step == 2
