@@ -192,6 +192,19 @@ def test_unknown_errors_pass_through_and_known_ones_are_not_translated_twice():
     assert "another process left the run in a micro-batch's forward" in str(lost)
 
 
+
+def test_a_tensor_parallel_weight_read_outside_its_module_names_the_fix():
+    # torch's text (torch/distributed/tensor/_dispatch.py), as the forward raises it
+    text = ("aten.mm.default: got mixed torch.Tensor and DTensor, need to convert all "
+            "torch.Tensor to DTensor before calling distributed operators!")
+    got = translate(RuntimeError(text), where=" in a micro-batch's forward")
+    assert isinstance(got, DistributedError) and got.kind == "mixed_dtensor"
+    for words in ("aten.mm.default", "tensor-parallel layer's parameter directly",
+                  "model.head(h)", "leave that layer out of the tensor-parallel plan",
+                  "in a micro-batch's forward"):
+        assert words in str(got), str(got)
+
+
 if __name__ == "__main__":
     worker(sys.argv[1], sys.argv[2])
 

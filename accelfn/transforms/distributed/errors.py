@@ -25,8 +25,9 @@ __all__ = ["DistributedError", "Translating", "translate"]
 class DistributedError(RuntimeError):
     """A torch.distributed failure, explained; the original error is its ``__cause__``.
 
-    ``kind`` says which: ``"unused_parameters"``, ``"shape_mismatch"``, ``"timeout"`` or
-    ``"process_lost"`` (another process's connection closed: it failed or exited).
+    ``kind`` says which: ``"unused_parameters"``, ``"shape_mismatch"``, ``"timeout"``,
+    ``"process_lost"`` (another process's connection closed: it failed or exited) or
+    ``"mixed_dtensor"`` (a tensor-parallel parameter used outside its module's call).
     """
 
     def __init__(self, message: str, kind: str) -> None:
@@ -45,6 +46,7 @@ _SHAPES = ("appears not to match sizes of the same param in process",
 _TIMEOUTS = ("Timed out waiting", "timed out after", "Watchdog caught collective operation "
              "timeout", "Socket Timeout", "wait timeout after")
 _LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_MIXED = "got mixed torch.Tensor and DTensor"
 _MILLISECONDS = re.compile(r"(?:waiting |Timeout\(ms\)=|after )(\d+) ?ms")
 
 
@@ -102,6 +104,18 @@ def _timeout(text: str, where: str) -> str:
     )
 
 
+def _mixed(text: str, where: str) -> str:
+    op = text.split(":", 1)[0].strip()
+    return (
+        f"{op} got a sharded tensor (DTensor) and a plain one{where}: the step function used "
+        "a tensor-parallel layer's parameter directly (e.g. F.linear(h, model.head.weight) "
+        "with head in tensor_parallel=...), or a tensor made from one, outside the module's "
+        "own call, where its inputs and outputs are redistributed. Call the module itself "
+        "(model.head(h)), or leave that layer out of the tensor-parallel plan (FSDP2 alone "
+        "gathers it for the whole step function)"
+    )
+
+
 def _lost(where: str) -> str:
     return (
         f"another process left the run{where} (its connection closed): look for its error in "
@@ -127,6 +141,8 @@ def translate(error: BaseException, *, model: nn.Module | None = None,
         return DistributedError(_timeout(text, where), "timeout")
     if any(pattern in text for pattern in _LOST):
         return DistributedError(_lost(where), "process_lost")
+    if _MIXED in text:
+        return DistributedError(_mixed(text, where), "mixed_dtensor")
     return None
 
 
