@@ -61,14 +61,16 @@ CASES = {
         strategy="fsdp", fsdp_sync="once")(received(via_method))),
 }
 MODELS = {name: TrunkNet for name in CASES if "trunk" in name or "method" in name}
-RECEIVED: list[str] = []  # the class of the model each call of a received(fn) got
+RECEIVED: list[str] = []  # what each call of a received(fn) got
+TRAINED: list = []  # the model of the case being trained
 
 
 def received(fn):
-    """``fn``, noting the class of the model it receives."""
+    """``fn``, noting whether it receives the model being trained (FSDP2 makes its class a
+    subclass of the user's, in place)."""
     def spy(model, batch):
-        RECEIVED.append(type(model).__name__ if isinstance(model, TrunkNet) else
-                        f"not a TrunkNet: {type(model).__name__}")
+        RECEIVED.append("the TrunkNet trained" if isinstance(model, TrunkNet)
+                        and model is TRAINED[-1] else f"another: {type(model).__name__}")
         return fn(model, batch)
 
     spy.__name__ = fn.__name__
@@ -100,6 +102,7 @@ def main(out_dir: str) -> None:
         counter = Counter()
         counts = []
         RECEIVED.clear()
+        TRAINED.append(model)
         if name in ("ddp_acc3", "ddp_method_acc3"):  # the DDP that runs the step function
             step.prepare(state).call.register_comm_hook(counter, counting_hook)
         for i in range(STEPS):

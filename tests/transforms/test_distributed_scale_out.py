@@ -132,8 +132,10 @@ def _step(name: str) -> af.Step:
     plan = {"tensor_parallel": tp_plan()} if tp > 1 else {}
     fn = FUNCTIONS.get(name, classify)
 
-    def function(model, batch):  # notes what it receives: the user's model
-        RECEIVED.add(type(model).__name__)
+    def function(model, batch):  # notes what it receives: the model trained (FSDP2 makes
+        # its class a subclass of the user's, in place)
+        RECEIVED.add(f"{CASES[name][0].__name__} trained" if isinstance(model, CASES[name][0])
+                     and model is TRAINED[-1] else f"another: {type(model).__name__}")
         return fn(model, batch)
 
     function.__name__ = fn.__name__
@@ -142,6 +144,7 @@ def _step(name: str) -> af.Step:
 
 
 RECEIVED: set[str] = set()
+TRAINED: list = []  # the model of the case being trained
 
 
 def _train(name: str, out_dir: str) -> dict:
@@ -157,6 +160,7 @@ def _train(name: str, out_dir: str) -> dict:
     step = _step(name)
     counter = _Counter()
     RECEIVED.clear()
+    TRAINED.append(model)
     if zero:  # count DDP's all-reduces: one per update, none on the first micro-batch
         step.prepare(state).call.register_comm_hook(counter, _counting_hook)
     rows = SHARDS[WORLD // tp][rank // tp]  # a tensor-parallel group shares its data shard
@@ -292,7 +296,7 @@ def test_update_equals_one_process_on_every_ranks_rows(results, case):
 @pytest.mark.parametrize("case", list(FUNCTIONS))
 def test_the_function_receives_the_users_model_under_hsdp_and_tensor_parallel(results, case):
     for rank in range(WORLD):
-        assert results[rank][case]["received"] == [CASES[case][0].__name__]
+        assert results[rank][case]["received"] == [f"{CASES[case][0].__name__} trained"]
 
 
 def test_hsdp_shards_inside_a_replica_and_replicates_across(results):
