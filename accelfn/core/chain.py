@@ -17,6 +17,7 @@ raises [`GradientTransformError`][] naming the transform, before any optimizer s
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -123,13 +124,14 @@ def run(chain: Sequence[GradientTransform], ctx: UpdateContext) -> Pending:
     """Run ``chain`` on the update's gradients (edited in place), each transform checked
     after it ran; returns the new states and what runs after the optimizer step."""
     grads, params = ctx.params_with_grads()
+    expected = list(map(_META, params))  # what every gradient must be
     states: list[tuple[Held, Any]] = []
     after: list[tuple[GradientTransform, Held]] = []
     for transform in chain:
         held: Held = ctx.state.slot(transform.slot, _factory(transform, params))
         versions = [p._version for p in params]
         new = transform.update(grads, params, held.value)
-        _check(transform, params, versions, ctx)
+        _check(transform, grads, params, versions, expected, ctx)
         if new is not None:
             states.append((held, new))
         if transform.after_step is not None:
@@ -144,43 +146,52 @@ def _factory(transform: GradientTransform, params: list[Tensor]) -> Callable[[],
 
 def commit(pending: Pending) -> None:
     """Keep the new states of an update that was applied, then run the transforms'
-    ``after_step`` places in chain order (right after the optimizer step)."""
+    ``after_step`` places in chain order (right after the optimizer step), without
+    autograd (they write the parameters)."""
     for held, new in pending.states:
         held.value = new
     if pending.after:
-        params = pending.params
-        with torch.no_grad():
+        params, enabled = pending.params, torch.is_grad_enabled()
+        try:  # switched off inside the try: an interrupt at any line leaves autograd as it was
+            torch.set_grad_enabled(False)
             for transform, held in pending.after:
                 assert transform.after_step is not None
                 transform.after_step(params, held.value)
+        finally:
+            torch.set_grad_enabled(enabled)
 
 
+_META = operator.attrgetter("shape", "dtype", "device")
 _NOTHING_APPLIED = ("no update was applied: the gradients were cleared, and the optimizer "
                     "state, the scheduler and the gradient transforms' states are unchanged")
 
 
-def _check(transform: GradientTransform, params: list[Tensor], versions: list[int],
+def _check(transform: GradientTransform, grads: list[Tensor], params: list[Tensor],
+           versions: list[int], expected: list[tuple[torch.Size, torch.dtype, torch.device]],
            ctx: UpdateContext) -> None:
-    """Refuse what ``transform`` left: a parameter written, or a gradient whose shape, dtype
-    or device is not its parameter's (one pass over the parameters)."""
-    for i, p in enumerate(params):
-        g = p.grad
-        if p._version != versions[i]:
-            raise GradientTransformError(
-                f"the gradient transform {_named(transform)} wrote into the parameter "
-                f"{_name_of(ctx, p, i)}: update(grads, params, state) edits the gradients only "
-                "(the optimizers change the parameters); for a projection or a constraint of "
-                "the weights after the optimizer step, give it after_step= instead; "
-                f"{_NOTHING_APPLIED}, but its write stays in the parameter: reload the model "
-                "(from a checkpoint) before training on")
-        if g is not None and (g.shape != p.shape or g.dtype != p.dtype
-                              or g.device != p.device):
-            raise GradientTransformError(
-                f"the gradient transform {_named(transform)} left a gradient of shape "
-                f"{tuple(g.shape)}, {g.dtype} on {g.device} for the parameter "
-                f"{_name_of(ctx, p, i)} of shape {tuple(p.shape)}, {p.dtype} on {p.device}: "
-                "edit the gradients in place, each keeping its shape, dtype and device "
-                f"(g.mul_(...), g.copy_(new)); {_NOTHING_APPLIED}")
+    """Refuse what ``transform`` left: a parameter written (its version counter moved), or a
+    gradient it was handed whose shape, dtype or device is no longer its parameter's (a
+    gradient assigned anew, ``p.grad = g``, torch checks itself). Two list comparisons when
+    all is well; the culprit is looked for only when one differs."""
+    if [p._version for p in params] != versions:
+        i = next(i for i, p in enumerate(params) if p._version != versions[i])
+        raise GradientTransformError(
+            f"the gradient transform {_named(transform)} wrote into the parameter "
+            f"{_name_of(ctx, params[i], i)}: update(grads, params, state) edits the gradients "
+            "only (the optimizers change the parameters); for a projection or a constraint of "
+            "the weights after the optimizer step, give it after_step= instead; "
+            f"{_NOTHING_APPLIED}, but its write stays in the parameter: reload the model "
+            "(from a checkpoint) before training on")
+    found = list(map(_META, grads))  # one C call per tensor
+    if found != expected:
+        i = next(i for i, (f, e) in enumerate(zip(found, expected)) if f != e)
+        (shape, dtype, device), (p_shape, p_dtype, p_device) = found[i], expected[i]
+        raise GradientTransformError(
+            f"the gradient transform {_named(transform)} left a gradient of shape "
+            f"{tuple(shape)}, {dtype} on {device} for the parameter "
+            f"{_name_of(ctx, params[i], i)} of shape {tuple(p_shape)}, {p_dtype} on {p_device}: "
+            "edit the gradients in place, each keeping its shape, dtype and device "
+            f"(g.mul_(...), g.copy_(new)); {_NOTHING_APPLIED}")
 
 
 def _named(transform: GradientTransform) -> str:

@@ -256,3 +256,27 @@ def test_the_plain_loop_reference_of_the_clean_updates():
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
     assert_params_equal(state.model, plain)
+
+
+def test_a_gradient_on_another_device_is_named_too():
+    """A gradient moved in place to another device (``g.data = g.data.to("cuda:1")`` on a
+    machine with two GPUs) fails the same comparison; on the CPU the check is fed a
+    parameter's device as if it were elsewhere."""
+    from types import SimpleNamespace
+
+    from accelfn.core import chain
+
+    torch.manual_seed(0)
+    model = Net()
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    expected = [(p.shape, p.dtype, p.device) for p in params]
+    expected[2] = (params[2].shape, params[2].dtype, torch.device("meta"))
+    ctx = SimpleNamespace(state=SimpleNamespace(model=model))
+    bad = af.GradientTransform("mover", lambda g, p, s: None)
+    with pytest.raises(GradientTransformError,
+                       match=r"'mover' left a gradient of shape .* on cpu for the parameter "
+                             r"'blocks\.0\.norm\.weight' .* on meta"):
+        chain._check(bad, grads, params, [p._version for p in params], expected, ctx)

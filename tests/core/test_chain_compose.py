@@ -336,3 +336,14 @@ def test_an_after_step_that_raises_counts_the_applied_update_and_the_next_call_w
     assert not torch.equal(before["head.weight"], state.model.head.weight)  # it was applied
     step(state, BATCHES[1])
     assert state.step == 2
+
+
+def test_an_interrupt_in_after_step_leaves_autograd_enabled():
+    def after_step(params, state):
+        assert not torch.is_grad_enabled()  # it writes the parameters: no autograd
+        raise KeyboardInterrupt
+
+    state = _state()
+    with pytest.raises(KeyboardInterrupt):
+        af.Transform("stop", after_step=after_step)(classify)(state, BATCHES[0])
+    assert torch.is_grad_enabled()
