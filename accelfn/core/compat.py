@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from tensordict import TensorDict
 from torch import Tensor, nn
-from torch.autograd.graph import _engine_run_backward
 
 __all__ = [
     "aten_observer",
@@ -65,40 +64,18 @@ def non_finite_check_and_unscale_(grads: list[Tensor], found_inf: Tensor,
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
-_has_torch_function_unary = torch._C._has_torch_function_unary
-_functorch_active = torch._C._are_functorch_transforms_active
-_ones_like = torch.ones_like
-_PRESERVE = torch.preserve_format
-
-
 def backward(loss: Tensor, inputs: tuple[Tensor, ...] = ()) -> None:
-    """``loss.backward(inputs=inputs or None)``: for a plain real scalar that requires grad,
-    the autograd engine's call ``torch.autograd.backward`` makes
-    (``torch.autograd.graph._engine_run_backward`` with a gradient of ones), without its
-    per-call argument handling (a fifth of a small model's backward on the CPU); anything else
-    (tensor subclasses, torch-function modes, functorch transforms, a loss without grad) goes
-    through ``loss.backward()`` itself. ``inputs``: accumulate into these leaves only."""
-    if (type(loss) is Tensor and loss.requires_grad and loss.dim() == 0
-            and loss.dtype.is_floating_point and not _has_torch_function_unary(loss)
-            and not _functorch_active()):
-        _engine_run_backward((loss,), (_ones_like(loss, memory_format=_PRESERVE),), False, False,
-                             inputs, allow_unreachable=True, accumulate_grad=True)
-    else:
-        loss.backward(inputs=inputs or None)  # type: ignore[no-untyped-call]
+    """``loss.backward(inputs=inputs or None)``: torch's own call (``inputs``: accumulate into
+    these leaves only; empty, autograd's default, every leaf that requires grad)."""
+    loss.backward(inputs=inputs or None)  # type: ignore[no-untyped-call]
 
 
-_set_grad_enabled = torch._C._set_grad_enabled
-
-
+@torch.no_grad()
 def sum_unrecorded(tensors: list[Tensor]) -> Tensor:
-    """``torch.stack(tensors).sum(0)`` under ``torch.no_grad()``, without the context
-    manager's three Python objects (it runs once per update)."""
-    previous = torch.is_grad_enabled()
-    _set_grad_enabled(False)
-    try:
-        return torch.stack(tensors).sum(0)
-    finally:
-        _set_grad_enabled(previous)
+    """``torch.stack(tensors).sum(0)`` under ``torch.no_grad()``, as a decorator (as torch's
+    ``clip_grad_norm_``): autograd is switched off and back inside torch's own context
+    manager, so an interrupt at any line here leaves it as it was."""
+    return torch.stack(tensors).sum(0)
 
 
 _OPTIMIZER_ZERO_GRAD = torch.optim.Optimizer.zero_grad

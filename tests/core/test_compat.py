@@ -224,7 +224,7 @@ def test_compile_counters_count_graphs_and_are_a_copy():
     torch._dynamo.reset()
 
 
-def test_backward_gives_the_gradients_of_loss_backward_through_the_engine(monkeypatch):
+def test_backward_is_loss_backward(monkeypatch):
     def grads(run):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 1))
@@ -234,10 +234,33 @@ def test_backward_gives_the_gradients_of_loss_backward_through_the_engine(monkey
 
     expected = grads(lambda loss: loss.backward())
     calls = []
-    monkeypatch.setattr(torch.Tensor, "backward", lambda self, *a, **k: calls.append(self))
+    original = torch.Tensor.backward
+
+    def backward(self, *args, **kwargs):
+        calls.append(kwargs)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", backward)
     got = grads(compat.backward)
-    assert not calls  # the engine was called directly
+    assert calls == [{"inputs": None}] * 2  # torch's own call, autograd's default inputs
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+def test_backward_accumulates_into_the_given_inputs_only():
+    a, b = torch.ones(3, requires_grad=True), torch.ones(3, requires_grad=True)
+    compat.backward((a * b * 2).sum(), (a,))
+    assert torch.equal(a.grad, torch.full((3,), 2.0)) and b.grad is None
+
+
+def test_sum_unrecorded_is_the_sum_without_autograd_and_restores_grad_mode():
+    w = torch.ones(3, requires_grad=True)
+    terms = [(w * k).sum() for k in (1.0, 2.0, 3.0)]
+    total = compat.sum_unrecorded(terms)
+    assert torch.equal(total, torch.stack([t.detach() for t in terms]).sum(0))
+    assert not total.requires_grad and torch.is_grad_enabled()
+    with torch.no_grad():
+        compat.sum_unrecorded(terms)
+        assert not torch.is_grad_enabled()  # as it was
 
 
 def test_backward_leaves_everything_else_to_loss_backward():

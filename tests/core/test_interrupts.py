@@ -1,6 +1,7 @@
 """An interrupt at any line of a call: a deterministic injector raises KeyboardInterrupt at
-the k-th line the engine runs, for every k; the call leaves no gradients and no half-applied
-update, and the next call is clean.
+the k-th line the engine (and the torch calls it makes through ``compat``, the clip) runs, for
+every k; the call leaves no gradients, no half-applied update and autograd enabled, and the
+next call is clean.
 
 "No half-applied update": the parameters, the optimizers' state and ``state.step`` are either
 all as before the call, or all as after the update (the interrupt came after the optimizer
@@ -18,9 +19,10 @@ import torch
 from conftest import Net, classify, make_batch
 
 import accelfn as af
-from accelfn.core import chain, engine, micro, optimizers
+from accelfn.core import chain, compat, engine, micro, optimizers
+from accelfn.transforms import clipping
 
-FILES = {os.path.abspath(m.__file__) for m in (engine, micro, chain, optimizers)}
+FILES = {os.path.abspath(m.__file__) for m in (engine, micro, chain, optimizers, compat, clipping)}
 
 
 class Injector:
@@ -62,8 +64,15 @@ def _same(a, b):
             and str(opt_a) == str(opt_b))
 
 
+def scalar_loss(model, batch):
+    """classify's loss alone: a window of plain losses is summed once, without autograd."""
+    return classify(model, batch)["loss"]
+
+
 STACKS = {
     "plain": lambda: af.lift(classify),
+    "scalar_loss_accumulate_clip": lambda: af.with_clipping(max_norm=0.5)(
+        af.with_accumulation(2)(scalar_loss)),
     "accumulate_clip": lambda: af.with_clipping(max_norm=0.5)(af.with_accumulation(2)(classify)),
     "fp16_gradient_transform": lambda: af.with_amp(dtype=torch.float16)(af.GradientTransform(
         "halve", lambda grads, params, state: [g.mul_(0.5) for g in grads] and None)(
@@ -74,6 +83,8 @@ STACKS = {
 @pytest.mark.slow
 @pytest.mark.parametrize("stack", list(STACKS))
 def test_an_interrupt_at_any_line_leaves_no_gradients_and_no_half_update(stack):
+    """...and autograd enabled: a Ctrl-C between switching it off and the ``try`` that
+    switches it back would leave every later step failing ("does not require grad")."""
     build = STACKS[stack]
     counting = Injector(at=0)  # counts the line events of one clean call
     torch.manual_seed(0)
@@ -99,6 +110,9 @@ def test_an_interrupt_at_any_line_leaves_no_gradients_and_no_half_update(stack):
             pass
         else:
             raise AssertionError(f"line event {at} of {total}: no interrupt raised")
+        grad_enabled = torch.is_grad_enabled()
+        torch.set_grad_enabled(True)  # the next iterations and tests run with autograd on
+        assert grad_enabled, f"autograd left off by an interrupt at line event {at}"
         assert all(p.grad is None for p in model.parameters()), f"gradients left at {at}"
         now = _snapshot(state)
         if not _same(before, now):  # then the update was applied whole, and counted
