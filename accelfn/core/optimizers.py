@@ -11,22 +11,22 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from . import compat
-from .compat_optim import direct_step
 from .state import TrainState
 
 __all__ = ["backward_inputs", "clear_grads", "rate_metrics", "step_unless", "stepper"]
 
 
 def stepper(optimizers: tuple[torch.optim.Optimizer, ...]) -> Callable[[], object]:
-    """``optimizer.step()`` of every optimizer, in order (``compat_optim.direct_step``)."""
-    steps = [direct_step(optimizer) for optimizer in optimizers]
-    if len(steps) == 1:
-        return steps[0]
+    """``optimizer.step()`` of every optimizer, in order: torch's call, looked up at each
+    update (its hooks, its profiler label, a scheduler's call tracking and a ``step`` replaced
+    on the instance later all run)."""
+    if len(optimizers) == 1:
+        (optimizer,) = optimizers
+        return lambda: optimizer.step()
 
     def step_all() -> None:
-        for step in steps:
-            step()
+        for optimizer in optimizers:
+            optimizer.step()
 
     return step_all
 
@@ -45,12 +45,20 @@ def step_unless(optimizer_step: Callable[[], object],
             del optimizer.found_inf  # type: ignore[attr-defined]
 
 
+_ZERO_GRAD = torch.optim.Optimizer.zero_grad
+
+
 def clear_grads(optimizers: tuple[torch.optim.Optimizer, ...]) -> None:
-    """Drop gradients that a window finds on its parameters: something else left them (another
-    model's step whose loss reached them, a backward outside the step); the update applies
-    its own loss's gradients only. Usually nothing is there: a step clears after its update."""
+    """``optimizer.zero_grad(set_to_none=True)`` of every optimizer that holds a gradient
+    (every one whose class has its own ``zero_grad``), torch's call: after an update, and on
+    the gradients a new window finds on its parameters, which something else left (another
+    model's step whose loss reached them, a backward outside the step): the update applies
+    its own loss's gradients only. Usually a window finds none (a step clears after its
+    update), and no call is made."""
     for optimizer in optimizers:
-        compat.zero_grad(optimizer)
+        if type(optimizer).zero_grad is not _ZERO_GRAD or any(
+                p.grad is not None for group in optimizer.param_groups for p in group["params"]):
+            optimizer.zero_grad(set_to_none=True)
 
 
 def backward_inputs(state: TrainState) -> tuple[Tensor, ...]:
