@@ -12,12 +12,9 @@ when installed (``pip install accelfn[peers]``). A control runs the plain loop a
 copy of the model: its ratio to the plain loop (1.000 if the machine were perfectly steady)
 is the noise floor the other ratios are read against.
 
-accelfn calls the backward, the optimizer's step, the clip and ``zero_grad`` without torch's
-Python wrappers around them when nothing needs those (no hooks, no profiler, plain tensors:
-``accelfn.core.compat``, ``compat_optim``), which on a small model saves more than its own
-bookkeeping costs. So that the bookkeeping (TensorDict split, metrics, the non-finite guard)
-is not hidden by that saving, a last line runs the plain loop with the same four calls
-(``same_calls``): accelfn's ratio to it is the cost of everything else accelfn does.
+accelfn makes the plain loop's own torch calls (``loss.backward()``, ``clip_grad_norm_``,
+``optimizer.step()``, ``zero_grad(set_to_none=True)``): what it adds over the plain loop is
+its bookkeeping (TensorDict split, metrics, the non-finite guard) alone.
 
 AdamW, one intra-op thread; every side runs the same number of updates on the same batch.
 Rounds interleave the sides, rotating which goes first; each round gives each side's median
@@ -144,37 +141,6 @@ def same_features_side(model: nn.Module, batch: TensorDict, bf16: bool) -> Calla
     return step
 
 
-def same_calls_side(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
-                    bf16: bool) -> Callable[[], None]:
-    """The plain loop calling the backward, the optimizer step, the clip and zero_grad as
-    accelfn calls them."""
-    from accelfn.core import compat_optim
-
-    optimizer = make_optimizer(model)
-    optimizer_step = compat_optim.direct_step(optimizer)
-    params = list(model.parameters())
-
-    def update() -> None:
-        compat_optim.clip_grad_norm_([p.grad for p in params if p.grad is not None], 1.0, 2.0)
-        optimizer_step()
-        compat.zero_grad(optimizer)
-
-    def step() -> None:
-        for xc, yc in zip(x.chunk(MICRO), y.chunk(MICRO)):
-            loss = F.cross_entropy(model(xc), yc)
-            compat.backward(loss / MICRO)
-        update()
-
-    def amp_step() -> None:
-        for xc, yc in zip(x.chunk(MICRO), y.chunk(MICRO)):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = F.cross_entropy(model(xc), yc)
-            compat.backward(loss / MICRO)
-        update()
-
-    return amp_step if bf16 else step
-
-
 def fabric_side(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
                 bf16: bool) -> Callable[[], None] | None:
     try:
@@ -228,8 +194,7 @@ def make_sides(name: str, bf16: bool, peers: bool = True
     batch = TensorDict({"x": x, "y": y}, batch_size=[batch_size])
     base = make_model(hidden)
     models = {side: copy.deepcopy(base) for side in
-              ("plain", "plain_again", "accelfn", "same_features", "same_calls", "fabric",
-               "accelerate")}
+              ("plain", "plain_again", "accelfn", "same_features", "fabric", "accelerate")}
     sides: dict[str, Callable[[], Any] | None] = {
         "plain": plain_side(models["plain"], x, y, bf16),
         # the control: the same plain loop on its own copy of the model, whose ratio to the
@@ -237,7 +202,6 @@ def make_sides(name: str, bf16: bool, peers: bool = True
         "plain_again": plain_side(models["plain_again"], x, y, bf16) if peers else None,
         "accelfn": accelfn_side(models["accelfn"], batch, bf16),
         "same_features": same_features_side(models["same_features"], batch, bf16),
-        "same_calls": same_calls_side(models["same_calls"], x, y, bf16),
         "fabric": fabric_side(models["fabric"], x, y, bf16) if peers else None,
         "accelerate": accelerate_side(models["accelerate"], x, y, bf16) if peers else None,
     }
@@ -277,9 +241,8 @@ def run_config(name: str, bf16: bool, rounds: int, steps: int) -> dict[str, Any]
                   "ratio_quartiles": [round(quartiles[0], 4), round(quartiles[2], 4)],
                   "added_us": round(statistics.median(added) * 1e6, 1),
                   "step_us": round(statistics.median(per_round[k]) * 1e6, 1)}
-    for other in ("same_features", "same_calls"):
-        out[f"accelfn_vs_{other}"] = round(statistics.median(
-            [a / b for a, b in zip(per_round["accelfn"], per_round[other])]), 4)
+    out["accelfn_vs_same_features"] = round(statistics.median(
+        [a / b for a, b in zip(per_round["accelfn"], per_round["same_features"])]), 4)
     out["parameters_bitwise_equal_to_plain"] = all(
         torch.equal(a, b) for a, b in zip(models["accelfn"].parameters(),
                                           models["plain"].parameters()))
@@ -287,7 +250,7 @@ def run_config(name: str, bf16: bool, rounds: int, steps: int) -> dict[str, Any]
 
 
 # ------------------------------------------------------------------------------ operators
-COUNTED = ("plain", "accelfn", "same_features", "same_calls")
+COUNTED = ("plain", "accelfn", "same_features")
 
 
 def count_operators(name: str, bf16: bool, updates: int = 5) -> dict[str, Any]:
@@ -319,7 +282,6 @@ def count_operators(name: str, bf16: bool, updates: int = 5) -> dict[str, Any]:
             "operators_per_update": total,
             "accelfn_ratio": round(total["accelfn"] / total["plain"], 4),
             "same_features_ratio": round(total["same_features"] / total["plain"], 4),
-            "accelfn_vs_same_calls": round(total["accelfn"] / total["same_calls"], 4),
             "accelfn_differs_from_plain": differ}
 
 
@@ -372,9 +334,7 @@ def count_instructions(name: str, bf16: bool, steps: int) -> dict[str, Any]:
             "accelfn_ratio": round(per_update["accelfn"] / plain, 4),
             "same_features_ratio": round(per_update["same_features"] / plain, 4),
             "accelfn_added": round(per_update["accelfn"] - plain),
-            "same_features_added": round(per_update["same_features"] - plain),
-            "accelfn_vs_same_calls": round(per_update["accelfn"] / per_update["same_calls"], 4),
-            "accelfn_added_to_same_calls": round(per_update["accelfn"] - per_update["same_calls"])}
+            "same_features_added": round(per_update["same_features"] - plain)}
 
 
 def _version(package: str) -> str | None:

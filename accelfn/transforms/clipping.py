@@ -7,7 +7,6 @@ from typing import overload
 
 import torch
 
-from ..core.compat_optim import clip_grad_norm_
 from ..core.engine import LossFn, Step
 from ..core.places import Clipping
 from ..core.protocol import Transform, UpdateContext, configure
@@ -46,14 +45,12 @@ def _clipping(max_norm: float | None, norm_type: float, max_value: float | None)
     def clip(ctx: UpdateContext) -> torch.Tensor | None:
         # the model's parameter order, as clip_grad_norm_(model.parameters()) sums the norm
         params = ctx.parameters()
-        if max_value is None:  # plain gradients of one device and dtype: in one call
-            # (sharded or mixed ones: torch's calls below, by mesh)
+        if max_value is None and all(  # no sharded gradient: torch's one call
+                getattr(p.grad, "device_mesh", None) is None for p in params):
             assert max_norm is not None
-            norm = clip_grad_norm_([p.grad for p in params if p.grad is not None], max_norm,
-                                   norm_type)
-            if norm is not None:
-                ctx.metrics["grad_norm"] = norm
-                return norm
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            ctx.metrics["grad_norm"] = norm
+            return norm  # NaN/Inf when any gradient was: the non-finite decision reads it
         groups = _by_mesh([p for p in params if p.grad is not None])
         norm = _total_norm(groups, norm_type)
         ctx.metrics["grad_norm"] = norm.detach() if norm.requires_grad else norm

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import ast
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
+from tensordict import TensorDict
 from torch import nn
 
+import accelfn as af
 from accelfn.core import compat
 
 ROOT = Path(__file__).resolve().parents[2] / "accelfn"
@@ -350,3 +354,59 @@ def test_dcp_stager_stages_every_call_and_keeps_a_stager_that_can():
     finally:
         plain.close()
     assert len(made) == (1 if twice else 3)
+
+
+def _private_torch_calls(run) -> set[str]:
+    """The torch functions with a private name (one leading underscore) that accelfn's own
+    code calls while ``run()`` runs (what torch calls inside its public functions is torch's
+    business). A decorated public function runs as its wrapper: ``clip_grad_norm_``'s is
+    ``_no_grad_wrapper``, named here by the function it wraps."""
+    package, torch_dir = str(ROOT), os.path.dirname(torch.__file__)
+    found: set[str] = set()
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not name.startswith("__")
+
+    def profile(frame, event, arg):
+        if event == "c_call":
+            caller, name = frame, getattr(arg, "__name__", "")
+            owner = getattr(arg, "__module__", None) or type(getattr(arg, "__self__", None)
+                                                           ).__module__
+            in_torch = str(owner).startswith("torch")
+        elif event == "call":
+            caller, name = frame.f_back, frame.f_code.co_name
+            in_torch = frame.f_code.co_filename.startswith(torch_dir)
+            wrapped = frame.f_locals.get("func") if name == "_no_grad_wrapper" else None
+            name = getattr(wrapped, "__name__", name)
+        else:
+            return
+        if in_torch and private(name) and caller is not None \
+                and caller.f_code.co_filename.startswith(package):
+            found.add(f"{name} from {os.path.relpath(caller.f_code.co_filename, package)}")
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return found
+
+
+@pytest.mark.parametrize("returns", ["loss", "metrics"])
+def test_the_step_calls_no_private_torch_function(returns):
+    """backward, the clip, the optimizer step and zero_grad are torch's public calls, and
+    no private switch of autograd's mode runs in the step (DESIGN §7)."""
+    def loss_fn(model, batch):
+        loss = F.cross_entropy(model(batch["x"]), batch["y"])
+        return loss if returns == "loss" else {"loss": loss, "half": loss.detach() / 2}
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    state = af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    step = af.with_clipping(max_norm=0.5)(af.with_accumulation(2)(loss_fn))
+    batch = TensorDict({"x": torch.randn(8, 6), "y": torch.randint(0, 3, (8,))}, batch_size=[8])
+    step(state, batch)  # prepared
+    assert _private_torch_calls(lambda: step(state, batch)) == set()
+    # the probe sees what it looks for: the private calls of the code this replaced
+    assert _private_torch_calls(lambda: compat.foreach_norm([torch.ones(2)])) == {
+        "_foreach_norm from core/compat.py"}
