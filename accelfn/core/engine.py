@@ -239,8 +239,9 @@ class Step:
         part, sharding = self.spec.accumulation, self.spec.sharding
         if ctx.distributed is None or part is None or part.count is None:
             return False
-        refusal = sharding.unsynced_refusal(ctx) if sharding and sharding.unsynced_refusal \
-            else None
+        refusal = "a sharding that cannot run its backward unsynced" \
+            if sharding is None or sharding.unsynced_refusal is None \
+            else sharding.unsynced_refusal(ctx)
         if refusal is not None:
             raise ValueError(
                 f"with_accumulation(adaptive=True) in several processes needs distributed() "

@@ -104,3 +104,15 @@ def test_no_public_name_shadows_a_submodule() -> None:
         assert value is module, (
             f"{parent_name}.{leaf} is {type(value).__name__}, shadowing the submodule "
             f"{info.name}; rename one of them")
+
+
+def test_the_reference_oracle_imports_nothing_from_accelfn() -> None:
+    # the plain update every step is checked against cannot share a mistake with the engine
+    path = ROOT / "testing" / "reference.py"
+    assert _imported(path) == []
+    tree = ast.parse(path.read_text())
+    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names}
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    assert roots <= {"__future__", "collections", "contextlib", "typing", "torch"}, roots

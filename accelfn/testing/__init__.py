@@ -34,38 +34,20 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from .core.chain import GradientTransformError
-from .core.engine import Step, apply_transform
-from .core.protocol import GradientTransform, Transform
-from .core.state import TrainState
-from .observe.sync_probe import SyncProbe
-from .transforms.accumulation import with_accumulation
-from .transforms.amp import with_amp
-from .transforms.clipping import with_clipping
+from ..core.chain import GradientTransformError
+from ..core.engine import Step, apply_transform
+from ..core.protocol import GradientTransform, Transform
+from ..core.state import TrainState
+from ..observe.sync_probe import SyncProbe
+from ..transforms.accumulation import with_accumulation
+from ..transforms.amp import with_amp
+from ..transforms.clipping import with_clipping
+from .reference import plain_update
 
 __all__ = ["ContractReport", "check_transform", "plain_update"]
 
 LossFn = Callable[[nn.Module, Any], Any]
 Reference = Callable[[nn.Module, torch.optim.Optimizer, Any], None]
-
-
-def plain_update(model: nn.Module, optimizer: torch.optim.Optimizer, batch: Mapping[str, Tensor],
-                 loss_fn: LossFn, *,
-                 edit_grads: Callable[[nn.Module], None] | None = None) -> Tensor:
-    """One update of the plain loop; returns the detached loss. Uses torch only:
-
-        loss = loss_fn(model, batch); loss.backward(); edit_grads(model)
-        optimizer.step(); optimizer.zero_grad(set_to_none=True)
-    """
-    out = loss_fn(model, batch)
-    loss = out["loss"] if isinstance(out, Mapping) else out
-    loss.backward()
-    if edit_grads is not None:
-        edit_grads(model)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    detached: Tensor = loss.detach()
-    return detached
 
 
 # ------------------------------------------------------------------------ the default problem
