@@ -28,7 +28,7 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from . import chain, checks, compat, micro
+from . import agreement, chain, checks, compat, micro
 from . import optimizers as optimizers_
 from .batch import Batch, batch_size, check_batch
 from .carry import SLOT as CARRY
@@ -192,17 +192,19 @@ class Step:
         metrics of a call that does not update, or None to run the call again (it ran out
         of memory, was undone, and the accumulation splits finer next time)."""
         state = ctx.state
-        agrees = self._agrees(ctx)  # adaptive in several processes: no collective until agreed
+        agrees = agreement.needed(self, ctx)  # adaptive in several processes: no collective
+        # until the processes agree on the pass
         try:
             plan = self._plan(ctx, batch)
             sums = Sums() if plan.sums is None else plan.sums
             if sums.empty:  # a new window: gradients left by anything else are not this one's
                 optimizers_.clear_grads(state.optimizers)
             carried: dict[int, Any] = {}
+            spec = agreement.unsynced(self.spec) if agrees else self.spec
             absolute = micro.forward_and_backward(
-                _unsynced(self.spec) if agrees else self.spec, self.fn, self._carry, ctx, plan,
-                sums, plan.absolute or ctx.distributed is not None, carried)
-            if agrees and not self._agree(ctx, None):  # another process ran out of memory
+                spec, self.fn, self._carry, ctx, plan, sums,
+                plan.absolute or ctx.distributed is not None, carried)
+            if agrees and not agreement.agree(self, ctx, None):  # another ran out of memory
                 self._abort(ctx)
                 return None
             if not plan.update:  # no update to wait for: the call succeeds with its metrics
@@ -214,9 +216,9 @@ class Step:
         except BaseException as error:  # any exit, at any line: no gradients left behind
             self._abort(ctx)
             if agrees and isinstance(error, Exception):
-                if getattr(error, _AGREED, False):
+                if agreement.agreed(error):
                     raise  # every process raises it, agreed
-                self._agree(ctx, error)  # raises unless every process retries
+                agreement.agree(self, ctx, error)  # raises unless every process retries
                 return None
             if isinstance(error, torch.OutOfMemoryError):
                 part = self.spec.accumulation
@@ -229,64 +231,6 @@ class Step:
             if explained is not None:
                 raise explained from error
             raise
-
-    def _agrees(self, ctx: CallContext) -> bool:
-        """Whether the processes agree on each call's outcome: adaptive accumulation in
-        several processes. Every micro-batch's backward then runs without gradient sync and
-        the gradients are all-reduced once, after the agreement, so an out-of-memory error in
-        one process never leaves a collective half done in the others (refused where the
-        wrapping cannot skip the sync: FSDP, DDP's static graph)."""
-        part, sharding = self.spec.accumulation, self.spec.sharding
-        if ctx.distributed is None or part is None or part.count is None:
-            return False
-        refusal = "a sharding that cannot run its backward unsynced" \
-            if sharding is None or sharding.unsynced_refusal is None \
-            else sharding.unsynced_refusal(ctx)
-        if refusal is not None:
-            raise ValueError(
-                f"with_accumulation(adaptive=True) in several processes needs distributed() "
-                f"with DDP and no static graph, got {refusal} in {describe(self)}: "
-                "its backward must run without collectives until the processes agree. Find "
-                "the count with DDP (or in one process) and set it with with_accumulation(n)")
-        return True
-
-    def _agree(self, ctx: CallContext, error: Exception | None) -> bool:
-        """The processes' agreement after a pass (one all-reduce and one host read per call):
-        True when every process succeeded; False when one ran out of memory and all run the
-        call again with the largest count any proposes; raises when one cannot split finer
-        or failed otherwise (every process raises: none is left waiting in a collective)."""
-        part = self.spec.accumulation
-        assert part is not None and part.retry is not None and part.count is not None
-        oom = isinstance(error, torch.OutOfMemoryError)
-        finer = oom and error is not None and part.retry(ctx, error)
-        flags = torch.tensor([error is not None, oom and not finer, error is not None and not oom,
-                              part.count(ctx, None)], dtype=torch.int64, device=ctx.device)
-        torch.distributed.all_reduce(flags, torch.distributed.ReduceOp.MAX, ctx.distributed)
-        failed, stuck, other, count = flags.tolist()
-        if not failed:
-            sharding = self.spec.sharding
-            if sharding is not None and sharding.agreed is not None:
-                sharding.agreed(ctx)
-            return True
-        if other or stuck:
-            if error is not None:
-                failure: BaseException = error
-                if oom:
-                    failure = checks.out_of_memory(describe(self), self.transforms, self.spec,
-                                                   error)
-                setattr(failure, _AGREED, True)
-                if failure is error:
-                    raise error
-                raise failure from error
-            what = "failed" if other else "ran out of memory with one sample per micro-batch"
-            failure = (RuntimeError if other else torch.OutOfMemoryError)(
-                f"another process of the run {what} in the forward or backward of "
-                f"{describe(self)}; this one stops too (its gradients were cleared, "
-                "parameters and optimizer unchanged). Its error says what happened")
-            setattr(failure, _AGREED, True)
-            raise failure
-        part.count(ctx, count)
-        return False
 
     def _update(self, ctx: CallContext, sums: Sums, absolute: bool,
                 carried: dict[int, Any] | None = None) -> TensorDict:

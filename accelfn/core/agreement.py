@@ -1,0 +1,102 @@
+"""Adaptive accumulation in several processes: the processes agree on each pass's outcome.
+
+An out-of-memory error in one process must never leave a collective half done in the others.
+So while the accumulation adapts its micro-batch count (``with_accumulation(adaptive=True)``)
+under a process group, every micro-batch's backward runs without gradient sync (the
+reduction all-reduces the gradients once, after the agreement), and after the pass one
+all-reduce of four flags (failed, stuck at one sample per micro-batch, failed otherwise, the
+count each proposes) tells every process the same outcome: go on, run the call again with
+the largest count any proposes, or raise (every process raises, none is left waiting).
+Refused where the sharding cannot run its backward unsynced (FSDP2, DDP's static graph).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import checks
+from .places import Spec
+from .protocol import CallContext
+
+if TYPE_CHECKING:
+    from .engine import Step
+
+__all__ = ["agree", "agreed", "needed", "unsynced"]
+
+_AGREED = "_accelfn_agreed"  # an error every process has raised after agreeing on it
+
+
+def agreed(error: BaseException) -> bool:
+    """Whether every process raises ``error``, having agreed on it."""
+    return bool(getattr(error, _AGREED, False))
+
+
+def needed(step: Step, ctx: CallContext) -> bool:
+    """Whether the processes agree on each call's outcome: adaptive accumulation in several
+    processes (refused, before anything changes, where the sharding cannot skip the sync)."""
+    spec = step.spec
+    part, sharding = spec.accumulation, spec.sharding
+    if ctx.distributed is None or part is None or part.count is None:
+        return False
+    refusal = "a sharding that cannot run its backward unsynced" \
+        if sharding is None or sharding.unsynced_refusal is None \
+        else sharding.unsynced_refusal(ctx)
+    if refusal is not None:
+        raise ValueError(
+            f"with_accumulation(adaptive=True) in several processes needs distributed() "
+            f"with DDP and no static graph, got {refusal} in {step!r}: "
+            "its backward must run without collectives until the processes agree. Find "
+            "the count with DDP (or in one process) and set it with with_accumulation(n)")
+    return True
+
+
+def agree(step: Step, ctx: CallContext, error: Exception | None) -> bool:
+    """The processes' agreement after a pass (one all-reduce and one host read per call):
+    True when every process succeeded; False when one ran out of memory and all run the
+    call again with the largest count any proposes; raises when one cannot split finer
+    or failed otherwise (every process raises: none is left waiting in a collective)."""
+    spec = step.spec
+    part = spec.accumulation
+    assert part is not None and part.retry is not None and part.count is not None
+    oom = isinstance(error, torch.OutOfMemoryError)
+    finer = oom and error is not None and part.retry(ctx, error)
+    flags = torch.tensor([error is not None, oom and not finer, error is not None and not oom,
+                          part.count(ctx, None)], dtype=torch.int64, device=ctx.device)
+    torch.distributed.all_reduce(flags, torch.distributed.ReduceOp.MAX, ctx.distributed)
+    failed, stuck, other, count = flags.tolist()
+    if not failed:
+        if spec.sharding is not None and spec.sharding.agreed is not None:
+            spec.sharding.agreed(ctx)
+        return True
+    if other or stuck:
+        if error is not None:
+            failure: BaseException = error
+            if oom:
+                failure = checks.out_of_memory(repr(step), step.transforms, spec, error)
+            setattr(failure, _AGREED, True)
+            if failure is error:
+                raise error
+            raise failure from error
+        what = "failed" if other else "ran out of memory with one sample per micro-batch"
+        failure = (RuntimeError if other else torch.OutOfMemoryError)(
+            f"another process of the run {what} in the forward or backward of "
+            f"{step!r}; this one stops too (its gradients were cleared, "
+            "parameters and optimizer unchanged). Its error says what happened")
+        setattr(failure, _AGREED, True)
+        raise failure
+    part.count(ctx, count)
+    return False
+
+
+def unsynced(spec: Spec) -> Spec:
+    """``spec`` with no micro-batch's backward synchronising gradients: the update's
+    reduction all-reduces them once instead."""
+    sharding = spec.sharding
+    if sharding is None:
+        return spec
+    skip = sharding.micro
+    return dataclasses.replace(spec, sharding=dataclasses.replace(
+        sharding, micro=lambda ctx, index, sync: skip(ctx, index, False)))
