@@ -56,7 +56,6 @@ LossFn = Callable[..., "Tensor | Mapping[str, Tensor]"]  # fn(model, batch[, car
 _DEFAULT_GUARD = nonfinite().part
 _SCALAR = torch.Size([])
 _FIXED = frozenset({"fn", "transforms", "spec", "_key", "_after", "_guard", "_carry"})
-_AGREED = "_accelfn_agreed"  # an error every process has raised after agreeing on it
 _PREPARING = ("float8", "precision", "checkpointing", "sharding", "compilation", "averaging")
 
 
@@ -394,17 +393,6 @@ def _release_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def _unsynced(spec: Spec) -> Spec:
-    """``spec`` with no micro-batch's backward synchronising gradients: the update's
-    reduction all-reduces them once instead (adaptive accumulation in several processes)."""
-    sharding = spec.sharding
-    if sharding is None:
-        return spec
-    skip = sharding.micro
-    return dataclasses.replace(spec, sharding=dataclasses.replace(
-        sharding, micro=lambda ctx, index, sync: skip(ctx, index, False)))
 
 
 def _sharding(key: tuple[Transform, ...]) -> tuple[Transform, ...]:
