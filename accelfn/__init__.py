@@ -22,6 +22,7 @@ from .checkpointing import (
 # core: the step protocol, the engine, TrainState, processes
 from .core.chain import chain
 from .core.engine import Step, apply_transform, describe, lift
+from .core.extension import GradientTransform, Transform
 from .core.guard import NonFiniteError
 from .core.modules import find_blocks
 from .core.processes import (
@@ -31,7 +32,6 @@ from .core.processes import (
     scale_lr,
     world_size,
 )
-from .core.protocol import GradientTransform, Transform
 from .core.state import TrainState
 
 # data

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..core.engine import Step, describe
-from ..core.protocol import GradientTransform
+from ..core.extension import GradientTransform
 from ..core.state import TrainState
 from .format import LOADER_FORMAT, CheckpointError
 

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import checks
+from .contexts import CallContext
 from .places import Spec
-from .protocol import CallContext
 
 if TYPE_CHECKING:
     from .engine import Step

@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .protocol import Chained, GradientTransform, Transform, UpdateContext
+from .contexts import UpdateContext
+from .extension import Chained, GradientTransform, Transform
 
 __all__ = ["GradientTransformError", "Held", "Pending", "chain", "commit", "run"]
 

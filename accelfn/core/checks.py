@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .extension import Transform
 from .places import Averaging, Spec
-from .protocol import Transform
 from .state import TrainState
 
 __all__ = ["after_update_failed", "check_evaluate_options", "check_optimizer_holds_trainable",

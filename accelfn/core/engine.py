@@ -33,21 +33,12 @@ from . import optimizers as optimizers_
 from .batch import Batch, batch_size, check_batch
 from .carry import SLOT as CARRY
 from .carry import Carries, takes_carry
+from .contexts import CallContext, Prepared, UpdateContext, entered, held
+from .extension import GradientTransform, Transform
 from .guard import NonFiniteError, nonfinite
 from .outputs import unpack
-from .places import Sharding, Spec, spec_of
-from .protocol import (
-    CallContext,
-    Decision,
-    GradientTransform,
-    Plan,
-    Prepared,
-    Sums,
-    Transform,
-    UpdateContext,
-    entered,
-    held,
-)
+from .places import Decision, Sharding, Spec, spec_of
+from .plan import Plan, Sums
 from .state import TrainState
 
 __all__ = ["LossFn", "NonFiniteError", "Step", "apply_transform", "describe", "lift"]
@@ -422,8 +413,8 @@ def describe(step: Step | Callable[..., Any]) -> str:
     ``with_nonfinite``, which act on what they leave, and outside the other built-ins, whose
     unscaling, reduction and weighting come before them:
     ``with_clipping(max_norm=1) ∘ chain(a, b) ∘ with_amp(bf16) ∘ my_step``."""
+    from .extension import Chained
     from .places import Clipping, NonFinite
-    from .protocol import Chained
 
     if not isinstance(step, Step):
         return getattr(step, "__name__", repr(step))

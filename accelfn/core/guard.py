@@ -22,8 +22,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from . import compat
-from .places import NonFinite
-from .protocol import CallContext, Decision, Transform, UpdateContext
+from .contexts import CallContext, UpdateContext
+from .extension import Transform
+from .places import Decision, NonFinite
 from .state import TrainState
 from .syncs import GUARD_READ, deferred_read, labelled_read
 

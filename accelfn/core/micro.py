@@ -20,9 +20,10 @@ from . import optimizers as optimizers_
 from .batch import Batch, batch_size
 from .carry import SLOT as CARRY
 from .carry import Carries, detached
+from .contexts import CallContext, entered
 from .outputs import unpack
 from .places import Spec
-from .protocol import CallContext, Plan, Sums, entered
+from .plan import Plan, Sums
 
 __all__ = ["forward", "forward_and_backward"]
 

@@ -7,7 +7,7 @@ the order the built-ins were stacked in cannot change what runs. Users extend th
 with [`GradientTransform`][accelfn.GradientTransform]s, kept in the order they were stacked.
 
 Every function is handed the call's context (``CallContext`` or ``UpdateContext``) or, when
-preparing, the [`Prepared`][accelfn.core.protocol.Prepared] so far and the state.
+preparing, the [`Prepared`][accelfn.core.contexts.Prepared] so far and the state.
 """
 
 from __future__ import annotations
@@ -20,17 +20,9 @@ from typing import Any
 from torch import Tensor
 
 from .batch import Batch
-from .protocol import (
-    CallContext,
-    Chained,
-    Decision,
-    GradientTransform,
-    Plan,
-    Prepared,
-    Sums,
-    Transform,
-    UpdateContext,
-)
+from .contexts import CallContext, Prepared, UpdateContext
+from .extension import Chained, GradientTransform, Transform
+from .plan import Plan, Sums
 from .state import TrainState
 
 __all__ = ["Accumulation", "Averaging", "Checkpointing", "Clipping", "Compilation",
@@ -152,6 +144,27 @@ class NonFinite:
     decide: Callable[[UpdateContext, Tensor | None, Tensor | None, bool], Decision]
     abort: Callable[[CallContext], None] | None = None
     advance_skipped: bool = False  # a skipped update still advances schedules and the EMA
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The non-finite decision of an update.
+
+    ``skip`` is the decision taken on the host; or None to leave it to the device: then
+    ``flags`` is a device bool tensor and the optimizer skips on ``flags.any()`` through its
+    ``found_inf`` input (fused optimizers only), the transform settling its counters later
+    (``TrainState.sync``). ``checked=False`` says nothing was checked: the update is applied
+    and no ``skipped`` metric is reported.
+    """
+
+    skip: bool | None = False
+    flags: Tensor | None = None
+    checked: bool = True
+
+    def __post_init__(self) -> None:
+        if self.skip is None and self.flags is None:
+            raise ValueError("Decision(skip=None) leaves the decision to the device and needs "
+                             "the device flags: Decision(None, flags=...)")
 
 
 _PLACES: dict[type, str] = {

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .protocol import CallContext
+from .contexts import CallContext
 
 __all__ = ["SLOT", "inverse_unit"]
 

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from ..core.chain import GradientTransformError
 from ..core.engine import Step, apply_transform
-from ..core.protocol import GradientTransform, Transform
+from ..core.extension import GradientTransform, Transform
 from ..core.state import TrainState
 from ..observe.sync_probe import SyncProbe
 from ..transforms.accumulation import with_accumulation

@@ -18,8 +18,10 @@ import torch
 
 from ..core.batch import Batch, batch_size, check_batch_dim, split_batch, split_checked
 from ..core.checks import FINEST_SPLIT
+from ..core.contexts import CallContext
+from ..core.extension import Transform
 from ..core.places import Accumulation
-from ..core.protocol import CallContext, Plan, Sums, Transform
+from ..core.plan import Plan, Sums
 
 __all__ = ["with_accumulation"]
 

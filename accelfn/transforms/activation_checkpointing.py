@@ -19,10 +19,11 @@ from torch.utils.checkpoint import (
     checkpoint as torch_checkpoint,
 )
 
+from ..core.contexts import CallContext, Prepared
 from ..core.engine import LossFn, Step
+from ..core.extension import Transform, configure
 from ..core.modules import find_blocks, running_stat_modules, wrap_forward
 from ..core.places import Checkpointing
-from ..core.protocol import CallContext, Prepared, Transform, configure
 from ..core.state import TrainState
 
 __all__ = ["checkpointed"]

@@ -15,10 +15,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..core import compat
+from ..core.contexts import CallContext, Prepared, UpdateContext
 from ..core.engine import LossFn, Step
+from ..core.extension import Transform, configure
 from ..core.modules import wrap_forward
 from ..core.places import Precision
-from ..core.protocol import CallContext, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
 
 __all__ = ["with_amp"]

@@ -7,9 +7,10 @@ from typing import overload
 
 import torch
 
+from ..core.contexts import UpdateContext
 from ..core.engine import LossFn, Step
+from ..core.extension import Transform, configure
 from ..core.places import Clipping
-from ..core.protocol import Transform, UpdateContext, configure
 
 __all__ = ["with_clipping"]
 

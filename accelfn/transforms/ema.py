@@ -1,7 +1,6 @@
 """with_ema: an exponential moving average of the weights, updated after every real update.
 
     step = af.with_ema(decay=0.999)(my_step)
-    ...
     with af.ema_weights(state):                   # evaluate with the averaged weights
         val = step.evaluate(state, val_batch)
 
@@ -32,9 +31,10 @@ import torch
 from torch import Tensor, nn
 
 from ..core import compat
+from ..core.contexts import CallContext, Prepared, UpdateContext
 from ..core.engine import LossFn, Step
+from ..core.extension import Transform, configure
 from ..core.places import Averaging
-from ..core.protocol import CallContext, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
 
 __all__ = ["ema_state_dict", "ema_weights", "with_ema"]

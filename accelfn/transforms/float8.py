@@ -11,9 +11,10 @@ import torch
 from torch import Tensor, nn
 
 from ..core import compat
+from ..core.contexts import CallContext, Prepared, UpdateContext
 from ..core.engine import LossFn, Step
+from ..core.extension import Transform, configure
 from ..core.places import Compilation, Float8
-from ..core.protocol import CallContext, Prepared, Transform, UpdateContext, configure
 from ..core.state import TrainState
 
 __all__ = ["with_float8"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import overload
 
 from ..core.engine import LossFn, Step
+from ..core.extension import Transform, configure
 from ..core.guard import POLICIES, SkipIf, nonfinite
-from ..core.protocol import Transform, configure
 
 __all__ = ["with_nonfinite"]
 

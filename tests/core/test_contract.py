@@ -169,7 +169,7 @@ def test_a_place_takes_one_transform_and_a_name_one_transform():
     with pytest.raises(ValueError, match="with_accumulation is applied twice"):
         af.with_accumulation(4)(af.with_accumulation(2)(classify))
     mine = af.Transform("my_split", af.core.places.Accumulation(
-        lambda ctx, batch: af.core.protocol.Plan((batch,))))
+        lambda ctx, batch: af.core.plan.Plan((batch,))))
     with pytest.raises(ValueError, match="with_accumulation and my_split both fill the "
                                          "'accumulation' place"):
         mine(af.with_accumulation(2)(classify))

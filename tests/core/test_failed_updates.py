@@ -289,9 +289,9 @@ def test_losses_of_mismatched_shapes_leave_no_gradients_and_the_next_call_is_cle
 @pytest.mark.parametrize("window", ["split", "calls"])
 def test_an_interrupt_while_the_metrics_are_summed_leaves_no_gradients(net, monkeypatch,
                                                                        window):
-    from accelfn.core import protocol
+    from accelfn.core import plan
 
-    real = protocol.Sums.result
+    real = plan.Sums.result
     armed = {"on": True}
 
     def interrupted(self, divide):
@@ -300,7 +300,7 @@ def test_an_interrupt_while_the_metrics_are_summed_leaves_no_gradients(net, monk
             raise KeyboardInterrupt
         return real(self, divide)
 
-    monkeypatch.setattr(protocol.Sums, "result", interrupted)
+    monkeypatch.setattr(plan.Sums, "result", interrupted)
     start = copy.deepcopy(net)
     state = af.TrainState(net, torch.optim.Adam(net.parameters(), lr=1e-2))
     step = af.with_accumulation(2, mode=window)(classify)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from conftest import Net, assert_params_equal, classify, clone_setup, make_batch, roundtrip
 
 import accelfn as af
-from accelfn.core.protocol import Plan
+from accelfn.core.plan import Plan
 
 CALLS, ROWS = 4, 64
 

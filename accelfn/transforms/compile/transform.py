@@ -13,9 +13,10 @@ import torch
 from torch import Tensor
 
 from ...core import compat
+from ...core.contexts import Prepared, UpdateContext
 from ...core.engine import LossFn, Step
+from ...core.extension import Transform, configure
 from ...core.places import Compilation
-from ...core.protocol import Prepared, Transform, UpdateContext, configure
 from ...core.state import TrainState
 from . import cache as cache_file
 from . import regional as regions

@@ -15,10 +15,11 @@ import torch.distributed as dist
 from torch import nn
 
 from ...core import compat
+from ...core.contexts import CallContext, Prepared, UpdateContext
 from ...core.engine import LossFn, Step
+from ...core.extension import Transform, configure
 from ...core.places import Sharding
 from ...core.processes import init_distributed, world_size
-from ...core.protocol import CallContext, Prepared, Transform, UpdateContext, configure
 from ...core.state import TrainState
 from .ddp import all_reduce_grads, wrap_ddp
 from .errors import Translating, translate
