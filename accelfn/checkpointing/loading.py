@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -352,6 +353,13 @@ def load(
             "restored (the state and RNGs were rolled back). Build the state, step and loader "
             "as the checkpointed run did"
         ) from cause
+    if loader is None and meta["loader"] and checked.rank_state is not None and rank == 0:
+        warnings.warn(
+            f"{resolved} holds the loader position of the run it saved, but load() was given "
+            "no loader=: the loader starts where it was built, so batches already trained on "
+            "come again and the resume is not exact. Pass load(..., loader=loader) (the "
+            "loader, built as before) to continue with the next batch", UserWarning,
+            stacklevel=2)
     stacks = {name: r["stack"]["describe"] for name, r in checked.records.items()
               if r["stack"] is not None}
     return CheckpointInfo(

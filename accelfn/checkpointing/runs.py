@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -58,6 +59,10 @@ from .saving import save
 __all__ = ["PlanMismatchError", "RunFolder", "RunFolderError"]
 
 T = TypeVar("T")
+
+#: accelfn.checkpointing's logger (routed and filtered as accelfn.observe.logs describes; only
+#: rank 0 logs here)
+_log = logging.getLogger("accelfn.checkpointing")
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "run.png"
@@ -326,6 +331,9 @@ class RunFolder:
                          f"{self._opt('resume')})")
         self._check_plan(info.extra)  # a checkpoint whose plan could not be read before
         self.resharded_from = saved if saved != world else None
+        if rank_world()[0] == 0:
+            resharded = f", written by {saved} process(es)" if saved != world else ""
+            _log.info("resumed from step %d (%s)%s", info.step, info.path, resharded)
         return info
 
     def _check(self, checkpoint: Path) -> int:

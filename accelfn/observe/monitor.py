@@ -90,11 +90,13 @@ class Monitor:
         progress: show a console progress bar (rank 0 only); ``desc`` labels it. In a
             terminal it is redrawn in place; elsewhere (a log file, a pipe) it writes a plain
             line each 10% of ``total`` and its last line once, at [`close`][].
-        state: the run's [`TrainState`][]. A row's ``step`` is then
-            ``state.step`` before the update it measured (so calls of one accumulation
-            window in ``mode="calls"`` share it), and on a resumed run the files and
-            trackers continue from the checkpoint's step instead of starting again at 0.
-            Without it rows count from 0. Start the monitor after loading the checkpoint.
+        state: the run's [`TrainState`][]. A row's ``step`` is then the update it measured
+            as ``state.step`` counts it (the update that made ``state.step`` 20 is row 20,
+            so a validation loss logged at ``state.step`` shares its row; the calls of one
+            accumulation window in ``mode="calls"`` share their update's), and on a resumed
+            run the files, trackers and progress bar continue from the checkpoint's step
+            instead of starting again. Without it the n-th step is row n, as ``state.step``
+            would count it. Start the monitor after loading the checkpoint.
         jsonl: a file of one JSON row per step (rank 0 only); rows an earlier run wrote
             at the starting step or later are dropped, the rest kept.
         csv: the same rows in a CSV file, kept the same way.
@@ -124,7 +126,8 @@ class Monitor:
         keep_rows: how many of the latest rows [`rows`][] keeps. The report and the plot
             need none of them (running aggregates, a bounded picture): memory stays
             bounded however long the run.
-        initial: the bar's start, ``state.step`` after a resume (its rate: this run's steps).
+        initial: the bar's start (its rate: this run's steps); default ``state.step`` when
+            ``state`` is given (a resumed run's bar continues), else 0.
         memory_snapshot: a path: the allocations of the first 3 steps are recorded and, when
             an out-of-memory error leaves ``with monitor:`` or [`measure`][], what was
             alive is dumped there (see [`MemorySnapshot`][]) and named in the error and the
@@ -148,13 +151,13 @@ class Monitor:
                  sync_allow: Iterable[str] = (),
                  model: nn.Module | None = None, diagnostics: Diagnostics | None = None,
                  profiler: Profiler | None = None, thresholds: Thresholds | None = None,
-                 file: IO[str] | None = None, keep_rows: int = 1000, initial: int = 0,
+                 file: IO[str] | None = None, keep_rows: int = 1000, initial: int | None = None,
                  memory_snapshot: str | os.PathLike[str] | MemorySnapshot | None = None) -> None:
         for name, value, low in (("log_every", log_every, 1), ("warmup", warmup, 0),
-                                 ("keep_rows", keep_rows, 0), ("initial", initial, 0)):
+                                 ("keep_rows", keep_rows, 0), ("initial", initial or 0, 0)):
             if value < low:
                 raise ValueError(f"Monitor({name}={value}): must be >= {low}")
-        if total is not None and initial > total:
+        if total is not None and initial is not None and initial > total:
             raise ValueError(f"Monitor(initial={initial}): more steps done than total={total}")
         check_interval(f"Monitor(gpu_interval={gpu_interval})", gpu_interval)
         self.log_every, self.warmup, self.total, self._initial = log_every, warmup, total, initial
@@ -172,7 +175,7 @@ class Monitor:
         self.thresholds = thresholds or Thresholds()
         self._out = Outputs(main=is_main_process(), sinks=sinks, progress=progress, desc=desc,
                             paths={"jsonl": jsonl, "csv": csv, "tensorboard": tensorboard},
-                            file=file, total=total, initial=initial, plot=plot)
+                            file=file, total=total, initial=initial or 0, plot=plot)
         self.state = state
         self._snapshot = snapshot_option(memory_snapshot, self.device, state)
         #: where [`close`][] wrote the plot (``None``: not asked for, or not written)
@@ -187,7 +190,7 @@ class Monitor:
         self._closed = False
         self._report: MonitorReport | None = None
         self._n = 0
-        self._next_step = 0  # the step number of the next row
+        self._next_step = 1  # the step number of the next row (as state.step counts)
         self._t0 = self._t_last = time.perf_counter()
         self._ev_last: torch.cuda.Event | None = None
         self._wait_acc = 0.0
@@ -206,8 +209,12 @@ class Monitor:
         if self._started:
             return self
         self._refuse_closed("start")
-        self._next_step = self.state.step if self.state is not None else 0
-        self._out.open(self._next_step)  # one failing closes those opened: start again
+        self._next_step = self.state.step + 1 if self.state is not None else 1
+        # the bar continues from the state's step, read now: after the checkpoint was loaded;
+        # one output failing to open closes those opened: start again
+        initial = self._initial if self._initial is not None else \
+            min(self._next_step - 1, self.total or self._next_step)
+        self._out.open(self._next_step, initial=initial)
         self._started = True
         if self._snapshot is not None:
             self._snapshot.start()
@@ -429,7 +436,7 @@ class Monitor:
         self._wait_acc = 0.0
         self._awaiting_step = False
         self._n += 1
-        self._next_step = self.state.step if self.state is not None else self._next_step + 1
+        self._next_step = self.state.step + 1 if self.state is not None else self._next_step + 1
         self._out.advance()
         if self._n % self.log_every == 0:
             self.flush()

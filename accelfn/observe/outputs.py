@@ -47,15 +47,18 @@ class Outputs:
         #: where [`close`][] wrote the plot (``None``: not asked for, or not written)
         self.plot_file: Path | None = None
 
-    def open(self, start_step: int) -> None:
-        """Open the sinks at ``start_step`` and show the bar (rank 0). One sink failing to
-        open closes those opened and raises: nothing is left running."""
+    def open(self, start_step: int, initial: int | None = None) -> None:
+        """Open the sinks at ``start_step`` (the first row's) and show the bar (rank 0), at
+        ``initial`` when given. One sink failing to open closes those opened and raises:
+        nothing is left running."""
         if not self.main:
             return
         built: list[Sink] = [make(path) for kind, make in _KINDS.items()
                              if (path := self.paths[kind])]
         open_sinks(built + self.extra, start_step)
         self.sinks = built + self.extra
+        if initial is not None:
+            self._initial = initial
         if self._want_progress:
             self.bar = make_bar(self._total, self._desc, self._file, initial=self._initial)
         _log.info("monitor: rows from step %d to %s", start_step,

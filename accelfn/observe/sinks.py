@@ -11,9 +11,12 @@ Values given to ``Monitor.log`` (a validation loss) come as rows of their own am
 CSV file (its header widens to take a new name), a TensorBoard scalar, a W&B or MLflow
 metric per name, at that step.
 
-A resumed run continues its history: the monitor opens each sink with the step it starts
-at (``TrainState.step`` when it is given the state), and a sink drops what an earlier run
-left at that step or later (the steps run again after the checkpoint) before new rows come.
+Rows are numbered as ``TrainState.step`` counts the updates: the update that made
+``state.step`` 20 is row 20 (the n-th step is row n without a state). A resumed run continues
+its history: the monitor opens each sink with the step of its first row
+(``TrainState.step + 1`` when it is given the state, else 1), and a sink drops what an earlier
+run left at that step or later (the steps run again after the checkpoint) before new rows
+come; opened at step 1 (a fresh run) it drops all of it.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ class Sink(Protocol):
     monitor calls them on rank 0 only, from the training thread:
 
     * ``open(start_step)`` when the monitor starts. ``start_step`` is the step of the first
-      row to come (``TrainState.step`` on a resumed run, else 0); rows an earlier run wrote
-      at this step or later belong to steps that run again, and should not be kept twice.
+      row to come (``TrainState.step + 1`` on a resumed run, else 1); rows an earlier run
+      wrote at this step or later belong to steps that run again, and should not be kept
+      twice (at 1, a fresh run: none of them).
     * ``write(rows)`` every ``log_every`` steps with the rows of newly completed steps, in
       step order.
     * ``close(report)`` once at the end, with the monitor's report as text. A sink may also
@@ -86,7 +90,8 @@ def scalars(row: Row, prefix: str = "") -> dict[str, float]:
 
 def _keep_before(path: Path, start_step: int, step_of: Callable[[bytes], int | None], *,
                  header: bool = False) -> int:
-    """Cut ``path`` at its first row whose step is ``>= start_step``; return the rows kept.
+    """Cut ``path`` at its first row whose step is ``>= start_step`` (every row when
+    ``start_step <= 1``: a fresh run); return the rows kept.
 
     ``step_of`` reads a line's step (``None``: not a row, cut there too). A last line
     without its newline (a write the crash interrupted) is cut as well. With ``header``,
@@ -95,6 +100,7 @@ def _keep_before(path: Path, start_step: int, step_of: Callable[[bytes], int | N
     if not path.exists():
         return 0
     kept, end = 0, 0
+    fresh = start_step <= 1
     with open(path, "r+b") as f:
         lines = iter(f)
         if header:
@@ -105,7 +111,7 @@ def _keep_before(path: Path, start_step: int, step_of: Callable[[bytes], int | N
             end = len(first)
         for line in lines:
             step = step_of(line) if line.endswith(b"\n") else None
-            if step is None or step >= start_step:
+            if fresh or step is None or step >= start_step:
                 break
             kept += 1
             end += len(line)
@@ -139,7 +145,7 @@ class JsonlSink:
     """One JSON object per step and line, appended to ``path``.
 
     Equivalent to ``f.write(json.dumps(row) + "\\n")`` for each row; ``open(k)`` first cuts
-    the file at its first row with ``step >= k`` (all of it when ``k`` is 0).
+    the file at its first row with ``step >= k`` (all of it when ``k`` is 1: a fresh run).
     """
 
     def __init__(self, path: str | Path) -> None:
@@ -243,7 +249,8 @@ class TensorBoardSink:
     """Every numeric field as a scalar ``<prefix><field>`` at its step; the report as text.
 
     Equivalent to ``SummaryWriter(log_dir, purge_step=k).add_scalar(name, value, step)``:
-    opened at step ``k``, TensorBoard hides what earlier runs logged at ``k`` or later.
+    opened at step ``k``, TensorBoard hides what earlier runs logged at ``k`` or later (all of
+    it when ``k`` is 1: a fresh run).
     """
 
     def __init__(self, log_dir: str | Path, *, prefix: str = "accelfn/") -> None:
@@ -258,7 +265,8 @@ class TensorBoardSink:
         self.writer: Any = None
 
     def open(self, start_step: int) -> None:
-        self.writer = self._make(log_dir=self.log_dir, purge_step=start_step)
+        self.writer = self._make(log_dir=self.log_dir,
+                                 purge_step=start_step if start_step > 1 else 0)
 
     def write(self, rows: Sequence[Row]) -> None:
         if self.writer is None:

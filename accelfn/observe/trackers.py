@@ -6,13 +6,14 @@
 Neither package is imported until a sink is built; without it the sink says which extra to
 install (``pip install 'accelfn[wandb]'``, ``pip install 'accelfn[mlflow]'``).
 
-On a resumed run (the monitor opened at ``TrainState.step = k > 0``) both continue the
+On a resumed run (the monitor opened at ``TrainState.step = k > 0``: its first row is step
+``k + 1``, rows being numbered as ``state.step`` counts the updates) both continue the
 same run: W&B with ``resume="allow"`` on the run's ``id``, MLflow in the run of that
 ``run_id`` or ``run_name``. A tracker's history is append-only, so the steps it already
 holds (those run again after the checkpoint) keep their first values and the new rows start
 after them; each step is logged once. ``WandbSink(rewind=True)`` instead rewinds the W&B run
-to W&B step ``k - 1`` (W&B's ``resume_from``, a feature the W&B server must offer) and logs the
-steps from ``k`` again.
+to W&B step ``k`` (W&B's ``resume_from``, a feature the W&B server must offer) and logs the
+steps from ``k + 1`` again.
 
 W&B gets one row per monitor row, with the row's step as the metric ``update``: the x-axis
 of the sink's charts (``run.define_metric``). W&B's own step is the update too, but under
@@ -86,12 +87,12 @@ class WandbSink:
         self._rewound = False
         if self.run is None:
             init = dict(self._init)
-            if start_step > 0 and self.rewind:
+            if start_step > 1 and self.rewind:  # resumed: rows up to start_step - 1 done
                 # W&B keeps the rewind step itself and logs on from the next one
                 init["resume_from"] = f"{init.pop('id')}?_step={start_step - 1}"
                 init.pop("resume", None)
                 self._rewound = True
-            elif start_step > 0 and init.get("id"):
+            elif start_step > 1 and init.get("id"):
                 init.setdefault("resume", "allow")
             self.run, self._next, self._done = self._wandb.init(**init), 0, -1
         # a resumed online run goes on after the W&B steps the server holds
@@ -223,7 +224,7 @@ class MlflowSink:
     def open(self, start_step: int) -> None:
         self._client = self._client_type(tracking_uri=self.tracking_uri)
         run_id = self.run_id
-        if run_id is None and start_step > 0 and self.run_name:
+        if run_id is None and start_step > 1 and self.run_name:
             run_id = self._find_by_name(self._experiment_id())
         active = self._mlflow.active_run() if self.tracking_uri is None else None
         if run_id is None and active is not None:

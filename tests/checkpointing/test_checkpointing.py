@@ -520,3 +520,21 @@ def test_load_while_a_calls_window_is_open_rolls_back_to_the_checkpoint(tmp_path
     assert state.step == twin.step == 2
     for p, q in zip(state.model.parameters(), twin.model.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_loading_a_loader_position_without_loader_warns_naming_it(tmp_path):
+    import warnings
+
+    state, loader, step = setup()
+    run(state, iter(loader), step, 2)
+    with_position = ckpt.save(tmp_path / "a", state, loader=loader, step=step)
+    without = ckpt.save(tmp_path / "b", state, step=step)
+    fresh, _, fresh_step = setup(seed=1)
+    with pytest.warns(UserWarning, match=r"loader position.*loader=") as caught:
+        ckpt.load(with_position, fresh, step=fresh_step)
+    assert str(with_position) in str(caught[0].message)
+    assert fresh.step == state.step  # loaded all the same
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ckpt.load(without, fresh, step=fresh_step)  # nothing to restore: nothing said
+        ckpt.load(with_position, fresh, loader=setup()[1], step=fresh_step)

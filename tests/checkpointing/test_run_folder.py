@@ -198,3 +198,19 @@ def test_two_processes_share_a_folder_and_one_process_resumes_it_or_refuses_firs
     assert info is not None and run.resharded_from == 2 and state.step == worker.STEPS
     for key, value in model.state_dict().items():
         assert torch.equal(value, ranks[0]["weights"][key]), key
+
+
+def test_resume_logs_the_step_and_the_checkpoint_it_resumed_from(tmp_path, caplog):
+    run = RunFolder("tiny", root=tmp_path)
+    _, state, step = setup()
+    with caplog.at_level("INFO", logger="accelfn.checkpointing"):
+        run.resume(state, step=step)  # a new run: nothing resumed, nothing said
+    assert not [r for r in caplog.records if "resumed" in r.getMessage()]
+    train(state, step, 3)
+    saved = run.save(state, step=step)
+    again = RunFolder("tiny", resume=run.path, root=tmp_path)
+    _, state, step = setup(seed=1)
+    with caplog.at_level("INFO", logger="accelfn.checkpointing"):
+        again.resume(state, step=step)
+    said = [r.getMessage() for r in caplog.records if r.name == "accelfn.checkpointing"]
+    assert f"resumed from step 3 ({saved})" in said

@@ -52,16 +52,16 @@ def train(ckpt: Path, *, until: int, seed: int, save_at: int | None = None,
 
 def crash_and_resume(ckpt: Path, **monitor: Any) -> tuple[list[dict[str, Any]],
                                                          list[dict[str, Any]]]:
-    """Run 1 checkpoints at update 6 and dies after update 9 (rows 0..8); run 2 resumes
-    from the checkpoint and trains to 12 (rows 6..11). Both runs' rows."""
+    """Run 1 checkpoints at update 6 and dies after update 9 (rows 1..9); run 2 resumes
+    from the checkpoint and trains to 12 (rows 7..12). Both runs' rows."""
     first = train(ckpt, until=12, seed=1, save_at=6, crash_at=9, **monitor)
     second = train(ckpt, until=12, seed=2, resume=True, **monitor)
-    assert [r["step"] for r in first] == list(range(9))
-    assert [r["step"] for r in second] == list(range(6, 12))
+    assert [r["step"] for r in first] == list(range(1, 10))
+    assert [r["step"] for r in second] == list(range(7, 13))
     return first, second
 
 
 def expected_losses(first: list[dict[str, Any]],
                     second: list[dict[str, Any]]) -> list[float]:
-    """The history a resumed run must leave: run 1's steps before 6, then run 2's."""
+    """The history a resumed run must leave: run 1's steps up to 6, then run 2's."""
     return [r["loss"] for r in first[:6]] + [r["loss"] for r in second]

@@ -132,10 +132,10 @@ def test_a_plot_can_be_drawn_from_the_whole_metrics_file(tmp_path: Path) -> None
     path = tmp_path / "metrics.jsonl"
     earlier = [{"step": s, "time_s": 0.1 * s, "iter_s": 0.1, "step_s": 0.1,
                 "data_wait_s": 0.0, "data_share": 0.0, "samples": 8, "tokens": None,
-                "samples_per_s": 80.0, "tokens_per_s": None, "mem_gib": 1.0, "loss": 9.0 - s}
-               for s in range(5)]
+                "samples_per_s": 80.0, "tokens_per_s": None, "mem_gib": 1.0, "loss": 10.0 - s}
+               for s in range(1, 6)]
     path.write_text("".join(json.dumps(r) + "\n" for r in earlier)
-                    + json.dumps({"step": 4, "val_loss": 3.0}) + "\n")
+                    + json.dumps({"step": 5, "val_loss": 3.0}) + "\n")
 
     class State:  # resumed at step 5: the monitor appends to the file
         step = 5
@@ -147,7 +147,7 @@ def test_a_plot_can_be_drawn_from_the_whole_metrics_file(tmp_path: Path) -> None
             State.step += 1  # the update, then what the monitor records of it
             mon.step({"loss": 1.0}, samples=8)
     report = mon.report()
-    assert [r["step"] for r in report.rows] == [5, 6, 7]  # this run's rows
+    assert [r["step"] for r in report.rows] == [6, 7, 8]  # this run's rows
     out = report.plot(tmp_path / "run.png", history=path)
     assert out.read_bytes()[:4] == b"\x89PNG"
     training, logged = read_history(path)
@@ -157,6 +157,6 @@ def test_a_plot_can_be_drawn_from_the_whole_metrics_file(tmp_path: Path) -> None
     loss_ax = fig.axes[0]
     assert loss_ax.get_title() == "training loss and val_loss"
     lines = {line.get_label(): line for line in loss_ax.get_lines()}
-    assert list(lines["training loss"].get_xdata()) == list(range(8))  # the whole history
+    assert list(lines["training loss"].get_xdata()) == list(range(1, 9))  # the whole history
     assert list(lines["training loss"].get_ydata()) == [9.0, 8.0, 7.0, 6.0, 5.0, 1, 1, 1]
-    assert list(lines["val_loss"].get_xdata()) == [4]
+    assert list(lines["val_loss"].get_xdata()) == [5]

@@ -81,7 +81,7 @@ def test_a_nan_step_does_not_turn_the_reported_mean_into_nan() -> None:
     assert report.metrics == {"loss": 2.0, "acc": 0.5}  # over the finite values
     (bad,) = [f for f in report.findings if f.check == "nonfinite"]
     assert bad.severity == "warning"
-    assert "'loss' was NaN or Inf at 2 of 4 steps (first at step 1)" in bad.message
+    assert "'loss' was NaN or Inf at 2 of 4 steps (first at step 2)" in bad.message
     assert "loss 2" in str(report)
 
 
@@ -114,12 +114,12 @@ def test_a_sink_failing_mid_run_loses_no_row_for_the_others(tmp_path: Path) -> N
         mon.step(torch.tensor(0.0))
         with pytest.raises(ConnectionError, match="tracking server down"):
             mon.step(torch.tensor(1.0))  # the flush: every sink got the rows first
-        assert good.rows == [0, 1]
+        assert good.rows == [1, 2]
         mon.step(torch.tensor(2.0))  # and the loop can go on; close raises it again
-    assert good.closed == 1 and good.rows == [0, 1, 2]
-    assert [r["step"] for r in mon.rows] == [0, 1, 2]
+    assert good.closed == 1 and good.rows == [1, 2, 3]
+    assert [r["step"] for r in mon.rows] == [1, 2, 3]
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [0, 1, 2]
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]
 
 
 class _NoServer(_Rows):
@@ -138,8 +138,8 @@ def test_a_sink_failing_to_open_closes_what_was_opened(tmp_path: Path) -> None:
     bad.open = lambda start_step: None  # type: ignore[method-assign]  # the server is back
     with mon:
         mon.step(torch.tensor(1.0))
-    assert first.rows == [0] and mon.report().steps == 1
-    assert json.loads((tmp_path / "m.jsonl").read_text())["step"] == 0
+    assert first.rows == [1] and mon.report().steps == 1
+    assert json.loads((tmp_path / "m.jsonl").read_text())["step"] == 1
 
 
 def test_mlflow_gets_metric_names_it_refuses_under_a_name_it_takes(
@@ -167,7 +167,7 @@ def test_mlflow_gets_metric_names_it_refuses_under_a_name_it_takes(
     assert run.info.status == "FINISHED"
     assert run.data.metrics["acc_1"] == 0.5 and run.data.metrics["top-1 ___"] == 60.0
     assert run.data.metrics["train/ω loss"] == 1.0
-    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 1, 2]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1, 2, 3]
 
 
 def test_a_closed_monitor_refuses_more_steps(tmp_path: Path) -> None:

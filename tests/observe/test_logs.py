@@ -46,7 +46,7 @@ def test_the_monitor_logs_to_its_package_logger(caplog: pytest.LogCaptureFixture
     mon = run(progress=False)
     records = [r for r in caplog.records if r.name == "accelfn.observe"]
     messages = [r.getMessage() for r in records]
-    assert messages == ["monitor: rows from step 0 to no sink",
+    assert messages == ["monitor: rows from step 1 to no sink",
                         f"monitor: {mon.report().verdict}"]
     assert all(r.levelno == logging.INFO and r.rank == 0 for r in records)  # type: ignore[attr-defined]
 
@@ -66,7 +66,7 @@ def test_nothing_is_printed_unless_logging_is_configured() -> None:
     configured = subprocess.run(
         [sys.executable, "-c", "import logging; logging.basicConfig(level=logging.INFO)\n"
          + code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
-    assert "INFO:accelfn.observe:monitor: rows from step 0" in configured.stderr
+    assert "INFO:accelfn.observe:monitor: rows from step 1" in configured.stderr
     assert "WARNING:accelfn.observe:a warning record" in configured.stderr
 
 

@@ -29,7 +29,8 @@ def data(i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def reference() -> tuple[list[float], dict[int, float]]:
-    """The plain loop: training losses, and the validation loss after every third update."""
+    """The plain loop: training losses, and the validation loss after every third update, by
+    the update's number (from 1, as state.step counts them)."""
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -44,7 +45,7 @@ def reference() -> tuple[list[float], dict[int, float]]:
         train.append(loss.item())
         if (i + 1) % EVERY == 0:
             with torch.no_grad():
-                val[i] = F.mse_loss(model(xv), yv).item()
+                val[i + 1] = F.mse_loss(model(xv), yv).item()
     return train, val
 
 
@@ -86,7 +87,7 @@ def test_logged_values_reach_jsonl_csv_and_tensorboard(tmp_path: Path) -> None:
     assert logged[-1] == {"step": STEPS, "epoch": 1.0}
     # in call order: each validation row right after the training row of its step
     order = [(r["step"], "iter_s" in r) for r in lines]
-    assert order.index((2, False)) == order.index((2, True)) + 1
+    assert order.index((3, False)) == order.index((3, True)) + 1
 
     table = list(csv.DictReader((tmp_path / "m.csv").open(newline="")))
     assert {"val_loss", "val.batches", "epoch"} <= set(table[0])  # the header widened
@@ -101,11 +102,11 @@ def test_logged_values_reach_jsonl_csv_and_tensorboard(tmp_path: Path) -> None:
     tb_val = events.Scalars("accelfn/val_loss")
     assert [e.step for e in tb_val] == list(val)
     assert [e.value for e in tb_val] == pytest.approx(list(val.values()), rel=1e-6)
-    assert [e.step for e in events.Scalars("accelfn/loss")] == list(range(STEPS))
+    assert [e.step for e in events.Scalars("accelfn/loss")] == list(range(1, STEPS + 1))
     assert [e.step for e in events.Scalars("accelfn/epoch")] == [STEPS]
 
     report = mon.report()
-    assert report.logged == {"val_loss": pytest.approx(val[STEPS - 1], rel=1e-6),
+    assert report.logged == {"val_loss": pytest.approx(val[STEPS], rel=1e-6),
                              "val.batches": 1.0, "epoch": 1.0}
     assert "logged (last)   val_loss" in str(report)
     assert report.steps == STEPS  # logged rows are no training steps
@@ -153,12 +154,12 @@ def test_the_default_step_is_the_latest_training_rows() -> None:
 
     mon = Monitor(progress=False, sync_check_step=None, state=State())  # type: ignore[arg-type]
     with mon:
-        mon.log({"before": 1.0})  # before any step: the first step
+        mon.log({"before": 1.0})  # before any step: the first step, 41
         State.step = 41  # the update, then what the monitor records of it
         mon.step({"loss": torch.tensor(1.0)})
         mon.log({"after": 2.0})
     rows = mon.report().logged_rows
-    assert [(r["step"], set(r) - {"step"}) for r in rows] == [(40, {"before"}), (40, {"after"})]
+    assert [(r["step"], set(r) - {"step"}) for r in rows] == [(41, {"before"}), (41, {"after"})]
 
 
 def test_bad_values_are_refused_before_anything_is_recorded() -> None:

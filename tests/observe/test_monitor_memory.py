@@ -86,7 +86,7 @@ def test_an_oom_in_the_loop_dumps_the_live_tensors_and_the_report_says_where(tmp
     assert "in forward" in activation["made at"]
     report = mon.report()  # final: the monitor closed as the error left it
     assert f"memory_snapshot: the out-of-memory error's snapshot is in {path}" in str(report)
-    assert [r["step"] for r in report.rows] == [0, 1]
+    assert [r["step"] for r in report.rows] == [1, 2]
 
 
 def test_the_step_given_makes_the_error_name_the_peak_by_kind_and_the_fixes(tmp_path):

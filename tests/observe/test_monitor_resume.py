@@ -36,9 +36,9 @@ def test_the_closing_plot_of_a_resumed_run_draws_its_whole_history(
     out = tmp_path / "run"
     first, second = crash_and_resume(tmp_path / "ckpt", jsonl=out / "metrics.jsonl",
                                       plot=out / "run.png")
-    # run 1 died after update 9, run 2 resumed update 6: its plot shows steps 0..11, the
-    # losses of run 1 before 6 and of run 2 after (not run 1's dropped 6..8)
-    assert [r["step"] for r in drawn[-1]] == list(range(12))
+    # run 1 died after update 9, run 2 resumed update 6: its plot shows steps 1..12, the
+    # losses of run 1 up to 6 and of run 2 after (not run 1's dropped 7..9)
+    assert [r["step"] for r in drawn[-1]] == list(range(1, 13))
     assert [r["loss"] for r in drawn[-1]] == pytest.approx(expected_losses(first, second))
     assert (out / "run.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -63,10 +63,10 @@ def test_a_long_history_is_drawn_as_evenly_averaged_points(
     path = tmp_path / "metrics.jsonl"
     earlier = 3000
     with path.open("w") as f:
-        for s in range(earlier):
+        for s in range(1, earlier + 1):
             f.write(json.dumps({"step": s, "time_s": 0.1 * s, "iter_s": 0.1, "step_s": 0.1,
                                 "data_wait_s": 0.0, "data_share": 0.0, "mem_gib": 1.0,
-                                "loss": float(s)}) + "\n")
+                                "loss": float(s)}) + "\n")  # as state.step counts: from 1
 
     class State:  # resumed at step 3000
         step = earlier
@@ -76,9 +76,57 @@ def test_a_long_history_is_drawn_as_evenly_averaged_points(
     with mon:
         for _ in range(10):
             State.step += 1  # the update, then what the monitor records of it
-            mon.step({"loss": torch.tensor(float(State.step - 1))}, samples=2)
+            mon.step({"loss": torch.tensor(float(State.step))}, samples=2)
     rows = drawn[-1]
     assert len(rows) == (earlier + 10) // 2
-    assert [r["step"] for r in rows] == list(range(0, earlier + 10, 2))
+    assert [r["step"] for r in rows] == list(range(1, earlier + 11, 2))
     # each point the mean of its two steps' losses (the loss here is the step)
-    assert [r["loss"] for r in rows] == [s + 0.5 for s in range(0, earlier + 10, 2)]
+    assert [r["loss"] for r in rows] == [s + 0.5 for s in range(1, earlier + 11, 2)]
+
+
+class _Steps:
+    """A state whose ``step`` the test moves, as updates do."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+
+def _run(mon: Monitor, state: _Steps | None, updates: list[bool]) -> list[int]:
+    with mon:
+        for update in updates:
+            if state is not None and update:
+                state.step += 1  # the update, then what the monitor records of it
+            mon.step({"loss": torch.tensor(1.0)}, samples=2)
+    return [r["step"] for r in mon.rows]
+
+
+def test_rows_are_numbered_as_state_step_counts_the_updates(tmp_path: Path) -> None:
+    # the update that made state.step 21 is row 21 (a validation loss logged at state.step
+    # then shares its row's step)
+    state = _Steps(20)
+    mon = Monitor(progress=False, sync_check_step=None, warmup=0, log_every=1,
+                  state=state, jsonl=tmp_path / "m.jsonl")  # type: ignore[arg-type]
+    assert _run(mon, state, [True, True, True]) == [21, 22, 23]
+    lines = (tmp_path / "m.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [21, 22, 23]
+    # the calls of an accumulation window (mode="calls") share the step of their update
+    state = _Steps(0)
+    mon = Monitor(progress=False, sync_check_step=None, warmup=0, state=state)  # type: ignore[arg-type]
+    assert _run(mon, state, [False, True, False, True]) == [1, 1, 2, 2]
+    # without a state, the n-th step is row n, as state.step would count it
+    mon = Monitor(progress=False, sync_check_step=None, warmup=0)
+    assert _run(mon, None, [True, True, True]) == [1, 2, 3]
+
+
+def test_the_progress_bar_of_a_resumed_run_continues_from_state_step() -> None:
+    import io
+
+    state, out = _Steps(20), io.StringIO()
+    mon = Monitor(sync_check_step=None, warmup=0, total=30, state=state, file=out)  # type: ignore[arg-type]
+    _run(mon, state, [True, True, True])
+    assert out.getvalue().strip().splitlines()[-1].startswith("train 23/30")
+    out = io.StringIO()  # initial= given: it wins
+    mon = Monitor(sync_check_step=None, warmup=0, total=30, state=_Steps(20), file=out,  # type: ignore[arg-type]
+                  initial=5)
+    _run(mon, None, [True])
+    assert out.getvalue().strip().splitlines()[-1].startswith("train 6/30")

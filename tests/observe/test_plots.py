@@ -55,10 +55,10 @@ def test_a_resumed_run_is_drawn_at_its_steps() -> None:
     report = monitored(6, start=40, warmup=2).report()
     fig = figure(report)
     (raw,) = fig.axes[0].get_lines()  # six points: no moving mean
-    assert list(raw.get_xdata()) == [40, 41, 42, 43, 44, 45]
+    assert list(raw.get_xdata()) == [41, 42, 43, 44, 45, 46]
     warm = fig.axes[0].patches[0]  # warm-up: the first two rows of this run
     x0, x1 = warm.get_x(), warm.get_x() + warm.get_width()
-    assert (x0, x1) == (39.5, 41.5)
+    assert (x0, x1) == (40.5, 42.5)
 
 
 def test_without_lr_the_panels_close_up() -> None:

@@ -103,4 +103,4 @@ def test_a_resumed_monitor_counts_from_the_state_step_to_the_total() -> None:
     assert seen == [(29, 48), (34, 48), (39, 48), (44, 48), (48, 48)]
     report = mon.report()
     assert report.steps == 20  # the steps of this process, which its rates are over
-    assert [r["step"] for r in mon.rows] == list(range(28, 48))
+    assert [r["step"] for r in mon.rows] == list(range(29, 49))

@@ -41,8 +41,8 @@ def test_a_user_sink_gets_open_rows_in_order_and_the_report() -> None:
     with mon:
         for i in range(5):
             mon.step({"loss": torch.tensor(float(i))}, samples=1)
-    assert sink.calls[0] == ("open", 0)
-    assert sink.calls[1:-1] == [("write", [0, 1]), ("write", [2, 3]), ("write", [4])]
+    assert sink.calls[0] == ("open", 1)  # rows as state.step counts: the first step is 1
+    assert sink.calls[1:-1] == [("write", [1, 2]), ("write", [3, 4]), ("write", [5])]
     kind, report = sink.calls[-1]
     assert kind == "close" and report == str(mon.report()) and "verdict:" in report
 
@@ -56,7 +56,8 @@ def test_a_non_sink_is_refused_with_what_it_lacks() -> None:
 
 
 def test_rows_are_numbered_by_the_train_state() -> None:
-    """Given the state, a row's step is state.step before its update; without it, from 0."""
+    """Given the state, a row's step is state.step as its update makes it (the update of
+    step 41 is row 41); without it, from 1."""
     model = Net()
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     state.step = 40  # as after loading a checkpoint of update 40
@@ -66,7 +67,7 @@ def test_rows_are_numbered_by_the_train_state() -> None:
         for i in range(6):
             mon.step(step(state, make_batch(seed=i)))
     # two calls per update in mode="calls": each pair shares the update's step
-    assert [r["step"] for r in mon.rows] == [40, 40, 41, 41, 42, 42]
+    assert [r["step"] for r in mon.rows] == [41, 41, 42, 42, 43, 43]
     assert state.step == 43
     assert mon.report().measured_steps == 5  # warm-up counts rows of this run, not steps
 
@@ -82,17 +83,17 @@ def test_resume_continues_jsonl_csv_and_tensorboard(tmp_path: Path) -> None:
     with open(out["csv"], "a") as f:
         f.write("9,0.1")
     second = train(ckpt, until=12, seed=2, resume=True, **out)
-    assert [r["step"] for r in first] == list(range(9))
-    assert [r["step"] for r in second] == list(range(6, 12))
+    assert [r["step"] for r in first] == list(range(1, 10))
+    assert [r["step"] for r in second] == list(range(7, 13))
     losses = expected_losses(first, second)
 
     rows = [json.loads(line) for line in out["jsonl"].read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(12))  # each step once, in order
+    assert [r["step"] for r in rows] == list(range(1, 13))  # each step once, in order
     assert [r["loss"] for r in rows] == losses
     assert [r["lr"] for r in rows] == [r["lr"] for r in first[:6] + second]
 
     table = list(csv.DictReader(out["csv"].open(newline="")))
-    assert [int(r["step"]) for r in table] == list(range(12))
+    assert [int(r["step"]) for r in table] == list(range(1, 13))
     assert [float(r["loss"]) for r in table] == losses
     assert out["csv"].read_text().count("step,") == 1  # one header, the first run's
 
@@ -100,7 +101,7 @@ def test_resume_continues_jsonl_csv_and_tensorboard(tmp_path: Path) -> None:
     events = EventAccumulator(str(out["tensorboard"]))
     events.Reload()
     scalars = events.Scalars("accelfn/loss")
-    assert [e.step for e in scalars] == list(range(12))
+    assert [e.step for e in scalars] == list(range(1, 13))
     assert [e.value for e in scalars] == pytest.approx(losses, rel=1e-6)
     assert "accelfn/report/text_summary" in events.Tags()["tensors"]
 
@@ -110,19 +111,19 @@ def test_crash_and_resume_without_torn_lines_keeps_rows_before_the_checkpoint(
     path = tmp_path / "m.jsonl"
     first, second = crash_and_resume(tmp_path / "ckpt", jsonl=path, log_every=4)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(12))
+    assert [r["step"] for r in rows] == list(range(1, 13))
     assert [r["loss"] for r in rows] == expected_losses(first, second)
 
 
 def test_a_fresh_run_starts_the_files_again(tmp_path: Path) -> None:
     jsonl, table = tmp_path / "m.jsonl", tmp_path / "m.csv"
-    for _ in range(2):  # the same run twice from step 0: no rows kept from the first
+    for _ in range(2):  # the same run twice from the start: no rows kept from the first
         mon = Monitor(jsonl=jsonl, csv=table, progress=False, sync_check_step=None)
         with mon:
             for i in range(3):
                 mon.step({"loss": torch.tensor(float(i))}, samples=1)
-    assert [json.loads(x)["step"] for x in jsonl.read_text().splitlines()] == [0, 1, 2]
-    assert [r["step"] for r in csv.DictReader(table.open(newline=""))] == ["0", "1", "2"]
+    assert [json.loads(x)["step"] for x in jsonl.read_text().splitlines()] == [1, 2, 3]
+    assert [r["step"] for r in csv.DictReader(table.open(newline=""))] == ["1", "2", "3"]
 
 
 def test_file_sinks_cut_at_the_first_row_from_the_start_step(tmp_path: Path) -> None:
@@ -138,13 +139,18 @@ def test_file_sinks_cut_at_the_first_row_from_the_start_step(tmp_path: Path) -> 
         {"step": 3, "loss": 9.0}]
 
     table = tmp_path / "m.csv"
-    table.write_text("step,loss\n0,1.0\n1,2.0\n2,3.0\n")
+    table.write_text("step,loss\n1,1.0\n2,2.0\n3,3.0\n")
     sink2 = CsvSink(table)
-    sink2.open(1)
-    sink2.write([{"step": 1, "loss": 5.0, "new_metric": 1.0}])  # the header widens
-    sink2.write([{"step": 2, "loss": 6.0}])
+    sink2.open(2)
+    sink2.write([{"step": 2, "loss": 5.0, "new_metric": 1.0}])  # the header widens
+    sink2.write([{"step": 3, "loss": 6.0}])
     sink2.close()
-    assert table.read_text() == "step,loss,new_metric\n0,1.0,\n1,5.0,1.0\n2,6.0,\n"
+    assert table.read_text() == "step,loss,new_metric\n1,1.0,\n2,5.0,1.0\n3,6.0,\n"
+    for fresh in (JsonlSink(path), CsvSink(table)):  # opened at step 1: a fresh run
+        fresh.open(1)  # drops every row, a step-0 one (a loss logged before training) too
+        fresh.close()
+        assert path.read_text() == "" if isinstance(fresh, JsonlSink) else \
+            table.read_text() == ""
     table.write_text("step,loss\n")  # a header and no rows: a new header from new rows
     sink3 = CsvSink(table)
     sink3.open(4)

@@ -95,8 +95,8 @@ def test_wandb_offline_run_continues_at_the_resumed_step(wandb_offline: Path) ->
     runs = wandb_runs(wandb_offline)
     assert [r["id"] for r in runs] == ["digits-1", "digits-1"]  # one run, resumed
     assert runs[0]["config"]["lr"] == 0.1
-    assert [h["_step"] for h in runs[0]["history"]] == list(range(9))
-    assert [h["_step"] for h in runs[1]["history"]] == list(range(6, 12))
+    assert [h["_step"] for h in runs[0]["history"]] == list(range(1, 10))
+    assert [h["_step"] for h in runs[1]["history"]] == list(range(7, 13))
     assert [h["loss"] for h in runs[0]["history"]] == [r["loss"] for r in first]
     assert [h["loss"] for h in runs[1]["history"]] == [r["loss"] for r in second]
     assert [h["lr"] for h in runs[1]["history"]] == [r["lr"] for r in second]
@@ -107,8 +107,8 @@ def test_one_wandb_sink_serves_two_monitors(wandb_offline: Path) -> None:
     first, second = crash_and_resume(wandb_offline / "ckpt",
                                      sinks=[WandbSink(project="accelfn-tests", id="again")])
     runs = wandb_runs(wandb_offline)
-    assert [[h["_step"] for h in r["history"]] for r in runs] == [list(range(9)),
-                                                                  list(range(6, 12))]
+    assert [[h["_step"] for h in r["history"]] for r in runs] == [list(range(1, 10)),
+                                                                  list(range(7, 13))]
     assert [h["loss"] for h in runs[1]["history"]] == expected_losses(first, second)[6:]
 
 
@@ -120,10 +120,10 @@ def test_wandb_rewind_truncates_at_the_resumed_step(wandb_offline: Path) -> None
                    sinks=[WandbSink(project="accelfn-tests", id="digits-2", prefix="train/",
                                     rewind=True)])
     first_run, resumed = wandb_runs(wandb_offline)
-    assert resumed["config"]["_wandb"]["branch_point"] == {"run_id": "digits-2", "step": 5}
-    assert [h["_step"] for h in resumed["history"]] == list(range(6, 12))
+    assert resumed["config"]["_wandb"]["branch_point"] == {"run_id": "digits-2", "step": 6}
+    assert [h["_step"] for h in resumed["history"]] == list(range(7, 13))
     assert [h["train/loss"] for h in resumed["history"]] == [r["loss"] for r in second]
-    assert [h["_step"] for h in first_run["history"]] == list(range(9))
+    assert [h["_step"] for h in first_run["history"]] == list(range(1, 10))
 
 
 def test_wandb_into_a_run_of_your_own_is_left_open(wandb_offline: Path) -> None:
@@ -132,10 +132,10 @@ def test_wandb_into_a_run_of_your_own_is_left_open(wandb_offline: Path) -> None:
     run = wandb.init(project="accelfn-tests", id="mine")
     rows = train(wandb_offline / "ckpt", until=3, seed=0, log_every=1,
                  sinks=[WandbSink(run=run)])
-    run.log({"eval/accuracy": 0.5}, step=3)  # still open: the user's code logs on
+    run.log({"eval/accuracy": 0.5}, step=4)  # still open: the user's code logs on
     run.finish()
     (only,) = wandb_runs(wandb_offline)
-    assert [h["_step"] for h in only["history"]] == [0, 1, 2, 3]
+    assert [h["_step"] for h in only["history"]] == [1, 2, 3, 4]
     assert [h["loss"] for h in only["history"][:3]] == [r["loss"] for r in rows]
     with pytest.raises(ValueError, match=r"an existing run or wandb\.init arguments"):
         WandbSink(run=run, project="x")
@@ -163,36 +163,36 @@ def test_wandb_keeps_every_call_of_an_accumulation_window(wandb_offline: Path) -
     """mode="calls": the calls of one update share its step, yet each is a W&B row, drawn
     against the optimizer update (a custom x-axis) as the other sinks keep them."""
     rows = calls_run(WandbSink(project="accelfn-tests", id="calls-1", prefix="train/"))
-    assert [r["step"] for r in rows] == [0, 0, 1, 1, 2, 2]
+    assert [r["step"] for r in rows] == [1, 1, 2, 2, 3, 3]
     (only,) = wandb_runs(wandb_offline)
     history = only["history"]
     assert [h["train/loss"] for h in history] == [r["loss"] for r in rows]
-    assert [h["train/update"] for h in history] == [0, 0, 1, 1, 2, 2]
-    assert [h["_step"] for h in history] == list(range(6))  # W&B's step counts the calls
+    assert [h["train/update"] for h in history] == [1, 1, 2, 2, 3, 3]
+    assert [h["_step"] for h in history] == list(range(1, 7))  # W&B's step counts the calls
     assert only["axes"]["train/loss"] == only["axes"]["train/iter_s"] == "train/update"
 
 
 def test_wandb_calls_resumed_in_the_same_run_go_on_after_what_it_holds(
         wandb_offline: Path) -> None:
-    """A run that holds updates 0..2 (six calls), resumed at update 1: updates 1 and 2 keep
-    their first rows, update 3's calls follow at the next W&B steps."""
+    """A run that holds updates 1..3 (six calls), resumed after update 1: updates 2 and 3 keep
+    their first rows, update 4's calls follow at the next W&B steps."""
     import wandb
 
     run = wandb.init(project="accelfn-tests", id="calls-2")
     first = calls_run(WandbSink(run=run))
     second = calls_run(WandbSink(run=run), start=1)
     run.finish()
-    assert [r["step"] for r in second] == [1, 1, 2, 2, 3, 3]
+    assert [r["step"] for r in second] == [2, 2, 3, 3, 4, 4]
     (only,) = wandb_runs(wandb_offline)
     history = only["history"]
-    assert [h["update"] for h in history] == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert [h["_step"] for h in history] == list(range(8))
+    assert [h["update"] for h in history] == [1, 1, 2, 2, 3, 3, 4, 4]
+    assert [h["_step"] for h in history] == list(range(1, 9))
     assert [h["loss"] for h in history] == [r["loss"] for r in first + second[4:]]
 
 
 def test_wandb_rewind_under_calls_says_what_the_run_lost(wandb_offline: Path) -> None:
     calls_run(WandbSink(project="accelfn-tests", id="calls-3"))
-    with pytest.warns(UserWarning, match=r"rewound the run to W&B step 0, but W&B's steps "
+    with pytest.warns(UserWarning, match=r"rewound the run to W&B step 1, but W&B's steps "
                                          r"count calls"):
         calls_run(WandbSink(project="accelfn-tests", id="calls-3", rewind=True), start=1)
     wandb_runs(wandb_offline)  # the service stopped
@@ -222,12 +222,12 @@ def test_mlflow_run_continues_at_the_resumed_step(mlflow_store: str, tmp_path: P
     assert run.info.run_name == "run-1" and run.data.tags["model"] == "Net"
     assert run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "loss")
-    assert [m.step for m in history] == list(range(12))  # each step once, in order
-    # steps 6-8 were logged by the first run: an MLflow history is append-only
+    assert [m.step for m in history] == list(range(1, 13))  # each step once, in order
+    # steps 7-9 were logged by the first run: an MLflow history is append-only
     assert [m.value for m in history] == [r["loss"] for r in first] + \
         [r["loss"] for r in second[3:]]
     lr = client.get_metric_history(run.info.run_id, "lr")
-    assert [m.step for m in lr] == list(range(12))
+    assert [m.step for m in lr] == list(range(1, 13))
     assert {"step_s", "data_wait_s", "iter_s", "accuracy", "grad_norm"} <= set(run.data.metrics)
     assert "step" not in run.data.metrics and "probed" not in run.data.metrics
     report = Path(client.download_artifacts(run.info.run_id, "accelfn_report.txt",
@@ -240,7 +240,7 @@ def test_mlflow_fresh_runs_and_the_active_run(mlflow_store: str, tmp_path: Path)
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=mlflow_store)
-    for _ in range(2):  # a fresh run (step 0) never continues an earlier run of that name
+    for _ in range(2):  # a fresh run (from step 1) never continues an earlier run of that name
         train(tmp_path / "ckpt", until=2, seed=0,
               sinks=[MlflowSink(tracking_uri=mlflow_store, run_name="again")])
     assert len(client.search_runs(["0"])) == 2
@@ -266,7 +266,7 @@ def test_mlflow_continues_a_run_given_by_id(mlflow_store: str, tmp_path: Path) -
     second = train(tmp_path / "ckpt", until=12, seed=2, resume=True,
                    sinks=[MlflowSink(tracking_uri=mlflow_store, run_id=sink.run_id)])
     history = MlflowClient(tracking_uri=mlflow_store).get_metric_history(sink.run_id, "loss")
-    assert [m.step for m in history] == list(range(12))
+    assert [m.step for m in history] == list(range(1, 13))
     assert [m.value for m in history][:9] == [r["loss"] for r in first]
     assert [m.value for m in history][9:] == [r["loss"] for r in second[3:]]
     assert expected_losses(first, second)[:6] == [m.value for m in history][:6]
@@ -318,7 +318,7 @@ def test_a_run_that_dies_in_the_loop_is_marked_failed(mlflow_store: str,
     run = MlflowClient(tracking_uri=mlflow_store).get_run(ml.run_id)
     assert run.info.status == "FAILED"  # not FINISHED: the training raised
     assert [m.step for m in MlflowClient(tracking_uri=mlflow_store).get_metric_history(
-        ml.run_id, "loss")] == [0, 1, 2]
+        ml.run_id, "loss")] == [1, 2, 3]
     import wandb
 
     wandb.teardown()  # the run's files are complete once W&B's service stops
@@ -327,7 +327,7 @@ def test_a_run_that_dies_in_the_loop_is_marked_failed(mlflow_store: str,
              == "exit"]
     assert exits and exits[-1] != 0
     (only,) = wandb_runs(wandb_offline)
-    assert [h["_step"] for h in only["history"]] == [0, 1, 2]
+    assert [h["_step"] for h in only["history"]] == [1, 2, 3]
     assert "verdict:" in only["summary"]["report"]
 
 
