@@ -52,7 +52,6 @@ __all__ = [
     "tensordicts_unchecked",
     "unwrap_compiled",
     "weights_only_unpickle",
-    "zero_grad",
 ]
 
 
@@ -76,23 +75,6 @@ def sum_unrecorded(tensors: list[Tensor]) -> Tensor:
     ``clip_grad_norm_``): autograd is switched off and back inside torch's own context
     manager, so an interrupt at any line here leaves it as it was."""
     return torch.stack(tensors).sum(0)
-
-
-_OPTIMIZER_ZERO_GRAD = torch.optim.Optimizer.zero_grad
-_profiler_enabled = torch._C._autograd._profiler_enabled
-
-
-def zero_grad(optimizer: torch.optim.Optimizer) -> None:
-    """``optimizer.zero_grad(set_to_none=True)``: the same loop over the optimizer's
-    parameters, without the profiler label and per-call setup that make ten times its cost
-    (about 12 us of a small model's update on the CPU), unless a profiler is recording (the
-    label then shows in its trace) or the optimizer's class has its own ``zero_grad``."""
-    if type(optimizer).zero_grad is not _OPTIMIZER_ZERO_GRAD or _profiler_enabled():
-        optimizer.zero_grad(set_to_none=True)
-        return
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            p.grad = None
 
 
 def foreach_div_(tensors: list[Tensor], divisor: Tensor | float) -> None:

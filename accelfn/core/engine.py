@@ -34,7 +34,7 @@ from .batch import Batch, batch_size, check_batch
 from .carry import SLOT as CARRY
 from .carry import Carries, takes_carry
 from .contexts import CallContext, Prepared, UpdateContext, entered, held
-from .extension import GradientTransform, Transform
+from .extension import Chained, GradientTransform, Transform
 from .guard import NonFiniteError, nonfinite
 from .outputs import unpack
 from .places import Decision, Sharding, Spec, spec_of
@@ -72,7 +72,7 @@ class Step:
         for t in transforms:
             if not isinstance(t, Transform):
                 raise TypeError(f"{t!r} is not a transform: extend the update with "
-                                "accelfn.GradientTransform(name, update, init)")
+                                "accelfn.Transform(name, update=...)")
         self.fn = fn
         self.transforms = transforms
         self.spec: Spec = spec_of(transforms, lambda: describe(self))
@@ -97,7 +97,9 @@ class Step:
         if not isinstance(transform, Transform):
             raise TypeError(
                 f"{transform!r} is not a transform: extend the update with "
-                "accelfn.GradientTransform(name, update, init) (see docs/writing-a-transform.md)")
+                "accelfn.Transform(name, update=...) (see docs/writing-a-transform.md)")
+        if isinstance(transform.part, Chained):  # its members, as stacking them one by one
+            return transform(self)
         return Step(self.fn, (*self.transforms, transform))
 
     def __repr__(self) -> str:
@@ -413,7 +415,6 @@ def describe(step: Step | Callable[..., Any]) -> str:
     ``with_nonfinite``, which act on what they leave, and outside the other built-ins, whose
     unscaling, reduction and weighting come before them:
     ``with_clipping(max_norm=1) ∘ chain(a, b) ∘ with_amp(bf16) ∘ my_step``."""
-    from .extension import Chained
     from .places import Clipping, NonFinite
 
     if not isinstance(step, Step):

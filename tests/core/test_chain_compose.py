@@ -108,6 +108,9 @@ def test_chain_is_the_transforms_applied_one_by_one():
     assert torch.equal(one.state_dict()["slots"]["gradients.rms"]["mean"],
                        two.state_dict()["slots"]["gradients.rms"]["mean"])
     assert_params_equal(one.model, _hand_loop([rms_by_hand(), affine_by_hand()]))
+    # added to a step (apply_transform, with_transform): its members, one by one, as well
+    assert af.apply_transform(classify, af.chain(a, b)).transforms == by_hand.transforms
+    assert af.lift(classify).with_transform(af.chain(a, b)).transforms == by_hand.transforms
 
 
 def test_chain_runs_in_written_order_whatever_the_builtins_around_it():

@@ -295,30 +295,6 @@ def test_backward_leaves_everything_else_to_loss_backward():
     assert torch.equal(w.grad, torch.full((3,), 3.0))
 
 
-def test_zero_grad_is_the_optimizers_set_to_none_and_keeps_its_profiler_label():
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    optimizer = torch.optim.SGD(model[0].parameters(), lr=0.1)  # not model[1]'s
-    model(torch.randn(5, 3)).sum().backward()
-    compat.zero_grad(optimizer)
-    assert [p.grad is None for p in model.parameters()] == [True, True, False, False]
-
-    model(torch.randn(5, 3)).sum().backward()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        compat.zero_grad(optimizer)
-    assert "Optimizer.zero_grad#SGD.zero_grad" in {e.name for e in prof.events()}
-    assert model[0].weight.grad is None
-
-    class Own(torch.optim.SGD):
-        calls = 0
-
-        def zero_grad(self, set_to_none=True):
-            Own.calls += 1
-            super().zero_grad(set_to_none)
-
-    compat.zero_grad(Own(model.parameters(), lr=0.1))
-    assert Own.calls == 1 and all(p.grad is None for p in model.parameters())
-
-
 def _cpu_stager():
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
