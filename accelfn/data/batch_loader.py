@@ -5,8 +5,9 @@ and a record of how long the loop waited for each batch.
 
 A batch whose loading raises (a dataset's ``__getitem__``, a ``sample_transform``, a batch
 transform) is retried: the error reaches the loop, the position stays at that batch, and the
-next ``next()`` (or an ``iter()`` of a loader resumed there) loads it again, so an epoch
-continued after an error is whole, never silently short.
+next ``next()``, the next ``iter()`` (a ``for batch in loader:`` written again after catching
+the error), or an ``iter()`` of a loader resumed there loads it again, so an epoch continued
+after an error is whole, never silently short, and never skipped for the next.
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ class BatchLoader(Iterable[TensorDictBase]):
     """A re-iterable loader over a ``torchdata.nodes`` graph of TensorDict batches.
 
     Each ``iter()`` starts the next epoch (or resumes the position given to
-    [`load_state_dict`][]). Built by [`loader`][]; can also wrap any root node you compose
+    [`load_state_dict`][], or, after a batch failed to load, continues the epoch at that
+    batch). Built by [`loader`][]; can also wrap any root node you compose
     yourself.
 
     Data-wait measurement (read by monitors; the clock is ``time.perf_counter``):
@@ -224,9 +226,13 @@ class BatchLoader(Iterable[TensorDictBase]):
         self._last_return = None
         self._peeked = self._peek_state = None
         self._ended = self._empty = False
-        self._failed_at = None
+        failed, self._failed_at = self._failed_at, None
         state, self._pending_state = self._pending_state, None
         ended, self._pending_ended = self._pending_ended, True
+        if state is None and failed is not None:
+            # a batch of the epoch in progress failed to load and the loop was written again
+            # (`for batch in loader:` after catching the error): continue the epoch there
+            state, ended = failed, False
         if state is None and self._read_start is not None:
             # state_dict() started the nodes only to read them: start them for real, at that
             # position (which makes the random draws that the read put back).

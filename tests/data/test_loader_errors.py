@@ -147,3 +147,27 @@ def test_an_error_that_persists_is_raised_again_not_skipped(tmp_path):
         for _ in range(3):
             with pytest.raises(OSError, match="sample 10: corrupt"):
                 next(it)
+
+
+def for_loops_through_errors(loader, epochs: int) -> list[int]:
+    """``epochs`` epochs of ``for batch in loader:``, the loop written again (a new
+    ``iter()``) after each error, as a training script's retry does."""
+    ids: list[int] = []
+    done = 0
+    while done < epochs:
+        try:
+            for batch in loader:
+                ids += batch["label"].tolist()
+        except OSError:
+            continue  # the `for` again: the epoch goes on
+        done += 1
+    return ids
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: "-".join(map(str, s.values())))
+@pytest.mark.parametrize("bad", [1, 10, N - 1])
+def test_a_for_loop_retried_after_an_error_continues_the_epoch(tmp_path, settings, bad):
+    ds = FailsOnce(bad, str(tmp_path / "raised"))
+    with ad.loader(ds, batch_size=BATCH, shuffle=False, **settings) as loader:
+        ids = for_loops_through_errors(loader, epochs=2)
+    assert ids == expected_epochs(2)  # the rest of the epoch, then the next one whole
