@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import Net, classify, token_loss
+from helpers import Net, classify, token_loss
 from trunk_models import TrunkNet, via_method, via_submodule
 
 import accelfn as af

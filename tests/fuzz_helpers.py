@@ -5,7 +5,7 @@ case left it untouched."""
 from __future__ import annotations
 
 import torch
-from conftest import Net
+from helpers import Net
 
 import accelfn as af
 

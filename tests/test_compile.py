@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import Net, as_dict, assert_params_equal, classify, make_batch
+from helpers import Net, as_dict, assert_params_equal, classify, make_batch
 from reference import reference_update
 
 import accelfn as af

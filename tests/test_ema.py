@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import Net, as_dict, classify, clone_setup, make_batch, poisonable, roundtrip
+from helpers import Net, as_dict, classify, clone_setup, make_batch, poisonable, roundtrip
 from reference import reference_update
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn

@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from conftest import as_dict, classify, make_batch, poisonable, roundtrip
+from helpers import as_dict, classify, make_batch, poisonable, roundtrip
 from reference import reference_update
 from torch import nn
 

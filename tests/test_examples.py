@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import Net, as_dict, classify, make_batch
+from helpers import Net, as_dict, classify, make_batch
 
 import accelfn as af
 from accelfn import checkpointing
@@ -214,7 +214,7 @@ TORCHRUN_CASES = {
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(TORCHRUN_CASES))
 def test_examples_run_under_torchrun_and_resume_in_one_process(name, tmp_path, capsys):
-    from conftest import free_port
+    from helpers import free_port
 
     run, resume, updates = TORCHRUN_CASES[name]
     out = tmp_path / name
@@ -513,7 +513,7 @@ def test_one_update_and_one_block_run(tmp_path, capsys):
 def test_a_run_of_2_processes_resumed_in_1_refuses_before_saying_it_resumed(tmp_path, capsys):
     """An epoch of 1 process is twice the updates of 2: the schedule's plan differs, and the
     resume is refused before anything is loaded or printed; --steps as planned resumes."""
-    from conftest import torchrun
+    from helpers import torchrun
 
     out = tmp_path / "digits"
     torchrun(os.path.join(EXAMPLES, "classify_digits.py"), "--epochs", "1", "--stop-at", "2",

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import as_dict, assert_params_equal, make_batch
+from helpers import as_dict, assert_params_equal, make_batch
 from reference import reference_update
 from trunk_models import TrunkNet, via_forward, via_method, via_submodule
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import free_port
+from helpers import free_port
 
 from accelfn import checkpointing
 

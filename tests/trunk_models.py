@@ -5,7 +5,7 @@ directly. Shared by the tests that check a step hands the function the user's ow
 from __future__ import annotations
 
 import torch.nn.functional as F
-from conftest import Net
+from helpers import Net
 
 
 class Hidden:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import Net, classify
+from helpers import Net, classify
 from tensordict import TensorDict
 
 import accelfn as af

@@ -23,7 +23,7 @@ from tensordict import TensorDict
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-from conftest import save_rank_results
+from helpers import save_rank_results
 
 import accelfn as af
 from accelfn.checkpointing.exporting import export

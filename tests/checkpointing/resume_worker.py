@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-from conftest import Net
+from helpers import Net
 
 import accelfn as af
 from accelfn import checkpointing, data

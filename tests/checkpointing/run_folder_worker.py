@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-from conftest import Net, classify, make_batch, save_rank_results
+from helpers import Net, classify, make_batch, save_rank_results
 
 import accelfn as af
 from accelfn.checkpointing.runs import RunFolder, RunFolderError

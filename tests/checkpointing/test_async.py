@@ -22,7 +22,7 @@ import pytest
 import torch
 from async_worker import WORKER, digests
 from checkpoint_helpers import run, setup, snapshot
-from conftest import Net
+from helpers import Net
 from resume_worker import ENV
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 

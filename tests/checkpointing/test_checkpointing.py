@@ -29,7 +29,7 @@ from checkpoint_helpers import (
     setup,
     snapshot,
 )
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 
 import accelfn as af
 from accelfn import checkpointing as ckpt

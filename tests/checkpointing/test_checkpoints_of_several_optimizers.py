@@ -23,7 +23,7 @@ from checkpoint_helpers import (
     setup,
     snapshot,
 )
-from conftest import Net
+from helpers import Net
 
 import accelfn as af
 from accelfn import checkpointing as ckpt

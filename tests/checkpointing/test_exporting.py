@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import torchrun_results
+from helpers import torchrun_results
 from torch import nn
 
 import accelfn as af

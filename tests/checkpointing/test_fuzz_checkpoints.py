@@ -15,8 +15,8 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import classify
 from fuzz_helpers import assert_untouched, fresh_state, snapshot
+from helpers import classify
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

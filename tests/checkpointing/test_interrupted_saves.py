@@ -18,7 +18,7 @@ import threading
 
 import pytest
 import torch
-from conftest import Net
+from helpers import Net
 
 import accelfn as af
 from accelfn import checkpointing as ckpt

@@ -21,8 +21,8 @@ TESTS = os.path.dirname(HERE)
 if TESTS not in sys.path:  # under torchrun: conftest sits in tests/
     sys.path.insert(0, TESTS)
 
-from conftest import Net, classify, save_rank_results, torchrun_results  # noqa: E402
 from dist_worker import RANK_ROWS, global_batch  # noqa: E402
+from helpers import Net, classify, save_rank_results, torchrun_results  # noqa: E402
 
 import accelfn as af  # noqa: E402
 from accelfn import checkpointing  # noqa: E402

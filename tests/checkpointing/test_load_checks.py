@@ -12,7 +12,7 @@ import io
 import pytest
 import torch
 from checkpoint_helpers import assert_unchanged, dataset, forge, noisy, run, setup, snapshot
-from conftest import Net
+from helpers import Net
 
 import accelfn as af
 from accelfn import checkpointing as ckpt

@@ -20,7 +20,7 @@ from checkpoint_helpers import (
     scramble_rngs,
     snapshot,
 )
-from conftest import Net
+from helpers import Net
 
 import accelfn as af
 from accelfn import checkpointing as ckpt

@@ -144,7 +144,7 @@ def test_sigterm_mid_run_checkpoints_exits_75_and_resumes_exactly(tmp_path):
 
 
 def _calls_run():
-    from conftest import Net, classify
+    from helpers import Net, classify
 
     import accelfn as af
 
@@ -157,7 +157,7 @@ def _calls_run():
 def test_sigterm_mid_window_stops_at_the_windows_end_and_resumes_exactly(tmp_path):
     """Calls-mode accumulation: a SIGTERM while a window is open stops at the window's end
     (the first update boundary), with a checkpoint and status 75, not a crash."""
-    from conftest import make_batch
+    from helpers import make_batch
 
     batches = [make_batch(seed=i) for i in range(9)]
     state, step = _calls_run()
@@ -189,7 +189,7 @@ def test_sigterm_mid_window_stops_at_the_windows_end_and_resumes_exactly(tmp_pat
 def test_several_processes_agree_and_stop_at_the_same_window_end(monkeypatch):
     """The agreement's all-reduce runs as before (every check_every calls, whatever the
     window); the stop it agreed is taken at the first boundary, the same call everywhere."""
-    from conftest import make_batch
+    from helpers import make_batch
 
     reduces = []
 
@@ -212,7 +212,7 @@ def test_several_processes_agree_and_stop_at_the_same_window_end(monkeypatch):
 
 
 def test_checkpoint_and_exit_mid_window_is_refused_before_saving(tmp_path):
-    from conftest import make_batch
+    from helpers import make_batch
 
     state, step = _calls_run()
     step(state, make_batch())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Net, classify, make_batch, torchrun_results
+from helpers import Net, classify, make_batch, torchrun_results
 
 import accelfn as af
 from accelfn import checkpointing

@@ -290,7 +290,7 @@ def test_gradient_transforms_in_another_order_are_another_step(tmp_path):
     """Gradient transforms run in stacking order: a checkpoint of one order does not load
     into a step of the other (the built-ins' order still does not matter)."""
     import torch
-    from conftest import Net, classify, make_batch
+    from helpers import Net, classify, make_batch
 
     import accelfn as af
     from accelfn import checkpointing

@@ -7,7 +7,7 @@ import contextlib
 from types import SimpleNamespace
 
 import pytest
-from conftest import classify
+from helpers import classify
 
 import accelfn as af
 from accelfn.core import agreement

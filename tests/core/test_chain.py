@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Net, as_dict, assert_params_equal, classify, make_batch
+from helpers import Net, as_dict, assert_params_equal, classify, make_batch
 from tensordict import TensorDict
 from torch import nn
 

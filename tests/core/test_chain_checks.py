@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from conftest import Net, as_dict, assert_params_equal, classify, make_batch
+from helpers import Net, as_dict, assert_params_equal, classify, make_batch
 
 import accelfn as af
 from accelfn.core.chain import GradientTransformError

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 from torch import nn
 
 import accelfn as af

@@ -17,8 +17,8 @@ import typing
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Net, as_dict, assert_params_equal, classify, make_batch
 from halving import halve, halved, loss_fn
+from helpers import Net, as_dict, assert_params_equal, classify, make_batch
 from torch import nn
 
 import accelfn as af

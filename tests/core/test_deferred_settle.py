@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from conftest import Net, as_dict, classify, make_batch
+from helpers import Net, as_dict, classify, make_batch
 
 import accelfn as af
 

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Net, as_dict, assert_params_equal, classify, clone_setup, make_batch
+from helpers import Net, as_dict, assert_params_equal, classify, clone_setup, make_batch
 from reference import reference_update
 from tensordict import TensorDict
 from torch import nn

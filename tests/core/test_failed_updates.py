@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import as_dict, assert_params_equal, classify, make_batch
+from helpers import as_dict, assert_params_equal, classify, make_batch
 from torch import nn
 
 import accelfn as af

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 
 import accelfn as af
 from accelfn.core import chain, compat, engine, micro, optimizers

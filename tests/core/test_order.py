@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import Net, as_dict, assert_params_equal, classify, make_batch
+from helpers import Net, as_dict, assert_params_equal, classify, make_batch
 from reference import reference_update
 
 import accelfn as af

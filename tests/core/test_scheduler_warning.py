@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 from torch.optim import lr_scheduler as ls
 
 import accelfn as af

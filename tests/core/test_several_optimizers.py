@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Net, as_dict, assert_params_equal, classify, make_batch, poisonable, roundtrip
+from helpers import Net, as_dict, assert_params_equal, classify, make_batch, poisonable, roundtrip
 from reference import chunks
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import Net, assert_params_equal, classify, make_batch, roundtrip
+from helpers import Net, assert_params_equal, classify, make_batch, roundtrip
 
 import accelfn as af
 

@@ -9,7 +9,7 @@ import copy
 import math
 
 import torch
-from conftest import Net, as_dict, assert_params_equal, classify, make_batch
+from helpers import Net, as_dict, assert_params_equal, classify, make_batch
 
 import accelfn as af
 

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 
 import accelfn as af
 

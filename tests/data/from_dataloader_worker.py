@@ -23,7 +23,7 @@ TESTS = os.path.dirname(HERE)
 if TESTS not in sys.path:  # under torchrun: conftest sits in tests/
     sys.path.insert(0, TESTS)
 
-from conftest import roundtrip, save_rank_results  # noqa: E402
+from helpers import roundtrip, save_rank_results  # noqa: E402
 
 import accelfn.data as ad  # noqa: E402
 

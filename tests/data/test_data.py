@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torchdata.nodes as tn
-from conftest import roundtrip
+from helpers import roundtrip
 from tensordict import TensorDict
 
 import accelfn.data as ad

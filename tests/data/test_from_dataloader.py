@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import roundtrip, torchrun_results
+from helpers import roundtrip, torchrun_results
 from tensordict import TensorDict
 from torch import nn
 from torch.utils.data import (

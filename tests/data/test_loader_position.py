@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import roundtrip
+from helpers import roundtrip
 from tensordict import TensorDict
 
 import accelfn.data as ad

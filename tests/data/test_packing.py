@@ -13,7 +13,7 @@ import copy
 
 import numpy as np
 import pytest
-from conftest import roundtrip
+from helpers import roundtrip
 
 import accelfn.data as ad
 from accelfn.data.packing import (

@@ -7,7 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from conftest import roundtrip, torchrun
+from helpers import roundtrip, torchrun
 
 import accelfn.data as ad
 

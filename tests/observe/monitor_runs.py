@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 
 import accelfn as af
 from accelfn import checkpointing

@@ -215,7 +215,7 @@ def test_on_cuda_the_monitor_dumps_the_allocator_history(tmp_path):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_under_several_processes_each_rank_dumps_its_own_file(tmp_path):
-    from conftest import torchrun
+    from helpers import torchrun
 
     torchrun(Path(__file__).with_name("memory_snapshot_worker.py"), tmp_path)
     assert not (tmp_path / "oom.json").exists()

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 
 import accelfn as af
 from accelfn.observe.monitor import Monitor

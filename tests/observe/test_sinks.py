@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 from monitor_runs import crash_and_resume, expected_losses, train
 
 import accelfn as af

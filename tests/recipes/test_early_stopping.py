@@ -6,7 +6,7 @@ import io
 
 import pytest
 import torch
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 from torch import nn
 
 import accelfn as af

@@ -13,7 +13,7 @@ import math
 
 import pytest
 import torch
-from conftest import Net, as_dict, classify, make_batch, poisonable, roundtrip
+from helpers import Net, as_dict, classify, make_batch, poisonable, roundtrip
 from torch.optim.lr_scheduler import ChainedScheduler
 
 import accelfn as af

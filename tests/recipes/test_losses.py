@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import clone_setup
+from helpers import clone_setup
 from tensordict import TensorDict
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode

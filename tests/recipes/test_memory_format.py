@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import Net
+from helpers import Net
 from tensordict import TensorDict
 from torch import nn
 

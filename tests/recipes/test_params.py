@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 from torch import nn
 
 import accelfn as af

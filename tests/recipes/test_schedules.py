@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from conftest import (
+from helpers import (
     Net,
     as_dict,
     assert_params_equal,

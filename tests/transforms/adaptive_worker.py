@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from conftest import classify, make_batch, save_rank_results  # noqa: E402
+from helpers import classify, make_batch, save_rank_results  # noqa: E402
 from test_accumulation_adaptive import Limited  # noqa: E402
 
 import accelfn as af  # noqa: E402

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import as_dict, assert_params_equal, classify, clone_setup, make_batch, token_loss
+from helpers import as_dict, assert_params_equal, classify, clone_setup, make_batch, token_loss
 from reference import chunks, full_batch_grads, reference_update
 from tensordict import TensorDict
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Net, assert_params_equal, classify, make_batch, torchrun_results
+from helpers import Net, assert_params_equal, classify, make_batch, torchrun_results
 from torch import nn
 
 import accelfn as af

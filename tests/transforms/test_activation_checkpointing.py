@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchvision
-from conftest import Block, Net, as_dict, assert_params_equal, classify, clone_setup, make_batch
+from helpers import Block, Net, as_dict, assert_params_equal, classify, clone_setup, make_batch
 from reference import reference_update
 from torch import nn
 from trunk_models import TrunkNet, via_forward, via_method, via_submodule

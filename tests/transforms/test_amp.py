@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import as_dict, assert_params_equal, classify, clone_setup, make_batch
+from helpers import as_dict, assert_params_equal, classify, clone_setup, make_batch
 from reference import reference_update
 from torch import nn
 

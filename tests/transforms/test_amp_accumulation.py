@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import Net, assert_params_equal, classify, clone_setup, make_batch, roundtrip
+from helpers import Net, assert_params_equal, classify, clone_setup, make_batch, roundtrip
 
 import accelfn as af
 from accelfn.core.plan import Plan

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import accelfn as af

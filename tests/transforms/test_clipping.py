@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import as_dict, assert_params_equal, classify, clone_setup, make_batch
+from helpers import as_dict, assert_params_equal, classify, clone_setup, make_batch
 from reference import reference_update
 
 import accelfn as af

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest
 import torch
-from conftest import Net, as_dict, classify, make_batch, torchrun
+from helpers import Net, as_dict, classify, make_batch, torchrun
 from reference import reference_update
 
 import accelfn as af

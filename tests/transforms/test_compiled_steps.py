@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import Net, classify
+from helpers import Net, classify
 
 import accelfn as af
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from conftest import Net, classify, free_port, make_batch, token_loss, torchrun
 from dist_worker import CASES, STEPS, global_batch
+from helpers import Net, classify, free_port, make_batch, token_loss, torchrun
 from reference import reference_update
 
 import accelfn as af

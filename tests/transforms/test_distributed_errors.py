@@ -26,7 +26,7 @@ TESTS = os.path.dirname(HERE)
 if TESTS not in sys.path:  # under torchrun: conftest sits in tests/
     sys.path.insert(0, TESTS)
 
-from conftest import torchrun  # noqa: E402
+from helpers import torchrun  # noqa: E402
 
 from accelfn.transforms.distributed import DistributedError  # noqa: E402
 from accelfn.transforms.distributed.errors import translate  # noqa: E402

@@ -26,8 +26,8 @@ TESTS = os.path.dirname(HERE)
 if TESTS not in sys.path:  # under torchrun: conftest, dist_worker and reference sit in tests/
     sys.path.insert(0, TESTS)
 
-from conftest import Net, classify, save_rank_results, torchrun_results  # noqa: E402
 from dist_worker import RANK_ROWS, global_batch  # noqa: E402
+from helpers import Net, classify, save_rank_results, torchrun_results  # noqa: E402
 from reference import reference_update  # noqa: E402
 
 import accelfn as af  # noqa: E402

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from conftest import Net, classify, make_batch
+from helpers import Net, classify, make_batch
 from test_distributed_scale_out import MLPBlock, MLPNet, tp_plan
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel

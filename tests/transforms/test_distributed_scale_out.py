@@ -23,8 +23,8 @@ TESTS = os.path.dirname(HERE)
 if TESTS not in sys.path:  # under torchrun: conftest, dist_worker and reference sit in tests/
     sys.path.insert(0, TESTS)
 
-from conftest import Net, classify, save_rank_results, torchrun_results  # noqa: E402
 from dist_worker import RANK_ROWS, STEPS, global_batch  # noqa: E402
+from helpers import Net, classify, save_rank_results, torchrun_results  # noqa: E402
 from reference import reference_update  # noqa: E402
 from trunk_models import Hidden, TrunkNet, via_method, via_submodule  # noqa: E402
 
@@ -407,7 +407,7 @@ def reshard_worker(out_dir: str) -> None:
 def test_a_checkpoint_of_the_layout_resumes_in_fsdp_over_two_processes(results, out_dir, case):
     """Resharding between multi-process layouts: 4 processes (HSDP 2x2, or FSDP 2 x TP 2)
     wrote it, 2 processes (FSDP over 2) continue it, equal to one process going on."""
-    from conftest import torchrun
+    from helpers import torchrun
 
     folder = out_dir / "reshard"
     if not (folder / "rank0.pt").exists():  # one launch for every case

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torchao.float8 as float8  # the test extra installs accelfn[float8]
-from conftest import as_dict, roundtrip, torchrun
+from helpers import as_dict, roundtrip, torchrun
 from reference import reference_update
 from tensordict import TensorDict
 from torch import nn

@@ -27,7 +27,7 @@ TESTS = os.path.dirname(HERE)
 if TESTS not in sys.path:  # under torchrun: conftest and reference sit in tests/
     sys.path.insert(0, TESTS)
 
-from conftest import save_rank_results, torchrun_results  # noqa: E402
+from helpers import save_rank_results, torchrun_results  # noqa: E402
 from reference import reference_update  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
 

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import Net, as_dict, assert_params_equal, classify, make_batch
+from helpers import Net, as_dict, assert_params_equal, classify, make_batch
 from reference import reference_update
 
 import accelfn as af
@@ -173,7 +173,7 @@ def test_fused_guard_reads_only_the_previous_updates_flags(net, monkeypatch):
 def test_fused_matches_reference_and_scheduler_catches_up(net):
     import copy
 
-    from conftest import as_dict
+    from helpers import as_dict
     from reference import reference_update
 
     m2 = copy.deepcopy(net)
@@ -417,7 +417,7 @@ def _timm_like_loop(base, batches, poisoned):
 @pytest.mark.parametrize("skipped", ["hold", "advance"])
 def test_skipped_updates_advance_the_schedule_and_ema_only_when_asked(skipped, fused):
     """Decided on the host, or on the device by a fused optimizer (read one update later)."""
-    from conftest import poisonable
+    from helpers import poisonable
 
     torch.manual_seed(0)
     base = Net()

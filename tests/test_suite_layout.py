@@ -1,0 +1,30 @@
+"""The suite's layout: tests mirror the core's modules, and take shared helpers from
+tests/helpers.py, not from conftest (which keeps pytest's hooks and fixtures)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+CORE = TESTS.parent / "accelfn" / "core"
+# the core modules named by the engine's sequence: each has a test module of its own name
+MIRRORED = ("agreement", "chain", "checks", "compat", "engine", "guard", "micro", "optimizers",
+            "places", "plan", "state")
+
+
+def test_the_cores_modules_have_test_modules_of_their_names():
+    missing = [name for name in MIRRORED if (CORE / f"{name}.py").exists()
+               and not (TESTS / "core" / f"test_{name}.py").exists()]
+    assert not missing, f"add tests/core/test_<module>.py for {missing}"
+
+
+def test_no_test_takes_helpers_from_conftest():
+    found = []
+    for path in TESTS.rglob("*.py"):
+        if path.name in ("conftest.py", "test_suite_scheduling.py"):  # the latter tests it
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module == "conftest":
+                found.append(f"{path.relative_to(TESTS)}:{node.lineno}")
+    assert not found, f"import shared helpers from helpers, not conftest: {found}"
