@@ -159,6 +159,7 @@ class RunFolder:
         self._flags = _flags
         #: what checkpoints of this run are saved with and a resumed one must match
         self.plan: dict[str, Any] = {}
+        self._replan: frozenset[str] = frozenset()
         #: the world size of the resumed checkpoint, when it differs from this run's
         self.resharded_from: int | None = None
         path, checkpoint = _on_rank0(lambda: self._decide(out, resume, overwrite, Path(root)))
@@ -296,13 +297,21 @@ class RunFolder:
 
     # ------------------------------------------------------------------------------ resume
     def resume(self, state: Any, *, loader: Any | None = None, step: Any = None,
-               plan: Mapping[str, Any] | None = None) -> CheckpointInfo | None:
+               plan: Mapping[str, Any] | None = None,
+               replan: tuple[str, ...] = ()) -> CheckpointInfo | None:
         """Load ``checkpoint`` into ``state`` (``None`` for a new run, which loads nothing).
 
         ``plan``: plain values this run was started with that a resumed run must share
         (e.g. ``{"total_steps": 1000}``: its learning-rate schedule spans them); [`save`][]
         stores them with every checkpoint. Checked, with the number of processes, before
         anything is loaded: a refused resume leaves ``state`` as it was.
+
+        ``replan``: keys of ``plan`` this resumed run changes on purpose; the checkpoints it
+        saves hold the new values. Extending a warmup-stable-decay run from its stable phase
+        is one: build the schedule with the new total and resume with ``plan={"total_steps":
+        new}, replan=("total_steps",)``; [`warmup_stable_decay`][accelfn.warmup_stable_decay]
+        refuses a checkpoint whose decay had begun (its rates would differ from the new
+        plan's).
 
         With the processes that wrote it the resume is exact (loader position and RNG
         states included). With another number of processes (``allow_resharding``) everything
@@ -314,6 +323,11 @@ class RunFolder:
                 ``step`` (what differs, as [`load`][accelfn.checkpointing.load] says).
         """
         self.plan = dict(plan or {})
+        unknown = sorted(set(replan) - set(self.plan)) if not isinstance(replan, str) else None
+        if unknown is None or unknown:
+            raise TypeError(f"RunFolder.resume(replan={replan!r}): give a tuple of keys of "
+                            f"plan= (here {sorted(self.plan)}) that this run changes on purpose")
+        self._replan = frozenset(replan)
         if self.checkpoint is None:
             return None
         checkpoint = self.checkpoint
@@ -360,11 +374,14 @@ class RunFolder:
         if not isinstance(extra, dict):
             return
         for key, wanted in self.plan.items():
-            if key in extra and extra[key] != wanted:
+            if key in extra and extra[key] != wanted and key not in self._replan:
+                without = "--resume" if self._flags else "resume="
                 raise PlanMismatchError(
                     f"{self.checkpoint} belongs to a run planned with {key}={extra[key]!r} and "
                     f"this one has {key}={wanted!r}: resume it with the options that wrote "
-                    f"it, or start a new run (without {self._opt('resume')})",
+                    f"it, start a new run (without {without}), or, to change {key} on purpose "
+                    f"(e.g. a warmup-stable-decay run extended from its stable phase), pass "
+                    f"replan=({key!r},) to RunFolder.resume()",
                     key, extra[key], wanted)
 
     # -------------------------------------------------------------------------------- save

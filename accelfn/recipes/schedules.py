@@ -266,7 +266,43 @@ def warmup_stable_decay(
         progress = (total - t) / decay
         return progress * 1.0 + (1 - progress) * end
 
-    return LambdaLR(optimizer, multiplier)
+    plan = {"warmup_steps": warmup, "decay_steps": decay, "total_steps": total}
+    return _WarmupStableDecay(optimizer, multiplier, plan)
+
+
+class _WarmupStableDecay(LambdaLR):
+    """``warmup_stable_decay``'s ``LambdaLR``, whose state records its plan, so that a run is
+    resumed with another one (extended, or shortened) only while the update it resumes at is
+    in the stable phase of both: then every rate is the one the new plan gives from the start
+    (the optimizer's current rate, restored with it, included). Loading keeps this
+    scheduler's own plan."""
+
+    def __init__(self, optimizer: Optimizer, multiplier: Any, plan: dict[str, int]) -> None:
+        self._plan = dict(plan)
+        super().__init__(optimizer, multiplier)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = dict(state_dict)
+        theirs = saved.pop("_plan", None)  # None: saved as a plain LambdaLR, not compared
+        ours = self._plan
+        if isinstance(theirs, dict) and theirs != ours:
+            at = int(saved.get("last_epoch", 0))  # the update the run resumes at
+            stable = min(theirs.get("total_steps", 0) - theirs.get("decay_steps", 0),
+                         ours["total_steps"] - ours["decay_steps"])
+            if theirs.get("warmup_steps") != ours["warmup_steps"] or at > stable:
+                raise ValueError(
+                    f"warmup_stable_decay: the checkpoint's schedule is {_plan_text(theirs)}, "
+                    f"this one {_plan_text(ours)}, and the run resumes at update {at}: another "
+                    "plan continues a run exactly only with the same warmup_steps and while "
+                    f"both are in their stable phase (up to update {stable} here), before any "
+                    "decay began. Resume with the checkpoint's plan, or extend the run from a "
+                    "checkpoint of its stable phase")
+        super().load_state_dict(saved)
+
+
+def _plan_text(plan: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={plan.get(k)}" for k in ("warmup_steps", "decay_steps",
+                                                     "total_steps"))
 
 
 def _has_momentum(optimizer: Optimizer) -> bool:

@@ -214,3 +214,53 @@ def test_resume_logs_the_step_and_the_checkpoint_it_resumed_from(tmp_path, caplo
         again.resume(state, step=step)
     said = [r.getMessage() for r in caplog.records if r.name == "accelfn.checkpointing"]
     assert f"resumed from step 3 ({saved})" in said
+
+
+def test_a_plan_refused_in_python_names_the_keywords_and_replan(tmp_path):
+    run = RunFolder("tiny", root=tmp_path)
+    _, state, step = setup()
+    run.resume(state, step=step, plan={"total_steps": 11})
+    train(state, step, 2)
+    run.save(state, step=step)
+    again = RunFolder("tiny", resume=run.path, root=tmp_path)
+    _, state, step = setup(seed=1)
+    with pytest.raises(PlanMismatchError) as err:
+        again.resume(state, step=step, plan={"total_steps": 22})
+    message = str(err.value)
+    assert "resume=True" not in message  # resume= takes a path: a new run leaves it out
+    assert "without resume=" in message and "replan=('total_steps',)" in message
+    assert state.step == 0
+
+
+def test_replan_extends_a_warmup_stable_decay_run_from_its_stable_phase(tmp_path):
+    def built(total: int, seed: int = 0):
+        torch.manual_seed(seed)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        state = af.TrainState(model, opt, scheduler=af.warmup_stable_decay(
+            opt, warmup_steps=2, decay_steps=total // 4, total_steps=total))
+        return model, state, af.with_clipping(max_norm=1.0)(classify)
+
+    model, state, step = built(16)  # planned for 16 from the start: the reference
+    rates = []
+    for _ in range(16):
+        rates.append(state.optimizer.param_groups[0]["lr"])
+        train(state, step, 1)
+    run = RunFolder("tiny", root=tmp_path)
+    _, first, step = built(8)  # planned for 8 (decay from update 6 on), saved at update 4
+    run.resume(first, step=step, plan={"total_steps": 8})
+    train(first, step, 4)
+    run.save(first, step=step)
+    again = RunFolder("tiny", resume=run.path, root=tmp_path)
+    resumed_model, resumed, step = built(16, seed=1)
+    info = again.resume(resumed, step=step, plan={"total_steps": 16}, replan=("total_steps",))
+    assert info is not None and resumed.step == 4
+    got = []
+    for _ in range(12):
+        got.append(resumed.optimizer.param_groups[0]["lr"])
+        train(resumed, step, 1)
+    assert got == rates[4:]  # the rates of a run planned for 16 updates from the start
+    for a, b in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(a, b)
+    saved = torch.load(again.save(resumed, step=step) / "state.pt", weights_only=True)
+    assert saved["extra"] == {"total_steps": 16}  # the new plan from here on

@@ -586,3 +586,45 @@ def test_warmup_stable_decay_refuses_before_changing_the_optimizer():
     with pytest.raises(ValueError):
         warmup_stable_decay(opt, warmup_steps=6, decay_steps=5, total_steps=10)
     assert [dict(g) for g in opt.param_groups] == before  # no initial_lr, no rate changed
+
+
+def _wsd_rates(total: int, decay: int, *, resume_at: int | None = None,
+               planned: int | None = None, updates: int | None = None) -> list[float]:
+    """The rate of each update of a warmup-stable-decay run over ``total`` updates (with
+    ``decay`` of warmdown); with ``resume_at``, the run until then was planned for
+    ``planned`` updates and is resumed (a new scheduler, the checkpoint loaded) with
+    ``total``."""
+    model = torch.nn.Linear(2, 1)
+
+    def build(span: int, warmdown: int):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return optimizer, warmup_stable_decay(optimizer, warmup_steps=3, decay_steps=warmdown,
+                                              total_steps=span, end_factor=0.1)
+
+    optimizer, scheduler = build(planned or total, decay if planned is None else 2)
+    rates = []
+    for t in range(updates or total + 2):
+        if t == resume_at:
+            saved = roundtrip({"o": optimizer.state_dict(), "s": scheduler.state_dict()})
+            optimizer, scheduler = build(total, decay)
+            optimizer.load_state_dict(saved["o"])
+            scheduler.load_state_dict(saved["s"])
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return rates
+
+
+def test_warmup_stable_decay_is_extended_from_its_stable_phase_exactly():
+    # planned for 10 updates (warmdown 2: stable through update 8), resumed at update 6 with
+    # 20 (warmdown 5): every rate is that of a run planned for 20 from the start
+    assert _wsd_rates(20, 5, resume_at=6, planned=10) == _wsd_rates(20, 5)
+    # shortened the same way, while both are stable
+    assert _wsd_rates(8, 2, resume_at=5, planned=10) == _wsd_rates(8, 2)
+
+
+def test_warmup_stable_decay_past_its_stable_phase_refuses_another_plan():
+    # at update 9 the 10-update plan was decaying (from update 9 on): its rates differ from
+    # any longer plan's, so loading it into one is refused, naming the way that works
+    with pytest.raises(ValueError, match=r"total_steps=10.*total_steps=20.*update 9.*stable"):
+        _wsd_rates(20, 5, resume_at=9, planned=10)
