@@ -1,8 +1,8 @@
 """Handwritten digits: a small CNN trained with accelfn on the embedded UCI digits data.
 
-    python examples/classify_digits.py                          # one CPU or GPU
-    torchrun --nproc_per_node=2 examples/classify_digits.py     # several processes
-    python examples/classify_digits.py --resume runs/digits     # continue its newest run
+    python examples/classify_digits.py                                # one CPU or GPU
+    accelfn launch --nproc_per_node=2 examples/classify_digits.py     # several processes
+    python examples/classify_digits.py --resume runs/digits           # continue its newest run
 
 Time: 7 s on a 2-core CPU shared with other work (load average 3), 8 epochs.
 

@@ -4,7 +4,7 @@
     python examples/classify_images.py --full                # 32px, 120 updates
     python examples/classify_images.py --folder path/to/images    # class-per-folder JPEGs
     python examples/classify_images.py --preloaded runs/images/<run>/cache  # reuse a preload
-    torchrun --nproc_per_node=2 examples/classify_images.py --steps 50
+    accelfn launch --nproc_per_node=2 examples/classify_images.py --steps 50
     python examples/classify_images.py --resume runs/images   # continue the newest run
 
 Time: 41 s on a 2-core CPU with little else running (load average 1), 8 min on the same

@@ -1,7 +1,7 @@
 """A user-written transform: gradient noise, composed with the built-ins.
 
     python examples/custom_transform.py
-    torchrun --nproc_per_node=2 examples/custom_transform.py
+    accelfn launch --nproc_per_node=2 examples/custom_transform.py
     python examples/custom_transform.py --steps 300 --resume runs/noise
 
 Time: 4.5 s on a 2-core CPU shared with other work (load average 3), 200 updates.

@@ -1,7 +1,7 @@
 """Distillation: a small student learns from a frozen teacher's softened predictions.
 
     python examples/distill.py                                    # one CPU or GPU
-    torchrun --nproc_per_node=2 examples/distill.py               # DDP around each model
+    accelfn launch --nproc_per_node=2 examples/distill.py         # DDP around each model
     python examples/distill.py --steps 600 --resume runs/distill  # continue the newest run
 
 Time: 5 s on a 2-core CPU with little else running, 150 teacher and 300 student updates.

@@ -1,9 +1,9 @@
 """A Hugging Face ``transformers`` Llama trained with accelfn: the model class as it is, no wrapper.
 
     python examples/finetune_hf.py                                    # one CPU or GPU
-    torchrun --nproc_per_node=2 examples/finetune_hf.py               # DDP
-    torchrun --nproc_per_node=2 examples/finetune_hf.py --fsdp        # FSDP2
-    torchrun --nproc_per_node=4 examples/finetune_hf.py --fsdp --tp 2 # FSDP2 x tensor parallel
+    accelfn launch --nproc_per_node=2 examples/finetune_hf.py         # DDP
+    accelfn launch --nproc_per_node=2 examples/finetune_hf.py --fsdp  # FSDP2
+    accelfn launch --nproc_per_node=4 examples/finetune_hf.py --fsdp --tp 2 # FSDP2 x TP
     python examples/finetune_hf.py --loss labels                      # model(ids, labels=ids)
     python examples/finetune_hf.py --from runs/hf/<run>/export --text textwrap  # fine-tune it
     python examples/finetune_hf.py --resume runs/hf                   # continue the newest run

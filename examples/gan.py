@@ -1,7 +1,7 @@
 """A DCGAN on the embedded digits: two models, two TrainStates, two steps.
 
     python examples/gan.py                                    # one CPU or GPU
-    torchrun --nproc_per_node=2 examples/gan.py               # DDP around each model
+    accelfn launch --nproc_per_node=2 examples/gan.py         # DDP around each model
     python examples/gan.py --steps 600 --resume runs/gan      # continue the newest run
 
 Time: 9 s on a 2-core CPU with little else running, 300 iterations.

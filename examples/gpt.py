@@ -2,9 +2,9 @@
 
     python examples/gpt.py                                        # one CPU or GPU
     python examples/gpt.py --compile --steps 300                  # torch.compile the model
-    torchrun --nproc_per_node=2 examples/gpt.py --fsdp            # FSDP2 across processes
-    torchrun --nproc_per_node=4 examples/gpt.py --hsdp 2          # 2 replicas, each sharded
-    torchrun --nproc_per_node=4 examples/gpt.py --fsdp --tp 2     # MLPs tensor parallel
+    accelfn launch --nproc_per_node=2 examples/gpt.py --fsdp      # FSDP2 across processes
+    accelfn launch --nproc_per_node=4 examples/gpt.py --hsdp 2    # 2 replicas, each sharded
+    accelfn launch --nproc_per_node=4 examples/gpt.py --fsdp --tp 2 # MLPs tensor parallel
     python examples/gpt.py --resume runs/gpt                      # continue the newest run
     python examples/gpt.py --packing pad                          # one document a row, padded
 

@@ -1,7 +1,7 @@
 """accelfn's transforms inside your own loop: your evaluation, your logging, your schedule.
 
     python examples/hand_written_loop.py
-    torchrun --nproc_per_node=2 examples/hand_written_loop.py
+    accelfn launch --nproc_per_node=2 examples/hand_written_loop.py
     python examples/hand_written_loop.py --epochs 6 --resume runs/loop
 
 Time: 4.5 s on a 2-core CPU shared with other work (load average 3), 4 epochs.

@@ -1,7 +1,7 @@
 """A small GPT trained with two optimizers: Muon for its hidden matrices, AdamW for the rest.
 
     python examples/muon_adamw.py                                 # one CPU or GPU
-    torchrun --nproc_per_node=2 examples/muon_adamw.py            # DDP
+    accelfn launch --nproc_per_node=2 examples/muon_adamw.py      # DDP
     python examples/muon_adamw.py --steps 300 --resume runs/muon  # continue the newest run
 
 Time: 9 s on a 2-core CPU with little else running, 150 updates.

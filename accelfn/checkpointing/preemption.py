@@ -16,10 +16,12 @@ loop reads it between steps, where the state is consistent, saves with
     python train.py; [ $? -eq 75 ] && scontrol requeue "$SLURM_JOB_ID"
 
 Under torchrun, whose own status is 1 whatever its workers' non-zero statuses, launch with
-``python -m accelfn.cli.launch`` (torchrun's arguments, the same agent) instead: it exits 75
-when the workers saved on preemption. It tells them apart through a marker: each process
-whose [`checkpoint_and_exit`][] saved writes ``rank-<RANK>`` into the folder named by the
-environment variable ``ACCELFN_PREEMPTED_DIR`` (when set) just before it exits.
+``accelfn launch`` (``python -m accelfn.cli.launch``: torchrun's arguments, the same agent)
+instead: it exits 75 when the workers saved on preemption. It tells them apart through a
+marker: each process whose [`checkpoint_and_exit`][] saved writes ``rank-<RANK>`` into the
+folder named by the environment variable ``ACCELFN_PREEMPTED_DIR`` (when set) just before it
+exits. Under plain torchrun (its agent's ``TORCHELASTIC_RUN_ID`` without that folder) the exit
+message says so and names ``accelfn launch``.
 
 Under several processes the decision is taken by all of them together: every
 ``check_every`` boundaries one all-reduce (MAX) of one integer combines the flags, and every
@@ -75,6 +77,22 @@ def _write_marker(rank: int, code: int, step: int, path: Any) -> None:
 
         warnings.warn(f"could not write the preemption marker into {folder} ({error}); the "
                       "launcher will report a failure (exit 1), not a preemption", stacklevel=3)
+
+#: set by torchrun's agent in its workers' environment (``accelfn launch`` runs the same agent)
+_TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+
+
+def _plain_torchrun_hint(code: int) -> str:
+    """What to add to the exit message under plain torchrun (its agent's environment without
+    the marker folder ``accelfn launch`` names): torchrun exits 1 whatever its workers'
+    statuses, so the requeue a job script keys on ``code`` never fires. Empty elsewhere."""
+    if _TORCHRUN_ENV not in os.environ or os.environ.get(MARKER_ENV):
+        return ""
+    return (f". torchrun itself will exit 1, not {code} (its status is 1 whatever its "
+            f"workers' statuses), so a job script waiting for {code} will not requeue: launch "
+            "with `accelfn launch` instead of `torchrun` (the same arguments, e.g. `accelfn "
+            f"launch --nproc_per_node=N train.py`), which exits {code} when the workers saved")
+
 
 _DEFAULT_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name))
@@ -250,7 +268,8 @@ class PreemptionGuard:
         _write_marker(int(os.environ.get("RANK", rank)), self.exit_code, at, path)
         if rank == 0:  # a warning, as the library's messages are: filterable, on stderr
             warnings.warn(f"preempted at step {at}: saved {path}; exiting with status "
-                          f"{self.exit_code}", RuntimeWarning, stacklevel=2)
+                          f"{self.exit_code}{_plain_torchrun_hint(self.exit_code)}",
+                          RuntimeWarning, stacklevel=2)
         sys.exit(self.exit_code)
 
     def exit_if_requested(self, directory: str | os.PathLike[str], state: States,

@@ -90,6 +90,32 @@ def test_checkpoint_and_exit_saves_then_exits_75(tmp_path, capsys):
     assert ckpt.latest(tmp_path).name == "step-000000001"
 
 
+@pytest.mark.parametrize("launcher", ["python", "torchrun", "accelfn launch"])
+def test_the_exit_message_names_accelfn_launch_under_plain_torchrun(tmp_path, monkeypatch,
+                                                                     launcher):
+    # torchrun's agent sets TORCHELASTIC_RUN_ID in its workers; accelfn launch runs the same
+    # agent and also names the marker folder: only plain torchrun hides the 75 (it exits 1)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.delenv(preemption.MARKER_ENV, raising=False)
+    if launcher != "python":
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    if launcher == "accelfn launch":
+        (tmp_path / "markers").mkdir()
+        monkeypatch.setenv(preemption.MARKER_ENV, str(tmp_path / "markers"))
+    state, loader, step = worker.build()
+    guard = PreemptionGuard()
+    guard.request()
+    step(state, next(worker.batches(loader)))
+    with pytest.raises(SystemExit), pytest.warns(RuntimeWarning) as warned:
+        guard.exit_if_requested(tmp_path / "run", state, loader=loader, step=step)
+    (message,) = [str(w.message) for w in warned if "preempted at step 1" in str(w.message)]
+    hinted = "`accelfn launch`" in message
+    assert hinted == (launcher == "torchrun"), message
+    if hinted:
+        assert "torchrun itself will exit 1, not 75" in message
+        assert "accelfn launch --nproc_per_node=N train.py" in message
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"check_every": 0}, "check_every"),
     ({"signals": [signal.SIGKILL]}, "cannot handle"),

@@ -68,6 +68,7 @@ def test_sigterm_to_a_rank_or_the_agent_exits_75_after_one_checkpoint(tmp_path, 
     code, stderr = finish(proc)
     assert code == EXIT_PREEMPTED, stderr[-3000:]
     assert latest(tmp_path / "run") is not None  # the checkpoint the requeued job resumes
+    assert "preempted at step" in stderr and "`accelfn launch`" not in stderr
 
 
 def test_torchrun_itself_exits_1_for_the_same_preemption(tmp_path):
@@ -78,6 +79,8 @@ def test_torchrun_itself_exits_1_for_the_same_preemption(tmp_path):
     code, stderr = finish(proc)
     assert code == 1 and "exitcode: 75" in stderr, stderr[-3000:]
     assert latest(tmp_path / "run") is not None
+    # the workers' exit message says why no requeue will come, and what to launch with
+    assert "torchrun itself will exit 1, not 75" in stderr and "`accelfn launch`" in stderr
 
 
 @pytest.mark.parametrize(("mode", "expected"), [("finish", 0), ("crash", 1)])
