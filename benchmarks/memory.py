@@ -10,6 +10,12 @@ Prints, for one AdamW update of a GPT (58.8M parameters, vocabulary 32768, 8 tok
   ``F.cross_entropy`` (the plain code a user writes), as a ratio, on 16 sequences with plain
   SGD: with AdamW the peak is the optimizer step's (its state and foreach temporaries), where
   the loss plays no part (that peak is reported too);
+* the loss alone, side by side: ``af.linear_cross_entropy``, torch's own chunked
+  ``F.linear_cross_entropy(..., options=LinearCrossEntropyOptions())`` (torch >= 2.14) and
+  the full logits' ``F.cross_entropy``, on the GPT's head (16 x 64 tokens), in float32 and
+  under bf16 autocast: the peak of the forward and backward, the median time over
+  ``--rounds`` interleaved rounds, and the loss's distance from float64 (in float32 accelfn
+  calls torch's op; under autocast it computes in bf16 where torch's op ignores autocast);
 * adaptive accumulation's chosen count, the model standing in for a device that runs out
   of memory above 2 samples per micro-batch (it raises ``torch.OutOfMemoryError``, as a
   full GPU does), and its step time once settled against ``with_accumulation(count)`` set
@@ -183,6 +189,71 @@ def timed(step: Callable[..., Any], state: af.TrainState, batch: TensorDict) -> 
     return time.thread_time() - start
 
 
+def _loss_peak_and_time(loss: Callable[[], torch.Tensor], inputs: list[torch.Tensor],
+                        autocast: bool) -> tuple[int, float, float]:
+    """The peak bytes of one forward and backward of ``loss`` (gradients included), its time,
+    and the loss (as a float)."""
+    device = inputs[0].device
+    for t in inputs:
+        t.grad = None
+
+    def run() -> float:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            value = loss()
+        value.backward()
+        return float(value)
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        start = time.perf_counter()
+        value = run()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated()) - base, time.perf_counter() - start, value
+    meter = StoragePeak([])
+    start = time.thread_time()
+    with meter:
+        value = run()
+    return meter.peak, time.thread_time() - start, value
+
+
+def loss_side_by_side(device: torch.device, rounds: int) -> dict[str, Any]:
+    """af.linear_cross_entropy, torch's F.linear_cross_entropy (chunked) and the full logits
+    on the GPT's head: peak bytes, median seconds, distance from float64, per precision."""
+    g = torch.Generator().manual_seed(1)
+    tokens = 2 * BATCH * SEQ
+    hidden = torch.randn(tokens, DIM, generator=g).to(device).requires_grad_()
+    weight = (torch.randn(VOCAB, DIM, generator=g) / DIM ** 0.5).to(device).requires_grad_()
+    targets = torch.randint(0, VOCAB, (tokens,), generator=g).to(device)
+    exact = float(F.cross_entropy(hidden.detach().double() @ weight.detach().double().T, targets))
+    sides: dict[str, Callable[[], torch.Tensor]] = {
+        "accelfn": lambda: af.linear_cross_entropy(hidden, weight, targets),
+        "full_logits": lambda: F.cross_entropy(F.linear(hidden, weight), targets)}
+    options = getattr(torch.nn, "LinearCrossEntropyOptions", None)
+    if options is not None:
+        sides["torch"] = lambda: F.linear_cross_entropy(
+            hidden, weight, targets, options=options(allow_retain_graph=True))
+    out: dict[str, Any] = {"tokens": tokens, "classes": VOCAB, "features": DIM,
+                           "torch_op": options is not None}
+    for precision, autocast in (("float32", False), ("bf16_autocast", True)):
+        seen: dict[str, dict[str, list[float]]] = {n: {"peak": [], "s": [], "loss": []}
+                                                  for n in sides}
+        for r in range(rounds):
+            order = list(sides) if r % 2 == 0 else list(reversed(sides))
+            for name in order:
+                peak, seconds, value = _loss_peak_and_time(sides[name], [hidden, weight],
+                                                           autocast)
+                seen[name]["peak"].append(peak)
+                seen[name]["s"].append(seconds)
+                seen[name]["loss"].append(value)
+        out[precision] = {name: {"peak_bytes": int(max(v["peak"])),
+                                 "median_s": round(statistics.median(v["s"]), 5),
+                                 "loss_error": abs(v["loss"][0] - exact)}
+                          for name, v in seen.items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -215,7 +286,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     logits_sgd = measured_peak(step, new_state(device, sgd=True), wide)
     fused_sgd = measured_peak(af.with_clipping(max_norm=1.0)(fused_loss),
                               new_state(device, sgd=True), wide)
-    # 3. adaptive accumulation: the count it settles on, then its time against that count
+    # 3. the loss alone: accelfn's, torch's own op, the full logits
+    side_by_side = loss_side_by_side(device, args.rounds)
+    # 4. adaptive accumulation: the count it settles on, then its time against that count
     adaptive_state = new_state(device, fits=FITS)
     adaptive = af.with_accumulation(1, adaptive=True)(full_logits)
     counts = [int(adaptive(adaptive_state, batch)["micro_batches"]) for _ in range(2)]
@@ -256,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ratio": round(fused_sgd / logits_sgd, 4),
             "adamw": {"batch": BATCH, "peak_bytes": fused_adamw, "full_logits_peak_bytes": full,
                       "ratio": round(fused_adamw / full, 4)}},
+        "loss_side_by_side": side_by_side,
         "adaptive_accumulation": {
             "device_holds_samples": FITS, "batch": BATCH, "counts": counts,
             "chosen": chosen, "rounds": args.rounds,

@@ -14,14 +14,21 @@ chunk's logits are made, turned into the chunk's loss and its gradients with res
 ``hidden`` and ``weight``, and dropped, all in the forward. The backward only scales the
 gradients kept.
 
-Why it is written here: torch 2.14 has ``F.linear_cross_entropy(..., options=...)`` with a
-chunked path, but it does not fit a step under ``with_amp``. It ignores autocast (its matmuls
-run in the inputs' dtype: float32 for a float32 head, without bf16's speed), and given bf16
-inputs it returns the loss in bf16: on a 2048-token, 4000-class head, 3.5e-2 from float32,
-where the plain computation under bf16 autocast is 1.4e-5 from it. It has no z-loss either.
-This function follows autocast as ``F.linear`` does (matmuls in the autocast dtype, softmax
-and loss in float32), returns a float32 loss and adds the z-loss; once torch's op covers
-that, this function should become a wrapper of it.
+Built on torch's own op where it gives the same: torch 2.14's
+``F.linear_cross_entropy(hidden, weight, targets, options=LinearCrossEntropyOptions(...))``
+(its chunked path) computes the loss of a float32 or float64 head outside autocast, and
+accelfn adds only the count of counted tokens (``return_count``, the ``"weight"`` a step
+returns) and the ``chunks`` spelling (``batch_chunk_size``).
+
+Why the chunked path below is still written here: torch's op does not fit a step under
+``with_amp``, nor take a z-loss. It ignores autocast (its matmuls run in the inputs' dtype:
+float32 for a float32 head, without bf16's speed or memory), and given bf16 inputs it
+returns the loss in bf16: on a 2048-token, 4000-class head, 3.0e-2 from float64, where the
+plain computation under bf16 autocast is 4.0e-5 from it (measured on torch 2.14.1). This
+path follows autocast as ``F.linear`` does (matmuls in the autocast dtype, softmax and loss in
+float32), returns a float32 loss and adds PaLM's z-loss (it needs each token's logsumexp,
+which torch's op does not give). It also serves torch < 2.14, and DTensor heads (tensor
+parallelism), which torch's custom op has no sharding rule for.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import math
 from typing import Any, Literal, overload
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
@@ -104,6 +112,36 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None, None, None, None, None, None
 
 
+def _torch_computes(hidden: Tensor, weight: Tensor) -> bool:
+    """Whether torch's ``F.linear_cross_entropy`` gives this module's result here: it exists
+    (torch >= 2.14), autocast is off, the inputs are plain float32 or float64 tensors of one
+    dtype (not DTensors)."""
+    if getattr(torch.nn, "LinearCrossEntropyOptions", None) is None \
+            or not hasattr(F, "linear_cross_entropy"):
+        return False
+    if torch.is_autocast_enabled(hidden.device.type):
+        return False
+    plain = all(type(t) in (Tensor, torch.nn.Parameter) for t in (hidden, weight))
+    return plain and hidden.dtype == weight.dtype and hidden.dtype in (torch.float32,
+                                                                        torch.float64)
+
+
+def _torch_op(hidden: Tensor, weight: Tensor, labels: Tensor, chunks: int | None, n: int,
+              ignore_index: int) -> Tensor:
+    """The summed loss by torch's chunked ``F.linear_cross_entropy``: its own chunk size
+    (``chunking_method="auto"``) for ``chunks=None``, else ``ceil(n / chunks)`` rows a chunk;
+    ``allow_retain_graph`` as this module's backward (it can run twice)."""
+    options_type: Any = torch.nn.LinearCrossEntropyOptions
+    if chunks is None:
+        options = options_type(allow_retain_graph=True)
+    else:
+        options = options_type(allow_retain_graph=True, chunking_method=None,
+                               batch_chunk_size=max(1, -(-n // max(1, min(chunks, n)))))
+    total: Tensor = F.linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index,
+                                           reduction="sum", options=options)
+    return total
+
+
 def _check(hidden: Tensor, weight: Tensor, targets: Tensor, chunks: int | None,
            reduction: str, z_loss: float) -> None:
     if not all(isinstance(x, Tensor) for x in (hidden, weight, targets)):
@@ -176,7 +214,9 @@ def linear_cross_entropy(
             (at most one piece per token).
         ignore_index: the target value that marks a token as padding: no loss, no gradient,
             not counted.
-        reduction: ``"mean"`` over the counted tokens, or ``"sum"``.
+        reduction: ``"mean"`` over the counted tokens, or ``"sum"``. Over no counted token
+            (all padding) the mean is 0 with a zero gradient, where ``F.cross_entropy``'s is
+            NaN: a micro-batch of padding then adds nothing to a token-weighted update.
         z_loss: PaLM's z-loss coefficient: adds ``z_loss * logsumexp(logits)**2`` for each
             counted token, averaged (or summed) as the loss, which keeps the softmax's
             normaliser near one.
@@ -199,6 +239,7 @@ def linear_cross_entropy(
     flat = hidden.reshape(-1, features)
     labels = targets.reshape(-1)
     n = flat.shape[0]
+    chosen = chunks
     if chunks is None:
         chunks = -(-weight.shape[0] // max(features, 1))
     rows = max(1, -(-n // max(1, min(chunks, n))))
@@ -206,10 +247,16 @@ def linear_cross_entropy(
     compute = (torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind)
                else torch.promote_types(hidden.dtype, weight.dtype))
     valid = labels != ignore_index
+    if not z_loss and _torch_computes(flat, weight):
+        total = _torch_op(flat, weight, labels.long(), chosen, n, ignore_index)
+        count = valid.sum()
+        loss = total / count.clamp(min=1) if reduction == "mean" else total  # as below
+        return (loss, count) if return_count else loss
     grad = torch.is_grad_enabled()
     total = _ChunkedLinearCrossEntropy.apply(
         flat, weight, torch.where(valid, labels, 0), valid, rows, float(z_loss), compute,
         grad and flat.requires_grad, grad and weight.requires_grad)
     count = valid.sum()
-    loss = total / count if reduction == "mean" else total
+    # count 0: total is 0, and 0 / 1 keeps the backward finite (0 / 0 would make it NaN)
+    loss = total / count.clamp(min=1) if reduction == "mean" else total
     return (loss, count) if return_count else loss

@@ -243,6 +243,19 @@ def test_no_grad_and_a_retained_graph():
                                                          hidden)[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("z_loss", [0.0, 1e-3])
+def test_a_mean_over_no_counted_token_is_zero_with_a_zero_gradient(z_loss):
+    """All padding (a micro-batch of empty rows): the mean is 0 and the gradients are zero,
+    not ``F.cross_entropy``'s NaN, so a token-weighted step can leave it out (see
+    tests/core/test_micro.py)."""
+    hidden, weight, targets = problem(shape=(4, 24))
+    loss, count = af.linear_cross_entropy(hidden, weight, torch.full_like(targets, -100),
+                                          z_loss=z_loss, return_count=True)
+    assert loss.item() == 0 and count.item() == 0
+    for grad in torch.autograd.grad(loss, (hidden, weight)):
+        assert torch.equal(grad, torch.zeros_like(grad))
+
+
 def test_bad_arguments_say_how_to_fix_them():
     hidden, weight, targets = problem()
     with pytest.raises(ValueError, match="classes, features"):
@@ -278,3 +291,36 @@ def test_under_compiled_in_one_graph():
         torch.testing.assert_close(a["loss"], b["loss"], rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.skipif(not hasattr(F, "linear_cross_entropy"), reason="torch < 2.14 has no op")
+def test_torchs_own_op_computes_it_where_it_gives_the_same(monkeypatch):
+    """torch's ``F.linear_cross_entropy(..., options=...)`` (chunked) computes the loss of a
+    float32 or float64 head outside autocast; accelfn adds the count (and ``"mean"`` over
+    it). Under autocast, for low-precision inputs, and with a z-loss it cannot (it ignores
+    autocast, returns a bf16 loss for bf16 inputs, has no z-loss): the chunked path of this
+    module computes those."""
+    calls = []
+    torchs = F.linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("options"))
+        return torchs(*args, **kwargs)
+
+    monkeypatch.setattr(F, "linear_cross_entropy", spy)
+    hidden, weight, targets = problem(shape=(4, 24))
+    for chunks in (None, 7):
+        expected = value_and_grads(lambda: plain(hidden, weight, targets), hidden, weight)
+        loss, count = af.linear_cross_entropy(hidden, weight, targets, chunks=chunks,
+                                              return_count=True)
+        got = [loss.detach(), *torch.autograd.grad(loss, (hidden, weight))]
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert int(count) == int((targets != -100).sum())
+    assert len(calls) == 2 and all(o is not None for o in calls)  # its chunked path
+    assert calls[1].batch_chunk_size == math.ceil(96 / 7)
+    af.linear_cross_entropy(hidden, weight, targets, z_loss=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        af.linear_cross_entropy(hidden, weight, targets)
+    af.linear_cross_entropy(hidden.detach().bfloat16(), weight.detach().bfloat16(), targets)
+    assert len(calls) == 2
