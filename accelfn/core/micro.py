@@ -150,6 +150,13 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
             if weight is not None and (n > 1 or absolute):
                 coef = weight.detach().to(torch.float32)
                 absolute = True
+                # weight 0 (all padding): its loss and metrics, often a mean over no token
+                # (NaN), are left out, and its backward carries a zero gradient into the
+                # function (0 * NaN would be NaN); decided on the device
+                empty = coef == 0
+                loss = torch.where(empty, 0.0, loss)
+                if metrics:
+                    metrics = {k: torch.where(empty, 0.0, v) for k, v in metrics.items()}
             else:
                 coef = fixed[i]
         if absolute and scale is not None and coef is not None:  # see accelfn.core.units
