@@ -14,6 +14,16 @@ over:
 
 The lock appears whole or not at all (written aside, then ``os.link``-ed into place, which
 fails if a lock exists; ``O_EXCL`` where links are not supported), which is also safe on NFS.
+
+Why not ``filelock``: its ``FileLock`` is an ``flock`` lock, which names no holder and on NFS
+(where the run folders of several machines live) depends on the server's lock manager. Its
+``SoftFileLease`` (``filelock >= 3.30``) has the holder record and the heartbeat, but a
+contender takes an expired lease only after watching it unchanged for the lease's duration
+on its own clock, so ``save()`` would block that long (or fail) where a dead holder's lock is
+taken over at once here (same machine: its process is gone; another machine: the file
+system's clock says the heartbeat stopped); and torch requires ``filelock`` without a
+version, so relying on it would add a floor to accelfn's dependencies. These are the reasons
+it stays written here.
 """
 
 from __future__ import annotations

@@ -31,6 +31,13 @@ Neither pads: a row is full unless the stream ended. A cut keeps every pair: the
 piece starts with the pair after the last one placed, so its first input is the last target
 placed (its positions restart at 0: it no longer sees the part before the cut). The packers'
 states are plain ints and lists of a fixed length, so a position resumes exactly, mid-buffer.
+
+Why it is written here: neither torch nor torchdata packs documents (torchdata's nodes batch,
+they do not fill rows), and the packers that exist come with their trainers (torchtune's
+``PackedDataset``, over a map-style dataset it reads whole, with its own sample format; the
+nanoGPT-family scripts' loops) and are not dependencies accelfn may take. What this needs
+beyond them: pairs that never cross a document, the ``document_ids``/``positions`` that
+flex attention's document masks read, and a position that resumes exactly mid-buffer.
 """
 
 from __future__ import annotations

@@ -25,6 +25,13 @@ it ended on, as nanoGPT's schedule does:
   momentum (torch's ``OneCycleLR`` overshoots by one update, then raises ``ValueError``);
 * [`warmup_plateau`][]: has no end; after warmup only [`WarmupPlateau.observe`][] changes
   the rate.
+Why these helpers exist: each is torch's schedulers composed (``SequentialLR`` of
+``LinearLR`` and ``CosineAnnealingLR``, ``OneCycleLR``, ``LambdaLR``, ``ReduceLROnPlateau``);
+what is written here is only the composition, the hold at the end that torch's
+``CosineAnnealingLR`` and ``OneCycleLR`` lack, nanochat's warmup-stable-decay multiplier
+(no torch scheduler has it) with its plan recorded for an exact extension, and the checks
+that refuse a wrong count before the optimizer changes.
+
 Torch's schedulers write a tensor learning rate in place (``fill_``), so they keep working
 when ``compiled(optimizer=True)`` holds each group's ``lr`` as a tensor, and the optimizer
 step never recompiles. The step's metrics report ``lr`` (of the first parameter group).
