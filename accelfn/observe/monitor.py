@@ -395,8 +395,9 @@ class Monitor:
             samples: how many samples this step processed (default: ``samples_per_step``, or
                 the batch's leading dimension under [`iterate`][]); a one-element tensor
                 (``mask.sum()``) is read with the metrics, later.
-            tokens: how many tokens this step processed (default: ``tokens_per_step``);
-                a tensor as for ``samples``.
+            tokens: how many tokens this step processed (default: ``tokens_per_step``, else
+                the ``"weight"`` in ``metrics``, the token count a step returns for
+                token-weighted accumulation); a tensor as for ``samples``.
             data_wait: seconds this step waited for data, e.g. ``loader.last_wait_s``
                 (default: what [`iterate`][] / [`measure`][] measured).
         """
@@ -414,6 +415,8 @@ class Monitor:
                 samples = records.batch_samples(self._last_batch)
         if tokens is None:
             tokens = self.tokens_per_step
+        if tokens is None:
+            tokens = records.weight_of(metrics)  # the step's token count, when it gives one
         snaps, py = records.snapshot_metrics(metrics, {"samples": samples, "tokens": tokens})
         samples, tokens = (None if isinstance(x, Tensor) else x for x in (samples, tokens))
         event = records.boundary_event(self.device) if self._cuda else None

@@ -166,6 +166,22 @@ def _one_number(what: str, v: Tensor) -> Tensor:
     return v.detach().reshape(())
 
 
+def weight_of(metrics: Any) -> float | Tensor | None:
+    """The ``"weight"`` of a step's metrics (its token count), or None: a one-element
+    tensor (read later, with the metrics) or a Python number."""
+    if metrics is None or isinstance(metrics, Tensor):
+        return None
+    try:
+        weight = metrics.get("weight")
+    except (AttributeError, TypeError):
+        return None
+    if isinstance(weight, Tensor) and weight.numel() == 1:
+        return weight
+    if isinstance(weight, numbers.Real) and not isinstance(weight, bool):
+        return float(weight)
+    return None
+
+
 def snapshot_metrics(metrics: Any, counts: Mapping[str, Any] | None = None,
                      ) -> tuple[list[tuple[list[str], Tensor]], dict[str, float]]:
     """Copy a step's scalar metrics off the device without a host sync.

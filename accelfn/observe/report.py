@@ -86,6 +86,11 @@ class MonitorReport:
     #: the last value of each name given to Monitor.log
     logged: dict[str, float] = field(default_factory=dict)
     logged_rows: list[dict[str, Any]] = field(default_factory=list, repr=False)
+    #: the run's number of processes (``torch.distributed``'s world size)
+    processes: int = 1
+    #: samples/s and tokens/s of all processes together: this process's times ``processes``
+    global_samples_per_s: float | None = None
+    global_tokens_per_s: float | None = None
 
     def to_dict(self, *, rows: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (per-step rows and GPU samples only with ``rows=True``)."""
@@ -104,6 +109,18 @@ class MonitorReport:
     def to_json(self, *, rows: bool = False, indent: int | None = 2) -> str:
         """The report as JSON text."""
         return json.dumps(self.to_dict(rows=rows), indent=indent, default=str)
+
+    def _throughput(self) -> str:
+        """The throughput line: this process's rates, then all processes' beside them."""
+        def rates(samples: float | None, tokens: float | None) -> str:
+            return fmt_rate(samples, "samples/s") + (
+                f", {fmt_rate(tokens, 'tokens/s')}" if tokens else "")
+
+        own = rates(self.samples_per_s, self.tokens_per_s)
+        if self.processes <= 1:
+            return own
+        return (f"{own} per process; {rates(self.global_samples_per_s, self.global_tokens_per_s)}"
+                f" over all {self.processes} processes")
 
     def __str__(self) -> str:
         def ms(x: float | None) -> str:
@@ -124,8 +141,7 @@ class MonitorReport:
             f"{ms(self.step_time_median_s)}, p90 {ms(self.step_time_p90_s)}",
             f"data wait       {ms(self.data_wait_s)} per step = {pct(self.data_wait_share)} "
             "of an iteration",
-            f"throughput      {fmt_rate(self.samples_per_s, 'samples/s')}"
-            + (f", {fmt_rate(self.tokens_per_s, 'tokens/s')}" if self.tokens_per_s else ""),
+            f"throughput      {self._throughput()}",
         ]
         if self.flops_per_step:
             peak = fmt_rate(self.peak_flops, "FLOP/s") if self.peak_flops else "unknown peak"

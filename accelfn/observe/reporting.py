@@ -9,6 +9,7 @@ import resource
 import torch
 from torch import nn
 
+from ..core.processes import world_size
 from .aggregates import RunBook
 from .diagnostics import Diagnostics
 from .findings import Finding
@@ -68,4 +69,4 @@ def build_report(*, book: RunBook, warmup: int, device: torch.device,
         gpu_samples=gpu.samples if gpu is not None else [], gpu_note=gpu_note, syncs=syncs,
         probe_mode=probe_mode, sync_check=sync_check, th=thresholds, more_findings=more,
         history=book.history, logged=book.logged, last_logged=book.last_logged,
-        threads=threads)
+        threads=threads, processes=world_size())

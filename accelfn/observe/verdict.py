@@ -31,7 +31,7 @@ def summarise(rows: Sequence[dict[str, Any]] | RunningSummary, *, warmup: int,
               more_findings: Iterable[Finding] = (), sync_check: bool = True,
               history: History | None = None, logged: History | None = None,
               last_logged: Mapping[str, float] | None = None,
-              threads: Finding | None = None) -> MonitorReport:
+              threads: Finding | None = None, processes: int = 1) -> MonitorReport:
     """The report of a run from its rows (one per step, or their [`RunningSummary`][]) and
     what the monitor knows besides.
 
@@ -43,7 +43,9 @@ def summarise(rows: Sequence[dict[str, Any]] | RunningSummary, *, warmup: int,
     ``history`` is the plot's picture of the rows (default: built from ``rows``),
     ``logged`` that of the values given to ``Monitor.log`` and ``last_logged`` the last
     value of each; ``threads`` the CPU oversubscription check (a warning names it in the
-    verdict of a run that is not input- or sync-bound).
+    verdict of a run that is not input- or sync-bound). ``processes``: the run's number of
+    processes; the global rates are this process's times it (no collective: every process
+    of a data-parallel run takes its share of each step's samples).
     """
     if isinstance(rows, RunningSummary):
         summary = rows
@@ -104,7 +106,9 @@ def summarise(rows: Sequence[dict[str, Any]] | RunningSummary, *, warmup: int,
         rows=plot_rows, gpu_samples=list(samples_gpu), warmup_included=warmup_included,
         rows_per_point=history.rows_per_point if history is not None else 1,
         logged=dict(last_logged or {}),
-        logged_rows=logged.rows() if logged is not None else [])
+        logged_rows=logged.rows() if logged is not None else [], processes=processes,
+        global_samples_per_s=None if sps is None else sps * processes,
+        global_tokens_per_s=None if tps is None else tps * processes)
 
 
 def _nonfinite(summary: RunningSummary) -> list[Finding]:
