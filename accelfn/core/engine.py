@@ -226,100 +226,114 @@ class Step:
 
     def _update(self, ctx: CallContext, sums: Sums, absolute: bool,
                 carried: dict[int, Any] | None = None) -> TensorDict:
-        state, prepared, spec = ctx.state, ctx.prepared, self.spec
-        optimizers = state.optimizers
-        fresh = [not optimizer.state for optimizer in optimizers]  # a failed first update
-        decision: Decision | None = None  # leaves no optimizer state either
-        applied = [False]  # set in the line of the optimizer step: nothing runs between
-        counted = False
+        """The update, undone by ``_recover`` if it fails before the optimizer steps (and
+        counted, with a note, if it fails after them)."""
+        progress = _Progress([not optimizer.state for optimizer in ctx.state.optimizers])
         try:
-            metrics = sums.result(divide=absolute)
-            if spec.accumulation is not None and spec.accumulation.metrics is not None:
-                metrics.update(spec.accumulation.metrics(ctx))
-            uctx = UpdateContext(state, prepared, metrics["loss"])
-            if absolute:
-                uctx.divisor = uctx.weight_total = torch.as_tensor(
-                    sums.weight, dtype=torch.float32, device=prepared.device)
-            # the gradients: unscaled, reduced, divided, the user's transforms, clipped
-            precision = spec.precision
-            overflow = precision.unscale(uctx) if precision and precision.unscale else None
-            if spec.sharding is not None:
-                spec.sharding.reduce(uctx)
-            if uctx.divisor is not None:
-                grads = uctx.local_grads()
-                if grads:
-                    compat.foreach_div_(grads, uctx.divisor)
-            states = chain.run(spec.gradients, uctx) if spec.gradients else None  # checked
-            norm = spec.clipping.clip(uctx) if spec.clipping is not None else None
-            # the decision, then the optimizer steps
-            decision = self._guard.decide(uctx, overflow, norm, not spec.gradients)
-            optimizers_.rate_metrics(metrics, optimizers, prepared.device)  # what it uses
-            on_device = self._apply(uctx, decision, applied)  # a device flag: decided there
-            # from here on the update is applied (or skipped): it cannot be undone
-            if states and decision.skip is not True:  # the user's after-step places run here
-                chain.commit(states)
-            advance = self._guard.advance_skipped  # as loops stepping them unconditionally
-            if decision.skip is False or advance:
-                state.step_scheduler()
-            if carried is not None:
-                state.slot(CARRY, Carries).commit_update(carried, decision.skip, on_device)
-            device = prepared.device
-            after = self._after
-            skip_value: Tensor | None = None
-            if on_device is not None:
-                skip_value = on_device.float()
-            elif decision.checked or after:
-                skip_value = torch.scalar_tensor(1.0 if decision.skip else 0.0, device=device)
-            if decision.checked:
-                assert skip_value is not None
-                metrics["skipped"] = skip_value
-            optimizers_.clear_grads(optimizers)
-            state.step += 1; counted = True  # noqa: E702  (one line: counted as it counts)
-            if after:
-                assert skip_value is not None
-                skipped = on_device if on_device is not None else skip_value.bool()
-                if advance:  # the EMA averages a skipped update's (unchanged) weights too
-                    skipped = torch.zeros_like(skipped)
-                for update in after:
-                    update(uctx, skipped)
-            if uctx.metrics:
-                metrics.update(uctx.metrics)
-            return compat.tensordict_unchecked(metrics, _SCALAR, None)  # type: ignore[no-any-return]
+            return self._sequence(ctx, sums, absolute, carried, progress)
         except BaseException as error:
-            if applied[0]:  # after the optimizer steps (or a skip): the update counts
-                if not counted:
-                    state.step += 1
-                self._abort(ctx)
-                error.add_note(checks.after_update_failed(
-                    state.step, None if decision is None else decision.skip))
-                raise
-            stepping = decision is not None  # the optimizer step itself raised
-            for optimizer, first in zip(optimizers, fresh):
-                if stepping and first:
-                    optimizer.state.clear()  # half-built state would break the next update
-            self._abort(ctx)
-            if stepping:
-                if isinstance(error, torch.OutOfMemoryError):
-                    raise checks.optimizer_out_of_memory(describe(self), error,
-                                                         all(fresh)) from error
-                error.add_note(checks.optimizer_failed(all(fresh)))
+            self._recover(ctx, progress, error)
             raise
 
-    def _apply(self, ctx: UpdateContext, decision: Decision, applied: list[bool]
+    def _sequence(self, ctx: CallContext, sums: Sums, absolute: bool,
+                  carried: dict[int, Any] | None, progress: _Progress) -> TensorDict:
+        """The update in order; ``progress`` notes how far it went (for ``_recover``)."""
+        state, prepared, spec = ctx.state, ctx.prepared, self.spec
+        optimizers = state.optimizers
+        metrics = sums.result(divide=absolute)
+        if spec.accumulation is not None and spec.accumulation.metrics is not None:
+            metrics.update(spec.accumulation.metrics(ctx))
+        uctx = UpdateContext(state, prepared, metrics["loss"])
+        if absolute:
+            uctx.divisor = uctx.weight_total = torch.as_tensor(
+                sums.weight, dtype=torch.float32, device=prepared.device)
+        # the gradients: unscaled, reduced, divided, the user's transforms, clipped
+        precision = spec.precision
+        overflow = precision.unscale(uctx) if precision and precision.unscale else None
+        if spec.sharding is not None:
+            spec.sharding.reduce(uctx)
+        if uctx.divisor is not None:
+            grads = uctx.local_grads()
+            if grads:
+                compat.foreach_div_(grads, uctx.divisor)
+        states = chain.run(spec.gradients, uctx) if spec.gradients else None  # checked
+        norm = spec.clipping.clip(uctx) if spec.clipping is not None else None
+        # the decision, then the optimizer steps
+        decision = progress.decision = self._guard.decide(uctx, overflow, norm,
+                                                          not spec.gradients)
+        optimizers_.rate_metrics(metrics, optimizers, prepared.device)  # what it uses
+        on_device = self._apply(uctx, decision, progress)  # a device flag: decided there
+        # from here on the update is applied (or skipped): it cannot be undone
+        if states and decision.skip is not True:  # the user's after-step places run here
+            chain.commit(states)
+        advance = self._guard.advance_skipped  # as loops stepping them unconditionally
+        if decision.skip is False or advance:
+            state.step_scheduler()
+        if carried is not None:
+            state.slot(CARRY, Carries).commit_update(carried, decision.skip, on_device)
+        after = self._after
+        skip_value: Tensor | None = None
+        if on_device is not None:
+            skip_value = on_device.float()
+        elif decision.checked or after:
+            skip_value = torch.scalar_tensor(1.0 if decision.skip else 0.0,
+                                             device=prepared.device)
+        if decision.checked:
+            assert skip_value is not None
+            metrics["skipped"] = skip_value
+        optimizers_.clear_grads(optimizers)
+        state.step += 1; progress.counted = True  # noqa: E702  (one line: counted as it counts)
+        if after:
+            assert skip_value is not None
+            skipped = on_device if on_device is not None else skip_value.bool()
+            if advance:  # the EMA averages a skipped update's (unchanged) weights too
+                skipped = torch.zeros_like(skipped)
+            for update in after:
+                update(uctx, skipped)
+        if uctx.metrics:
+            metrics.update(uctx.metrics)
+        return compat.tensordict_unchecked(metrics, _SCALAR, None)  # type: ignore[no-any-return]
+
+    def _recover(self, ctx: CallContext, progress: _Progress, error: BaseException) -> None:
+        """After a failed update: undo it when the optimizers had not stepped (a first
+        update's half-built optimizer state cleared too), or count it and say so when they
+        had; raises the error explained where it helps (returns to re-raise it as it is)."""
+        state = ctx.state
+        if progress.applied:  # after the optimizer steps (or a skip): the update counts
+            if not progress.counted:
+                state.step += 1
+            self._abort(ctx)
+            decision = progress.decision
+            error.add_note(checks.after_update_failed(
+                state.step, None if decision is None else decision.skip))
+            return
+        stepping = progress.decision is not None  # the optimizer step itself raised
+        fresh = progress.fresh
+        for optimizer, first in zip(state.optimizers, fresh):
+            if stepping and first:
+                optimizer.state.clear()  # half-built state would break the next update
+        self._abort(ctx)
+        if stepping:
+            if isinstance(error, torch.OutOfMemoryError):
+                raise checks.optimizer_out_of_memory(describe(self), error,
+                                                     all(fresh)) from error
+            error.add_note(checks.optimizer_failed(all(fresh)))
+
+    def _apply(self, ctx: UpdateContext, decision: Decision, progress: _Progress
                ) -> Tensor | None:
         """Run the optimizer steps as decided (the schedulers step after them, in
-        ``_update``) and mark ``applied`` in the same line; returns the device flag 'skipped'
-        when the decision was taken on the device (None: decided on the host)."""
+        ``_sequence``) and mark ``progress.applied`` in the same line; returns the device flag
+        'skipped' when the decision was taken on the device (None: decided on the host)."""
         if decision.skip is None:  # decided on the device by fused optimizers
             assert decision.flags is not None
             skip = decision.flags.any()
             step, optimizers = ctx.prepared.optimizer_step, ctx.state.optimizers
-            optimizers_.step_unless(step, optimizers, skip); applied[0] = True  # noqa: E702
+            optimizers_.step_unless(step, optimizers, skip); progress.applied = True  # noqa: E702
             return skip  # the scheduler steps when the guard settles the decision
         if decision.skip:
-            applied[0] = True  # nothing to apply: the skip is the update
+            progress.applied = True  # nothing to apply: the skip is the update
         else:
-            ctx.prepared.optimizer_step(); applied[0] = True  # noqa: E702
+            ctx.prepared.optimizer_step(); progress.applied = True  # noqa: E702
         return None
 
     def _abort(self, ctx: CallContext) -> None:
@@ -378,6 +392,20 @@ class Step:
         if self._carry:
             state.slot(CARRY, Carries).commit("evaluate", carried)
         return TensorDict(sums.result(divide=n > 1), batch_size=[])
+
+
+class _Progress:
+    """How far an update went, for its recovery: whether its optimizers had state before it
+    (``fresh``: a failed first update leaves none), the non-finite decision once taken, the
+    optimizer steps applied (set in the line that runs them), the update counted."""
+
+    __slots__ = ("applied", "counted", "decision", "fresh")
+
+    def __init__(self, fresh: list[bool]) -> None:
+        self.fresh = fresh
+        self.decision: Decision | None = None
+        self.applied = False
+        self.counted = False
 
 
 def _release_memory(device: torch.device) -> None:
