@@ -373,25 +373,21 @@ expect different ratios (see the performance guide).
 
 
 def overhead(r: dict[str, Any], name: str) -> str:
-    sides = ("accelfn", "same_features", "fabric", "accelerate", "plain_again", "same_calls")
+    sides = ("accelfn", "same_features", "fabric", "accelerate", "plain_again")
     labels = {"accelfn": "accelfn", "same_features": "hand-written, same features",
               "fabric": "Lightning Fabric", "accelerate": "HF Accelerate",
-              "plain_again": "control: plain loop again",
-              "same_calls": "plain loop with accelfn's direct calls"}
+              "plain_again": "control: plain loop again"}
     rows = ["| model | precision | plain loop us/step | "
-            + " | ".join(f"{labels[s]} ratio" for s in sides)
-            + " | accelfn added us | accelfn / same calls (its bookkeeping) |",
-            "|---|---|---:|" + "---:|" * len(sides) + "---:|---:|"]
+            + " | ".join(f"{labels[s]} ratio" for s in sides) + " | accelfn added us |",
+            "|---|---|---:|" + "---:|" * len(sides) + "---:|"]
     for c in r["configs"]:
         cells = [f"{c[s]['ratio']:.3f}" if s in c else "not run" for s in sides]
         if "ratio_quartiles" in c["accelfn"]:
             low, high = c["accelfn"]["ratio_quartiles"]
             cells[0] += f" ({low:.3f}-{high:.3f})"
-        calls = c.get("accelfn_vs_same_calls")
         rows.append(f"| {c['model']}, batch {c['batch']} | {c['precision']} | "
                     f"{c['plain_step_us']:,.0f} | " + " | ".join(cells)
-                    + f" | {c['accelfn']['added_us']:,.0f} | "
-                    + ("not run" if calls is None else f"{calls:.3f}") + " |")
+                    + f" | {c['accelfn']['added_us']:,.0f} |")
     bitwise = all(c["parameters_bitwise_equal_to_plain"] for c in r["configs"])
     load = r["load_average"]
     text = (f"### Step overhead against the plain loop ({r['date']}, {r['machine']}, load "
@@ -399,26 +395,22 @@ def overhead(r: dict[str, Any], name: str) -> str:
             f"`python benchmarks/overhead.py` -> `{name}`. Baseline: {r['baseline']}. accelfn: "
             f"{r['accelfn']}. {r['timing']} (accelfn's quartiles of per-round ratios in "
             "brackets; the control runs the plain loop again on its own model copy: its "
-            "distance from 1 is the noise floor; accelfn calls the backward, the optimizer step, "
-            "the clip and zero_grad without torch's Python wrappers when no hook or profiler "
-            "needs them, and the last columns run the plain loop with those same direct calls, "
-            "so that accelfn's ratio to it is the cost of its bookkeeping alone). Parameters "
-            "bitwise equal to the plain loop: "
+            "distance from 1 is the noise floor; accelfn makes torch's public calls, as the "
+            "plain loop does: loss.backward(), clip_grad_norm_, optimizer.step(), "
+            "zero_grad(set_to_none=True)). Parameters bitwise equal to the plain loop: "
             f"{bitwise}. Targets: tiny <= {r['targets']['tiny']}, medium <= "
             f"{r['targets']['medium']}.\n\n" + "\n".join(rows))
     operators = r.get("operators")
     if operators:
         rows = ["| model | precision | plain loop operators/update | accelfn ratio | "
-                "hand-written, same features ratio | accelfn / same calls | "
-                "accelfn's that differ (plain, accelfn) |",
-                "|---|---|---:|---:|---:|---:|---|"]
+                "hand-written, same features ratio | accelfn's that differ (plain, accelfn) |",
+                "|---|---|---:|---:|---:|---|"]
         for c in operators:
             differ = ", ".join(f"{op} {a:g}/{b:g}"
                                for op, (a, b) in c["accelfn_differs_from_plain"].items())
             rows.append(f"| {c['model']}, batch {c['batch']} | {c['precision']} | "
                         f"{c['operators_per_update']['plain']:g} | {c['accelfn_ratio']:.3f} | "
-                        f"{c['same_features_ratio']:.3f} | "
-                        f"{c.get('accelfn_vs_same_calls', float('nan')):.3f} | {differ} |")
+                        f"{c['same_features_ratio']:.3f} | {differ} |")
         text += ("\n\nATen operators dispatched per update (counted under a dispatch mode; the "
                  f"same at any load). Target: <= {r['targets'].get('operators', 1.02)}.\n\n"
                  + "\n".join(rows))
@@ -426,15 +418,12 @@ def overhead(r: dict[str, Any], name: str) -> str:
     if not counted:
         return text
     rows = ["| model | precision | plain loop instructions/update | accelfn ratio | "
-            "hand-written, same features ratio | accelfn added | accelfn / same calls | "
-            "accelfn added to same calls |",
-            "|---|---|---:|---:|---:|---:|---:|---:|"]
+            "hand-written, same features ratio | accelfn added |",
+            "|---|---|---:|---:|---:|---:|"]
     for c in counted:
-        calls = (f"{c['accelfn_vs_same_calls']:.3f} | {c['accelfn_added_to_same_calls']:,}"
-                 if "accelfn_vs_same_calls" in c else "not run | not run")
         rows.append(f"| {c['model']}, batch {c['batch']} | {c['precision']} | "
                     f"{c['instructions_per_update']['plain']:,} | {c['accelfn_ratio']:.3f} | "
-                    f"{c['same_features_ratio']:.3f} | {c['accelfn_added']:,} | {calls} |")
+                    f"{c['same_features_ratio']:.3f} | {c['accelfn_added']:,} |")
     return (text + "\n\nInstructions per update, counted by valgrind's callgrind "
             "(`--instructions`; each side's updates alone after a warm-up): unlike time, they "
             "do not move with the machine's load (repeated runs agree within about 2%).\n\n"
