@@ -13,6 +13,9 @@ import torch
 from torch import nn
 
 from .ownership import check_model_and_optimizers, paired_schedulers
+from .schedulers import EpochCheck
+from .schedulers import mark as _mark
+from .schedulers import per_update as _per_update
 
 __all__ = ["TrainState"]
 # torch warns when a scheduler steps before the optimizer did in this process
@@ -46,20 +49,6 @@ class Window(Protocol):
     def discard(self) -> None: ...
 
     def rollback_state_dict(self) -> Any: ...
-
-
-def _mark(scheduler: Any) -> Any:
-    """How many times ``scheduler`` was stepped (host state): its ``last_epoch``, or for a
-    ``ChainedScheduler`` (which has none) its first scheduler's."""
-    chained = getattr(scheduler, "_schedulers", None) or [None]
-    mark = getattr(scheduler, "last_epoch", None)
-    return mark if mark is not None or chained[0] is None else _mark(chained[0])
-
-
-def _per_update(scheduler: Any) -> bool:
-    """Whether ``scheduler`` is told the update count (timm's ``step_update(num_updates)``,
-    and ``step(epoch)`` after each epoch) instead of being stepped once per update."""
-    return callable(getattr(scheduler, "step_update", None))
 
 
 class TrainState:
@@ -107,6 +96,7 @@ class TrainState:
         self._pending: dict[str, Any] = {}
         self._preparations: list[tuple[Any, Any, str]] = []
         self._scheduler_marks: list[Any] = [_mark(s) for s in schedulers]
+        self._epoch_check = EpochCheck(schedulers, scheduler_every)  # end_epoch() forgotten
         self._warned: set[str] = set()
         self._lent: dict[int, torch.Tensor] = {}  # id(model tensor) -> its own value, held
         _ALIVE[0] += 1
@@ -200,6 +190,7 @@ class TrainState:
         if not self._has_scheduler:
             return
         self._updates += 1
+        self._epoch_check.after_update(self)
         for scheduler in self._schedulers:  # timm's: told the count of updates, each update
             if scheduler is not None and _per_update(scheduler):
                 scheduler.step_update(num_updates=self._updates)
@@ -215,8 +206,10 @@ class TrainState:
         """Mark the end of an epoch: counts ``state.epoch`` and, with
         ``scheduler_every="epoch"``, steps the schedulers (a per-epoch ``StepLR``, say).
         A timm scheduler is stepped with the epoch count, as timm's loop does after each
-        epoch (``scheduler.step(epoch + 1)``)."""
+        epoch (``scheduler.step(epoch + 1)``). A loop that never calls it while a scheduler
+        moves per epoch is warned once, at the first update in the loader's next epoch."""
         self.epoch += 1
+        self._epoch_check.ended()
         for scheduler in self._schedulers:
             if scheduler is not None and _per_update(scheduler):
                 scheduler.step(self.epoch)

@@ -23,6 +23,7 @@ from tensordict import TensorDictBase
 from torchdata.nodes import BaseNode
 
 from ..core import compat
+from ..core.schedulers import LAST_BATCH
 from .positions import core_node, core_position, staged_position
 
 __all__ = ["STATE_FORMAT", "BatchLoader", "is_reading_state", "reading_state"]
@@ -93,6 +94,7 @@ class _Iterator(Iterator[TensorDictBase]):
         owner._last_return = t1
         owner.batches += 1
         owner._delivered = True
+        LAST_BATCH[0] = (id(owner), owner._epochs)  # a per-epoch schedule's check (TrainState)
         return batch
 
 
@@ -200,6 +202,7 @@ class BatchLoader(Iterable[TensorDictBase]):
         # Whether an epoch was begun by iter(), and whether the loop received anything of it.
         self._begun = False
         self._delivered = False
+        self._epochs = 0  # epochs begun by a bare iter() (not a resumed or continued one)
         self._closed_at = -1
         self._peeked: TensorDictBase | None = None
         self._peek_state: dict[str, Any] | None = None
@@ -242,6 +245,7 @@ class BatchLoader(Iterable[TensorDictBase]):
             if self._begun and not self._delivered:
                 _mark_started(self.root)
             self.root.reset(None)
+            self._epochs += 1
         else:
             self.root.reset(state)
             # A position saved right after an epoch's last batch: if the loop had heard of

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import torch
 from helpers import Net, as_dict, assert_params_equal, classify, make_batch
 
 import accelfn as af
+import accelfn.data as ad
 
 
 class TimmScheduler:
@@ -142,3 +144,57 @@ def test_a_timm_scheduler_per_epoch_is_told_the_epoch():
     assert lrs == [torch.tensor(x, dtype=torch.float32).item() for x in ref_lrs]
     assert_params_equal(model, ref)
     assert len(set(ref_lrs)) == EPOCHS  # one rate per epoch
+
+
+def _epochs_of(state, loader, epochs, *, end_epoch, evaluate=None):
+    """``epochs`` passes over ``loader`` with one update per batch (``end_epoch``: calling
+    ``state.end_epoch()`` after each), iterating ``evaluate`` (a second loader) in the middle
+    of each pass, as an evaluation every N steps does; the warnings raised."""
+    step = af.lift(classify)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(epochs):
+            for i, batch in enumerate(loader):
+                step(state, batch)
+                if evaluate is not None and i == 0:
+                    for held_out in evaluate:
+                        step.evaluate(state, held_out)
+            if end_epoch:
+                state.end_epoch()
+    return [w for w in caught if "end_epoch" in str(w.message)]
+
+
+def _timm_state(t_in_epochs=True, **kwargs):
+    model, optimizer, scheduler = _setup(t_in_epochs)
+    return af.TrainState(model, optimizer, scheduler=scheduler, **kwargs)
+
+
+def test_an_epoch_of_the_loader_without_end_epoch_warns_once_for_a_per_epoch_scheduler():
+    """A timm scheduler counting epochs stays at its first rate unless the loop calls
+    ``state.end_epoch()``: the first update in a later epoch of the loader warns, once."""
+    loader = ad.loader(make_batch(12), batch_size=4, seed=0)
+    state = _timm_state()
+    caught = _epochs_of(state, loader, 3, end_epoch=False)
+    assert len(caught) == 1 and "state.end_epoch()" in str(caught[0].message)
+    assert state.step == 9  # warned, not refused
+
+
+def test_no_warning_where_the_epochs_are_ended_or_not_counted():
+    data = make_batch(12)
+    evaluate = ad.loader(make_batch(8, seed=1), batch_size=4, shuffle=False)
+    plain = Net()
+    for state, end_epoch in [(_timm_state(), True),  # ended, with an evaluation every pass
+                             (_timm_state(t_in_epochs=False), False),  # told the updates
+                             (af.TrainState(plain, torch.optim.SGD(plain.parameters(), lr=0.1)),
+                              False)]:  # no scheduler
+        loader = ad.loader(data, batch_size=4, seed=0)
+        assert _epochs_of(state, loader, 3, end_epoch=end_epoch, evaluate=evaluate) == []
+
+
+def test_a_per_epoch_torch_scheduler_without_end_epoch_warns_too():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    state = af.TrainState(model, optimizer, scheduler=scheduler, scheduler_every="epoch")
+    loader = ad.loader(make_batch(12), batch_size=4, seed=0)
+    assert len(_epochs_of(state, loader, 2, end_epoch=False)) == 1
