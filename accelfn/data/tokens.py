@@ -262,9 +262,10 @@ def write_tokens(path: PathLike, tokens: Any, *, dtype: Any = None,
 
     ``tokens`` is anything ``np.asarray`` takes (a list, an array, a CPU tensor) of
     non-negative ids. ``dtype`` defaults to uint16 when every id fits, else uint32. The file
-    is written under a temporary name and renamed, so a reader never sees half of it. A shard
-    holds fewer than 2**31 tokens (its header's count is an int32): split larger corpora into
-    several files and read them together with [`TokenFiles`][].
+    is written under a temporary name and renamed, so a reader never sees half of it; missing
+    folders of ``path`` are created. A shard holds fewer than 2**31 tokens (its header's count
+    is an int32): split larger corpora into several files and read them together with
+    [`TokenFiles`][].
 
     Raises:
         ValueError: negative ids, ids too large for ``dtype``, or too many for one shard.
@@ -290,6 +291,7 @@ def write_tokens(path: PathLike, tokens: Any, *, dtype: Any = None,
             "several files"
         )
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:

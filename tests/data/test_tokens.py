@@ -108,6 +108,15 @@ def test_refusals(tmp_path):
     assert not (tmp_path / "x.bin").exists()  # nothing half-written
 
 
+def test_write_tokens_creates_missing_folders(tmp_path):
+    """``write_tokens("data/fineweb/train_000.bin", ids)`` in a fresh checkout: the missing
+    folders are made (a data-preparation script failed with FileNotFoundError)."""
+    path = ad.write_tokens(tmp_path / "data" / "fineweb" / "train_000.bin", np.arange(10))
+    assert path.parent.is_dir()
+    assert ad.TokenFiles(path).read(0, 10).tolist() == list(range(10))
+    assert [p.name for p in path.parent.iterdir()] == ["train_000.bin"]  # no temporary left
+
+
 def test_token_files_pickle_and_tensors(tmp_path):
     import pickle
 
