@@ -190,10 +190,14 @@ def _train(name: str, out_dir: str) -> dict:
     return out
 
 
-def _muon_and_adamw(model: nn.Module) -> list[torch.optim.Optimizer]:
+def _muon_over_a_vector(model: nn.Module) -> list[torch.optim.Optimizer]:
+    """Muon over the blocks' matrices and, through add_param_group, the head's bias."""
     matrices = [p for n, p in model.named_parameters() if p.ndim == 2 and "blocks" in n]
-    rest = [p for n, p in model.named_parameters() if not (p.ndim == 2 and "blocks" in n)]
-    return [torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)]
+    rest = [p for n, p in model.named_parameters()
+            if not (p.ndim == 2 and "blocks" in n) and n != "head.bias"]
+    muon = torch.optim.Muon(matrices, lr=0.02)
+    muon.add_param_group({"params": [model.head.bias]})
+    return [muon, torch.optim.AdamW(rest, lr=1e-3)]
 
 
 # name -> (model, distributed options, optimizers of the model)
@@ -202,8 +206,8 @@ REFUSALS = {
                         lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
     "tp3": (lambda: MLPNet(dim=12), {"strategy": "fsdp", "tp": 3},
             lambda m: torch.optim.SGD(m.parameters(), lr=0.1)),
-    "muon_hsdp": (Net, {"strategy": "hsdp", "replicate": 2}, _muon_and_adamw),
-    "muon_tp": (MLPNet, {"strategy": "fsdp", "tp": 2}, _muon_and_adamw),
+    "muon_hsdp": (Net, {"strategy": "hsdp", "replicate": 2}, _muon_over_a_vector),
+    "muon_tp": (MLPNet, {"strategy": "fsdp", "tp": 2}, _muon_over_a_vector),
     "zero_fsdp": (Net, {"strategy": "fsdp"}, lambda m: _optimizer(m, zero=True)),
     "zero_overlap": (Net, {"strategy": "ddp"}, lambda m: _optimizer(m, True, overlap=True)),
 }
@@ -359,8 +363,8 @@ def test_a_sharded_checkpoint_of_the_layout_loads_into_one_process(results, out_
 @pytest.mark.parametrize("case, words", [
     ("hsdp_replicate3", ["replicate=3", "4 process"]),
     ("tp3", ["tp=3", "4 process"]),
-    ("muon_hsdp", ["Muon", "strategy='hsdp'", "strategy='ddp'"]),
-    ("muon_tp", ["Muon", "tp=2", "strategy='ddp'"]),
+    ("muon_hsdp", ["Muon", "strategy='hsdp'", "'head.bias'", "2-D matrices only", "AdamW"]),
+    ("muon_tp", ["Muon", "tp=2", "'head.bias'", "2-D matrices only", "AdamW"]),
     ("zero_fsdp", ["ZeroRedundancyOptimizer", "strategy='ddp'"]),
     ("zero_overlap", ["overlap_with_ddp=True", "overlap_with_ddp=False"]),
 ])

@@ -1,6 +1,6 @@
 """FSDP2: ``fully_shard`` per block and on the root, over a 1-D mesh (FSDP), a 2-D one (HSDP)
 or the data-parallel part of a mesh whose innermost dimension is tensor parallel; and the
-optimizers that sharded parameters cannot be trained by."""
+optimizers that sharded parameters cannot be trained by (Muon's sharded step: ``muon``)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from torch import nn
 from ...core.modules import find_blocks
 from ...core.state import TrainState
 from .ddp import plain_output
+from .muon import check_muon, is_muon
 
 __all__ = ["check_optimizers", "parameter_names", "repoint_optimizers", "root_call",
            "shard_fsdp"]
@@ -76,19 +77,22 @@ def repoint_optimizers(state: TrainState, model: nn.Module, before: dict[int, st
 
 
 def check_optimizers(optimizers: tuple[torch.optim.Optimizer, ...], strategy: str,
-                     tp: int) -> None:
+                     tp: int, names: dict[int, str] | None = None) -> None:
     """Refuse what the strategy cannot train correctly, before anything changes: an optimizer
-    with state, Muon and ``ZeroRedundancyOptimizer`` when parameters are sharded (FSDP2,
-    HSDP, tensor parallel), and ZeRO's ``overlap_with_ddp`` (its step runs inside a DDP hook
-    that ``distributed`` does not register)."""
+    with state and ``ZeroRedundancyOptimizer`` when parameters are sharded (FSDP2, HSDP,
+    tensor parallel), ZeRO's ``overlap_with_ddp`` (its step runs inside a DDP hook that
+    ``distributed`` does not register), and a Muon holding anything but 2-D matrices
+    (``names``: the parameters' names by id, for the message). Muon over sharded parameters
+    is trained by [`shard_muon`][accelfn.transforms.distributed.muon.shard_muon]."""
     # looked up, not imported: importing it after the process group exists would bind the
     # group into a default argument for the process' life (see accelfn.core.processes)
     zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
     ZeroRedundancyOptimizer = getattr(zero, "ZeroRedundancyOptimizer", ())
     sharded = strategy != "ddp" or tp > 1
     how = f"distributed(strategy={strategy!r}{f', tp={tp}' if tp > 1 else ''})"
-    muon = getattr(torch.optim, "Muon", None)
-    for optimizer in optimizers:
+    for index, optimizer in enumerate(optimizers):
+        if is_muon(optimizer):
+            check_muon(optimizer, index, how, names)
         if isinstance(optimizer, ZeroRedundancyOptimizer):
             if sharded:
                 raise ValueError(
@@ -106,9 +110,3 @@ def check_optimizers(optimizers: tuple[torch.optim.Optimizer, ...], strategy: st
         if optimizer.state:
             raise ValueError(f"{how} must shard the model before the optimizer has state; "
                              "build the step before loading a checkpoint")
-        if muon is not None and isinstance(optimizer, muon):
-            raise ValueError(
-                f"torch.optim.Muon cannot train FSDP2-sharded parameters ({how}): its "
-                "Newton-Schulz orthogonalisation needs each whole matrix, and each process "
-                "holds a shard of it. Use distributed(strategy='ddp') with Muon (whole "
-                "matrices on every process), or AdamW for sharded training")

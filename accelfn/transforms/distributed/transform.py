@@ -25,6 +25,7 @@ from .ddp import all_reduce_grads, wrap_ddp
 from .errors import Translating, translate
 from .fsdp import check_optimizers, parameter_names, repoint_optimizers, root_call, shard_fsdp
 from .mesh import build_mesh, data_mesh, layout
+from .muon import shard_muon
 from .plans import apply_plan, check_plan, resolve_plan
 
 __all__ = ["distributed"]
@@ -88,7 +89,7 @@ def _distributed(o: _Options) -> Transform:
         _check_device(device)
         grid = layout(o.strategy, world, replicate=o.replicate, tp=o.tp,
                       local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        check_optimizers(state.optimizers, o.strategy, o.tp)
+        check_optimizers(state.optimizers, o.strategy, o.tp, parameter_names(model))
         if o.sync_batchnorm:
             _sync_batchnorm(model, device)
         with Translating(where=" while the first step wrapped the model"):
@@ -105,6 +106,7 @@ def _distributed(o: _Options) -> Transform:
                 shard_fsdp(model, None if mesh is None else data_mesh(mesh, grid),
                            prepared.compute_dtype, o.offload, o.reshard_after_forward)
                 repoint_optimizers(state, model, before)
+                shard_muon(state.optimizers)  # Newton-Schulz on whole matrices, one owner each
                 call = root_call(model)
         # the model stays the user's: the step function runs as the forward of DDP (over
         # the model) or of the FSDP2 root (the model itself, sharded in place)
