@@ -21,7 +21,8 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 from torch import nn
 
-__all__ = ["StepCall", "all_reduce_grads", "plain_output", "wrap_ddp"]
+__all__ = ["StepCall", "all_reduce_grads", "match_gradient_strides", "plain_output",
+           "wrap_ddp"]
 
 
 class StepCall(nn.Module):
@@ -58,6 +59,7 @@ def wrap_ddp(model: nn.Module, device: torch.device, static_graph: bool,
         kwargs["device_ids"] = [device.index]
     if bucket_cap_mb is not None:
         kwargs["bucket_cap_mb"] = bucket_cap_mb
+    match_gradient_strides(model)  # before DDP takes the parameters' strides
     ddp = DistributedDataParallel(StepCall(model), **kwargs)
     _no_buffer_sync_without_grad(ddp)
     if compression == "fp16":
@@ -69,6 +71,34 @@ def wrap_ddp(model: nn.Module, device: torch.device, static_graph: bool,
                                                 start_powerSGD_iter=2)
         ddp.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
     return ddp
+
+
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def match_gradient_strides(model: nn.Module) -> None:
+    """Give the weights of a channels_last model that are contiguous both ways (a 1x1
+    convolution's ``(out, in, 1, 1)``, a depthwise one's ``(out, 1, k, k)``) channels_last's
+    own strides, those of the gradients the convolutions' backward makes; values unchanged,
+    the parameters the same objects.
+
+    ``t.contiguous(memory_format=torch.channels_last)`` (``af.channels_last``) leaves such a
+    weight as it was: its size-1 dimensions make it channels_last already. DDP builds its
+    bucket views with the parameters' strides, so each such gradient differed from its view:
+    "Grad strides do not match bucket view strides" at the first backward (and a copy of
+    such a gradient into its bucket where a view would do). A model with no channels_last weight (4-D or 5-D,
+    one that is not contiguous) is left as it is: its gradients are contiguous."""
+    params = [p for p in model.parameters() if p.dim() in _CHANNELS_LAST]
+    used = {p.dim() for p in params
+            if p.is_contiguous(memory_format=_CHANNELS_LAST[p.dim()]) and not p.is_contiguous()}
+    for p in params:
+        fmt = _CHANNELS_LAST[p.dim()]
+        if p.dim() not in used or not p.is_contiguous(memory_format=fmt):
+            continue
+        own = torch.empty(p.shape, device="meta", memory_format=fmt).stride()
+        if p.stride() != own:
+            with torch.no_grad():
+                p.data = p.detach().clone(memory_format=fmt)
 
 
 def _no_buffer_sync_without_grad(ddp: nn.Module) -> None:
