@@ -4,19 +4,19 @@
     with af.ema_weights(state):                   # evaluate with the averaged weights
         val = step.evaluate(state, val_batch)
 
-    # torchvision's classification recipe: every 32 iterations of each epoch, copies during
-    # the warm-up epochs, decay scaled by the batch and epochs
+    # torchvision's recipe: every 32 iterations, copies in the warm-up, decay scaled
     af.with_ema(decay=0.99998, every=32, updates_per_epoch=len(loader), warmup_epochs=5,
                 adjust=world_size * batch_size * 32 / epochs, formula="weighted_sum")
 
     # timm's ModelEmaV3(model, decay=0.9998, use_warmup=True) updated with step=num_updates
     af.with_ema(decay=0.9998, warmup="power", buffers="average_floats")
 
-The average lives on the model's device, is updated with device-side weights and flags (no
-host sync, skipped updates leave it untouched), by one foreach ``lerp`` per device and dtype
-(or per-tensor ops for ``formula="weighted_sum"``; integer buffers by a truncated weighted
-sum, as ``AveragedModel`` does), and is saved in the state's ``with_ema`` slot by
-``state.state_dict()``.
+Written here, not on ``torch.optim.swa_utils.AveragedModel`` (which deep-copies the module
+and is updated by the loop, with a host-side count): the average is the averaged tensors
+only, on the model's device, updated with device-side weights and flags (no host sync,
+skipped updates leave it untouched), by one foreach ``lerp`` per device and dtype (per-tensor
+ops for ``formula="weighted_sum"``; integer buffers by a truncated weighted sum, as
+``AveragedModel`` does), saved in the state's ``with_ema`` slot by ``state.state_dict()``.
 """
 
 from __future__ import annotations
