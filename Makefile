@@ -3,6 +3,11 @@
 # day-to-day work). Every test process, and every process a test starts, runs torch with one
 # intra-op thread (tests/conftest.py sets it; the variables below cover what starts before it).
 #
+# `make run` installs what the example needs and nothing more: accelfn with the `plot` extra
+# (matplotlib, for its run.png), not the test extra's peers, trackers and checkers (lightning,
+# accelerate, wandb, mlflow, mypy, ...), which `make setup` and every test target install. The
+# example picks its own torch thread count, within the free cores (accelfn's own verdict).
+#
 # The tests run in parallel: pytest-xdist starts WORKERS pytest processes (`auto`: one per
 # physical core, so 2 on a 2-core machine), each running one test at a time with one
 # intra-op thread; a test that launches torchrun still adds its own processes beside them.
@@ -16,15 +21,24 @@ PYTEST := OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 $(BIN)/python -m pytest -n $(WORKE
 	--dist loadgroup
 FAST := not slow and not compile and not distributed
 
-$(BIN)/accelfn: pyproject.toml
+# stamps: what each install gave this venv (the test extra holds the plot extra too)
+RUN_DEPS := $(VENV)/.installed-run
+TEST_DEPS := $(VENV)/.installed-test
+
+$(TEST_DEPS): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[test]'
-	touch $(BIN)/accelfn
+	touch $(BIN)/accelfn $(RUN_DEPS) $(TEST_DEPS)
 
-setup: $(BIN)/accelfn
+$(RUN_DEPS): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q -e '.[plot]'
+	touch $(RUN_DEPS)
 
-run: setup
+setup: $(TEST_DEPS)
+
+run: $(RUN_DEPS)
 	$(BIN)/python examples/classify_digits.py
 
 lint: setup

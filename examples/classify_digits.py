@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Iterable
 
@@ -39,6 +40,7 @@ from torch import nn
 import accelfn as af
 from accelfn import data
 from accelfn.data.datasets import digits
+from accelfn.observe.threads import default_threads
 
 
 class Block(nn.Module):
@@ -90,6 +92,17 @@ def evaluate(step: af.Step, state: af.TrainState, loader: Iterable[TensorDictBas
     return {"val_loss": sums[0] / sums[2], "val_accuracy": sums[1] / sums[2]}
 
 
+def torch_threads() -> int:
+    """torch's intra-op threads for this process: what ``OMP_NUM_THREADS`` says when it is set
+    (``torchrun`` sets 1 for several processes), else as many as the free cores allow
+    (``default_threads``: the usable cores less the load of other work, shared by this
+    machine's processes of the job), a count the monitor's verdict does not call
+    oversubscribed. torch's default, one per core, is oversubscribed on a loaded machine."""
+    if not os.environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(default_threads(int(os.environ.get("LOCAL_WORLD_SIZE") or 1)))
+    return torch.get_num_threads()
+
+
 def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=run_options.positive_int, default=8)
@@ -107,6 +120,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
+    threads = torch_threads()
     device = af.init_distributed()
     main_process = af.is_main_process()
     dataset = digits()
@@ -148,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     if main_process:
         print(f"step: {af.describe(step)}")
         print(f"data: {len(train_set)} train / {len(test_set)} held-out digits on {device}, "
-              f"{af.world_size()} process(es)")
+              f"{af.world_size()} process(es), {threads} torch thread(s) each")
 
     stop = min(total, args.stop_at or total)
     monitor: af.Monitor | None = None

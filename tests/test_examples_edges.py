@@ -160,3 +160,48 @@ def test_gpt_tokens_per_s_counts_only_real_tokens(tmp_path, capsys, packing):
     assert json.loads(printed[printed.rindex("\n{"):])["real_tokens"] == 3 * real
     assert "padding excluded" in printed and "padding share" in printed
     assert "tokens/s" not in printed.split("verdict:")[0]  # the monitor's count had padding
+
+
+def make_dry_run(*targets: str) -> str:
+    """What ``make -B -n <targets>`` would run (every rule, as on a fresh checkout)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(["make", "-B", "-n", "-C", root, *targets], capture_output=True,
+                          text=True, check=True)
+    return proc.stdout
+
+
+def test_make_run_installs_what_the_example_needs_not_the_test_extra():
+    run = make_dry_run("run")
+    installs = [line for line in run.splitlines() if "pip install" in line]
+    assert installs and all("'.[plot]'" in line for line in installs), run
+    assert "test" not in "".join(installs)  # no lightning, accelerate, wandb, mlflow, mypy
+    assert "examples/classify_digits.py" in run
+    assert "'.[test]'" in make_dry_run("test")
+
+
+def test_the_digits_example_runs_torch_within_the_free_cores(monkeypatch):
+    """Without OMP_NUM_THREADS, as many threads as the free cores allow, the count that its
+    monitor's verdict does not call oversubscribed; with it, what it says."""
+    from accelfn.observe import threads
+
+    example = load_example("classify_digits")
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+        for load, expected in ((0.1, 2), (1.2, 1), (6.0, 1)):
+            monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+            assert example.torch_threads() == expected == torch.get_num_threads()
+            cpu = threads.cpu_load()  # the verdict's check, once the loop runs them
+            verdict = threads.oversubscription(cpu, own_load=cpu.threads)
+            assert verdict.severity == "ok" or "within the free cores already" in verdict.fix
+        torch.set_num_threads(1)
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+        assert example.torch_threads() == 1  # the user's (or torchrun's) choice stands
+    finally:
+        torch.set_num_threads(before)
