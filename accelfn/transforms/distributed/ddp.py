@@ -86,8 +86,9 @@ def match_gradient_strides(model: nn.Module) -> None:
     weight as it was: its size-1 dimensions make it channels_last already. DDP builds its
     bucket views with the parameters' strides, so each such gradient differed from its view:
     "Grad strides do not match bucket view strides" at the first backward (and a copy of
-    such a gradient into its bucket where a view would do). A model with no channels_last weight (4-D or 5-D,
-    one that is not contiguous) is left as it is: its gradients are contiguous."""
+    such a gradient into its bucket where a view would do). A model with no channels_last
+    weight (4-D or 5-D, one that is not contiguous) is left as it is: its gradients are
+    contiguous."""
     params = [p for p in model.parameters() if p.dim() in _CHANNELS_LAST]
     used = {p.dim() for p in params
             if p.is_contiguous(memory_format=_CHANNELS_LAST[p.dim()]) and not p.is_contiguous()}
