@@ -9,26 +9,26 @@
 
 Per step it keeps, without ever making the host wait for the device:
 
-* the iteration time: CUDA events recorded at each step boundary on a GPU (read lazily,
-  only once they have completed), ``time.perf_counter`` on the CPU;
+* the iteration time: CUDA events at each step boundary on a GPU (read once completed),
+  ``time.perf_counter`` on the CPU;
 * the time the loop waited for data (every ``next()`` under [`Monitor.iterate`][], the
   time spent outside [`Monitor.measure`][], or a loader's own ``last_wait_s``);
 * samples and tokens, from which samples/s, tokens/s and MFU follow (FLOPs of one step are
   counted once with ``torch.utils.flop_counter.FlopCounterMode``);
-* memory (``torch.cuda.memory_allocated`` / the process's resident memory on the CPU);
-* the step's metrics: scalar tensors are copied to pinned host memory with
-  ``non_blocking=True`` right after the step and read when their boundary event completed;
+* memory (``torch.cuda.memory_allocated``; the process's resident memory on the CPU);
+* the step's metrics: scalar tensors copied to pinned host memory (``non_blocking=True``)
+  after the step, read when their boundary event completed;
 * GPU utilisation, memory and power sampled by pynvml in a background thread.
 
 Every ``log_every`` steps the completed records go to a progress bar and the sinks (JSONL,
-CSV, TensorBoard, any [`Sink`][]; W&B and MLflow in `accelfn.observe.trackers`), the values
-given to [`Monitor.log`][] (a validation loss) among them. Given the [`TrainState`][], rows
-are numbered by its ``step``, so a resumed run continues its history. Memory stays bounded
-however long the run (`accelfn.observe.aggregates`). [`Monitor.report`][] ends with a
-verdict against the performance checklist (`accelfn.observe.verdict`): data loading under
-20% of an iteration, GPU busy over 85%, no unnecessary host syncs (one step is probed with
-[`SyncProbe`][]), a CPU not oversubscribed, and the fix for each. With ``memory_snapshot``,
-an out-of-memory error leaving the loop dumps what filled the memory ([`MemorySnapshot`][]).
+CSV, TensorBoard, any [`Sink`][]; W&B and MLflow in `accelfn.observe.trackers`), with the
+values of [`Monitor.log`][]; rows are numbered as the [`TrainState`][]'s ``step`` counts.
+Memory stays bounded however long the run (`accelfn.observe.aggregates`).
+[`Monitor.report`][] ends with a verdict against the performance checklist
+(`accelfn.observe.verdict`): data loading under 20% of an iteration, GPU busy over 85%, no
+unnecessary host syncs (one step is probed with [`SyncProbe`][]), a CPU not oversubscribed,
+and the fix for each. With ``memory_snapshot``, an out-of-memory error leaving the loop
+dumps what filled the memory ([`MemorySnapshot`][]).
 """
 
 from __future__ import annotations
@@ -61,13 +61,9 @@ from .reporting import build_report
 from .sinks import Sink
 from .sync_probe import SyncPoint, SyncProbe
 
-__all__ = [
-    "Monitor",
-    # re-exported where other packages import them from (accelfn, cli.bench, benchmarks,
-    # examples); their home is accelfn.observe.flops
-    "peak_flops",
-    "training_flops",
-]
+# peak_flops and training_flops: re-exported where accelfn, cli.bench, benchmarks and examples
+# import them from; their home is accelfn.observe.flops
+__all__ = ["Monitor", "peak_flops", "training_flops"]
 
 T = TypeVar("T")
 
@@ -123,9 +119,8 @@ class Monitor:
         profiler: a [`Profiler`][] started with the monitor and stepped with each step.
         thresholds: the checklist's limits.
         file: stream for the progress bar (default ``sys.stderr``).
-        keep_rows: how many of the latest rows [`rows`][] keeps. The report and the plot
-            need none of them (running aggregates, a bounded picture): memory stays
-            bounded however long the run.
+        keep_rows: how many of the latest rows [`rows`][] keeps (the report and the plot
+            need none of them: memory stays bounded however long the run).
         initial: the bar's start (its rate: this run's steps); default ``state.step`` when
             ``state`` is given (a resumed run's bar continues), else 0.
         memory_snapshot: a path: the allocations of the first 3 steps are recorded and, when
@@ -413,10 +408,9 @@ class Monitor:
             samples = self.samples_per_step
             if samples is None and self._awaiting_step:
                 samples = records.batch_samples(self._last_batch)
-        if tokens is None:
-            tokens = self.tokens_per_step
-        if tokens is None:
-            tokens = records.weight_of(metrics)  # the step's token count, when it gives one
+        if tokens is None:  # else the step's token count ("weight"), when it gives one
+            tokens = self.tokens_per_step if self.tokens_per_step is not None \
+                else records.weight_of(metrics)
         snaps, py = records.snapshot_metrics(metrics, {"samples": samples, "tokens": tokens})
         samples, tokens = (None if isinstance(x, Tensor) else x for x in (samples, tokens))
         event = records.boundary_event(self.device) if self._cuda else None
@@ -433,11 +427,8 @@ class Monitor:
                 metrics, "get") else None, self._last_batch if self._awaiting_step else None)
         if self.profiler is not None and not self.profiler.done:
             self.profiler.step()
-        self._ev_last = event
-        self._last_step = self._next_step
-        self._t_last = now
-        self._wait_acc = 0.0
-        self._awaiting_step = False
+        self._ev_last, self._last_step, self._t_last = event, self._next_step, now
+        self._wait_acc, self._awaiting_step = 0.0, False
         self._n += 1
         self._next_step = self.state.step + 1 if self.state is not None else self._next_step + 1
         self._out.advance()
@@ -499,12 +490,10 @@ class Monitor:
             self._out.write(new, last)
 
     def _build_report(self) -> MonitorReport:
-        report = build_report(
+        return build_report(
             book=self._book, warmup=self.warmup, device=self.device,
             gpu=self._gpu, gpu_note=self._gpu_note, peak_given=self._peak_given,
             peak_dtype=self.peak_dtype, flops_per_step=self.flops_per_step, model=self.model,
             diagnostics=self.diagnostics, syncs=self._probe_result, probe_mode=self._probe_mode,
-            sync_check=self.sync_check_step is not None, thresholds=self.thresholds)
-        if self._snapshot is not None:  # the estimate, and where a dump went
-            report.findings += self._snapshot.findings()
-        return report
+            sync_check=self.sync_check_step is not None, thresholds=self.thresholds,
+            snapshot=self._snapshot)

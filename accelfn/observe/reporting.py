@@ -16,6 +16,7 @@ from .findings import Finding
 from .flops import peak_flops
 from .gpu_sampler import GPUSampler
 from .initialisation import check_model
+from .memory_snapshots import MemorySnapshot
 from .report import MonitorReport, Thresholds
 from .sync_probe import SyncPoint
 from .threads import cpu_load, oversubscription
@@ -41,8 +42,10 @@ def build_report(*, book: RunBook, warmup: int, device: torch.device,
                  peak_dtype: torch.dtype | str, flops_per_step: float | None,
                  model: nn.Module | None, diagnostics: Diagnostics | None,
                  syncs: list[SyncPoint] | None, probe_mode: str | None, sync_check: bool,
-                 thresholds: Thresholds) -> MonitorReport:
-    """The [`MonitorReport`][] of a monitor's run so far."""
+                 thresholds: Thresholds, snapshot: MemorySnapshot | None = None
+                 ) -> MonitorReport:
+    """The [`MonitorReport`][] of a monitor's run so far (with what a memory snapshot found,
+    its estimate and where a dump went, last)."""
     cuda = device.type == "cuda"
     name = device_name(device, gpu)
     peak = peak_given
@@ -63,10 +66,13 @@ def build_report(*, book: RunBook, warmup: int, device: torch.device,
     if device.type == "cpu":  # a loaded CPU, not the model, may be what limits the run
         cpu = cpu_load()
         threads = oversubscription(cpu, own_load=cpu.threads * cpu.local_processes)
-    return summarise(
+    report = summarise(
         book.summary, warmup=warmup, device=device, device_name=name,
         flops_per_step=flops_per_step, peak=peak, peak_memory_gib=peak_mem,
         gpu_samples=gpu.samples if gpu is not None else [], gpu_note=gpu_note, syncs=syncs,
         probe_mode=probe_mode, sync_check=sync_check, th=thresholds, more_findings=more,
         history=book.history, logged=book.logged, last_logged=book.last_logged,
         threads=threads, processes=world_size())
+    if snapshot is not None:
+        report.findings += snapshot.findings()
+    return report

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, SupportsFloat
+from typing import Any, Literal
 
 import torch
 from torch.optim import Optimizer
@@ -51,9 +51,11 @@ from torch.optim.lr_scheduler import (
     LinearLR,
     LRScheduler,
     OneCycleLR,
-    ReduceLROnPlateau,
     SequentialLR,
 )
+
+from .plateau import WarmupPlateau, warmup_plateau
+from .warmup import _check_optimizer, _check_steps, _is_number, _no_warmup, _start_factor, _warmup
 
 __all__ = ["WarmupPlateau", "one_cycle", "warmup_cosine", "warmup_linear", "warmup_plateau",
            "warmup_stable_decay"]
@@ -77,51 +79,6 @@ class _HeldOneCycle(OneCycleLR):
             return [g["lr"].clone() if isinstance(g["lr"], torch.Tensor) else g["lr"]
                     for g in self.optimizer.param_groups]
         return super().get_lr()
-
-
-def _check_optimizer(fn: str, optimizer: Any) -> None:
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(f"{fn}() takes a torch.optim.Optimizer first, got "
-                        f"{type(optimizer).__name__}")
-
-
-def _check_steps(fn: str, warmup_steps: Any, total_steps: Any | None) -> None:
-    if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 0:
-        raise ValueError(f"{fn}(warmup_steps={warmup_steps!r}) must be an int >= 0 (optimizer "
-                         "updates, not epochs)")
-    if total_steps is None:
-        return
-    if not isinstance(total_steps, int) or isinstance(total_steps, bool) or total_steps < 1:
-        raise ValueError(f"{fn}(total_steps={total_steps!r}) must be an int >= 1: the number "
-                         "of optimizer updates, e.g. epochs * len(loader)")
-    if warmup_steps >= total_steps:
-        raise ValueError(f"{fn}(warmup_steps={warmup_steps}) must be smaller than "
-                         f"total_steps={total_steps}")
-
-
-def _is_number(value: Any) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value))
-
-
-def _no_warmup(fn: str, start_factor: float | None) -> None:
-    if start_factor is not None:
-        raise ValueError(f"{fn}(start_factor={start_factor!r}) applies to the warmup, and "
-                         "warmup_steps=0 has none; drop start_factor or give warmup_steps > 0")
-
-
-def _start_factor(fn: str, start_factor: float | None, warmup_steps: int) -> float:
-    if start_factor is None:
-        return 1.0 / (warmup_steps + 1)
-    if not isinstance(start_factor, (int, float)) or not 0.0 < start_factor <= 1.0:
-        raise ValueError(f"{fn}(start_factor={start_factor!r}) must be in (0, 1]: the first "
-                         "update's learning rate as a fraction of the base one")
-    return float(start_factor)
-
-
-def _warmup(optimizer: Optimizer, warmup_steps: int, start_factor: float) -> LinearLR:
-    return LinearLR(optimizer, start_factor=start_factor, end_factor=1.0,
-                    total_iters=warmup_steps)
 
 
 def warmup_cosine(
@@ -393,131 +350,3 @@ def one_cycle(
                       anneal_strategy=anneal_strategy, div_factor=div_factor,
                       final_div_factor=final_div_factor, three_phase=three_phase,
                       cycle_momentum=cycle_momentum)
-
-
-class WarmupPlateau:
-    """Equivalent to ``LinearLR`` warmup stepped per update, then ``ReduceLROnPlateau``
-    stepped per evaluation.
-
-    That is: ``LinearLR(optimizer, start_factor, 1.0, warmup_steps).step()`` after each of
-    the first ``warmup_steps`` updates (ending exactly on the base rates), and
-    ``ReduceLROnPlateau.step(metric)`` at each evaluation after that. Give it to
-    ``TrainState(scheduler=...)``: the step engine calls [`step`][] after every update (a
-    no-op once warmup is over); call [`observe`][] with the validation metric where the
-    loop evaluates. Metrics observed during warmup are ignored (the warmup owns the learning
-    rate then); ``observe`` reads the metric on the host (``float``), which is a sync, so
-    call it at evaluation time only. It has no end: after warmup, updates never change the
-    rate; only reductions by ``observe`` do (down to ``min_lr``), for as long as it runs.
-    """
-
-    def __init__(self, optimizer: Optimizer, warmup: LinearLR | None,
-                 plateau: ReduceLROnPlateau, warmup_steps: int) -> None:
-        self.optimizer = optimizer
-        self.warmup = warmup
-        self.plateau = plateau
-        self.warmup_steps = warmup_steps
-        self.updates = 0
-
-    @property
-    def warming_up(self) -> bool:
-        """True while the warmup still sets the learning rate."""
-        return self.updates < self.warmup_steps
-
-    def step(self) -> None:
-        """Advance the warmup by one optimizer update (a no-op after warmup)."""
-        if self.warming_up and self.warmup is not None:
-            self.warmup.step()
-            if self.updates + 1 == self.warmup_steps:  # exactly the base rate, not ~1 ulp off
-                for group in self.optimizer.param_groups:
-                    if isinstance(group["lr"], torch.Tensor):
-                        group["lr"].fill_(float(group["initial_lr"]))
-                    else:
-                        group["lr"] = group["initial_lr"]
-        self.updates += 1
-
-    def observe(self, metric: SupportsFloat | torch.Tensor) -> bool:
-        """Feed an evaluation metric to ``ReduceLROnPlateau``; True if it was used.
-
-        Returns False (and changes nothing) during warmup.
-        """
-        if self.warming_up:
-            return False
-        value = float(metric)
-        if math.isnan(value):
-            raise ValueError("warmup_plateau.observe() got NaN; the validation metric diverged")
-        self.plateau.step(value)
-        return True
-
-    def get_last_lr(self) -> list[float]:
-        """The current learning rate of each group, as floats."""
-        return [float(g["lr"]) for g in self.optimizer.param_groups]
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "updates": self.updates,
-            "warmup": None if self.warmup is None else self.warmup.state_dict(),
-            "plateau": self.plateau.state_dict(),
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if (state_dict["warmup"] is None) != (self.warmup is None):
-            raise ValueError("checkpoint and scheduler disagree on having a warmup; build "
-                             "warmup_plateau with the checkpointed run's warmup_steps")
-        saved_steps = (0 if state_dict["warmup"] is None
-                       else int(state_dict["warmup"]["total_iters"]))
-        if saved_steps != self.warmup_steps:  # its warmup would stop half-way, for good
-            raise ValueError(f"the checkpoint's warmup_plateau has warmup_steps={saved_steps}, "
-                             f"this one warmup_steps={self.warmup_steps}; build it with the "
-                             "checkpointed run's warmup_steps")
-        self.updates = int(state_dict["updates"])
-        if self.warmup is not None:
-            self.warmup.load_state_dict(state_dict["warmup"])
-        self.plateau.load_state_dict(state_dict["plateau"])
-
-    def __repr__(self) -> str:
-        return (f"WarmupPlateau(warmup_steps={self.warmup_steps}, updates={self.updates}, "
-                f"factor={self.plateau.factor}, patience={self.plateau.patience})")
-
-
-def warmup_plateau(
-    optimizer: Optimizer,
-    *,
-    warmup_steps: int,
-    start_factor: float | None = None,
-    mode: Literal["min", "max"] = "min",
-    factor: float = 0.1,
-    patience: int = 10,
-    threshold: float = 1e-4,
-    threshold_mode: Literal["rel", "abs"] = "rel",
-    cooldown: int = 0,
-    min_lr: float | Sequence[float] = 0.0,
-) -> WarmupPlateau:
-    """Equivalent to ``LinearLR`` warmup over ``warmup_steps`` updates followed by
-    ``ReduceLROnPlateau(optimizer, mode, factor, patience, threshold, threshold_mode,
-    cooldown, min_lr)`` fed with ``observe(val_metric)`` at each evaluation.
-
-    ``patience`` and ``cooldown`` count observations (evaluations), as in torch. It has no
-    end (no ``total_steps``). See [`WarmupPlateau`][] for the loop.
-    """
-    _check_optimizer("warmup_plateau", optimizer)
-    _check_steps("warmup_plateau", warmup_steps, None)
-    if mode not in ("min", "max"):
-        raise ValueError(f"warmup_plateau(mode={mode!r}) must be 'min' or 'max'")
-    if not _is_number(factor) or not 0.0 < factor < 1.0:
-        raise ValueError(f"warmup_plateau(factor={factor!r}) must be a number in (0, 1): "
-                         "new lr = lr * factor")
-    for name, count in (("patience", patience), ("cooldown", cooldown)):
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ValueError(f"warmup_plateau({name}={count!r}) must be an int >= 0 "
-                             "(evaluations)")
-    if not warmup_steps:
-        _no_warmup("warmup_plateau", start_factor)
-    warmup = None
-    if warmup_steps:
-        warmup = _warmup(optimizer, warmup_steps,
-                         _start_factor("warmup_plateau", start_factor, warmup_steps))
-    min_lrs = min_lr if isinstance(min_lr, (int, float)) else list(min_lr)
-    plateau = ReduceLROnPlateau(optimizer, mode=mode, factor=factor, patience=patience,
-                                threshold=threshold, threshold_mode=threshold_mode,
-                                cooldown=cooldown, min_lr=min_lrs)
-    return WarmupPlateau(optimizer, warmup, plateau, warmup_steps)

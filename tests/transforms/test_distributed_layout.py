@@ -183,16 +183,6 @@ def _muon_and_adamw(model: nn.Module) -> tuple[torch.optim.Optimizer, ...]:
     return torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-3)
 
 
-@pytest.mark.parametrize("strategy, tp", [("fsdp", 1), ("hsdp", 1), ("fsdp", 2), ("hsdp", 2)])
-def test_muon_over_sharded_parameters_is_refused_naming_the_alternative(strategy, tp):
-    with pytest.raises(ValueError) as error:
-        check_optimizers(_muon_and_adamw(Net()), strategy, tp)
-    text = str(error.value)
-    assert "Muon cannot train FSDP2-sharded parameters" in text
-    assert f"strategy={strategy!r}" in text and "strategy='ddp'" in text
-    assert (f"tp={tp}" in text) == (tp > 1)
-
-
 def test_muon_with_ddp_is_accepted():
     check_optimizers(_muon_and_adamw(Net()), "ddp", 1)
 

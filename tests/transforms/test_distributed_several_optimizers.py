@@ -1,6 +1,7 @@
 """Several optimizers under distributed (2 processes, gloo, CPU): one TrainState holding SGD
 with momentum for the matrices and AdamW for the rest (or Muon and AdamW under DDP) trains as
-one process does on all ranks' rows, a scheduler on each; Muon under FSDP2 is refused.
+one process does on all ranks' rows, a scheduler on each; Muon under FSDP2 is
+tests/transforms/test_distributed_muon.py's.
 
 The module is also the torchrun worker: ``python -m torch.distributed.run --nproc_per_node=2
 test_distributed_several_optimizers.py OUT`` trains every case of CASES on both ranks and
@@ -98,24 +99,6 @@ def _train(kind: str, build) -> dict:
             "rates": rates, "last_epochs": [s.last_epoch for s in scheds]}
 
 
-def _muon_under_fsdp() -> dict:
-    """What distributed(strategy='fsdp') says of a state holding Muon, and what it left."""
-    torch.manual_seed(0)
-    model = Net()
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state = af.TrainState(model, optimizers(model, "muon"))
-    step = af.distributed(strategy="fsdp")(classify)
-    error = None
-    try:
-        step(state, {k: v[:6] for k, v in global_batch(0).items()})
-    except ValueError as exc:
-        error = str(exc)
-    return {"error": error, "sharded": any(hasattr(p, "full_tensor")
-                                           for p in model.parameters()),
-            "unchanged": all(torch.equal(p, before[n]) for n, p in model.named_parameters()),
-            "step": state.step}
-
-
 def worker(out_dir: str) -> None:
     from datetime import timedelta
 
@@ -124,7 +107,6 @@ def worker(out_dir: str) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     af.init_distributed()
     results = {name: _train(kind, build) for name, (kind, build) in CASES.items()}
-    results["muon_fsdp"] = _muon_under_fsdp()
     save_rank_results(out_dir, results)
 
 
@@ -188,15 +170,6 @@ def test_two_optimizers_equal_one_process_on_all_ranks_rows(results, case):
         for name in expected["params"]:
             assert torch.equal(results[0][case]["params"][name],
                                results[1][case]["params"][name]), name
-
-
-def test_muon_under_fsdp_is_refused_before_anything_changes(results):
-    for rank in range(2):
-        got = results[rank]["muon_fsdp"]
-        assert got["error"] is not None, f"rank {rank}: no error"
-        assert "torch.optim.Muon cannot train FSDP2-sharded parameters" in got["error"]
-        assert "strategy='ddp'" in got["error"]  # the fix
-        assert not got["sharded"] and got["unchanged"] and got["step"] == 0
 
 
 if __name__ == "__main__":
