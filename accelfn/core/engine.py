@@ -386,7 +386,11 @@ class Step:
                     coef = None if n == 1 else (
                         weight.to(torch.float32) if weight is not None
                         else float(batch_size(one, plan.dim)))
-                    sums.add(coef, {"loss": loss, **metrics})
+                    values = {"loss": loss, **metrics}
+                    if isinstance(coef, Tensor):  # weight 0 (all padding): left out, as in
+                        empty = coef == 0  # training (its mean over no token is NaN)
+                        values = {k: torch.where(empty, 0.0, v) for k, v in values.items()}
+                    sums.add(coef, values)
         finally:
             model.train(was_training)
         if self._carry:

@@ -182,3 +182,15 @@ def test_a_loss_whose_gradient_is_nan_at_zero_tokens_is_still_skipped(tmp_path):
     by_hand(reference, batch[:3], masked_mean(True))
     for (name, p), q in zip(clamped.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_evaluate_leaves_out_a_micro_batch_of_weight_zero_too(tmp_path):
+    batch = padded_batch(tmp_path)
+    torch.manual_seed(0)
+    model = TinyLM(bias=False)
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.5))
+    metrics = af.with_accumulation(4)(mean_loss).evaluate(state, batch)
+    with torch.no_grad():
+        want = mean_loss(model, batch[:3])
+    torch.testing.assert_close(metrics["loss"], want["loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["accuracy"], want["accuracy"], rtol=1e-5, atol=1e-6)
