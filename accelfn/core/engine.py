@@ -241,6 +241,9 @@ class Step:
         state, prepared, spec = ctx.state, ctx.prepared, self.spec
         optimizers = state.optimizers
         metrics = sums.result(divide=absolute)
+        returned = sums.returned_weight()
+        if returned is not None:  # the update's token count (what tokens/s is counted from)
+            metrics["weight"] = returned
         if spec.accumulation is not None and spec.accumulation.metrics is not None:
             metrics.update(spec.accumulation.metrics(ctx))
         uctx = UpdateContext(state, prepared, metrics["loss"])

@@ -147,6 +147,8 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
                 raise ValueError("the step function returned 'weight' for some "
                                  "micro-batches but not others; return it always")
             weighted = weight is not None
+            if weight is not None:
+                sums.add_weight(weight)
             if weight is not None and (n > 1 or absolute):
                 coef = weight.detach().to(torch.float32)
                 absolute = True

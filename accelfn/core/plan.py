@@ -21,11 +21,24 @@ class Sums:
     and one sum per metric, not an addition per micro-batch).
     """
 
-    __slots__ = ("_coefs", "_terms")
+    __slots__ = ("_coefs", "_terms", "_weights")
 
     def __init__(self) -> None:
         self._terms: dict[str, list[Tensor]] = {}
         self._coefs: list[Tensor | float] = []
+        self._weights: list[Tensor] = []
+
+    def add_weight(self, weight: Tensor) -> None:
+        """Note the ``"weight"`` a micro-batch's step function returned (its token count)."""
+        self._weights.append(weight.detach())
+
+    def returned_weight(self) -> Tensor | None:
+        """The sum of the weights the step function returned (None when it returned none):
+        the update's token count, reported as its ``"weight"`` metric."""
+        weights = self._weights
+        if not weights:
+            return None
+        return weights[0] if len(weights) == 1 else torch.stack(weights).sum()
 
     def add(self, coef: Tensor | float | None, values: Mapping[str, Tensor],
             weighted: Mapping[str, Tensor] | None = None) -> None:

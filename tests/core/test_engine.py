@@ -7,7 +7,15 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import Net, as_dict, assert_params_equal, classify, clone_setup, make_batch
+from helpers import (
+    Net,
+    as_dict,
+    assert_params_equal,
+    classify,
+    clone_setup,
+    make_batch,
+    token_loss,
+)
 from reference import reference_update
 from tensordict import TensorDict
 from torch import nn
@@ -289,3 +297,16 @@ def test_misuse_errors_name_the_fix():
     with pytest.raises(ValueError, match=r"returned a Python float: return the loss tensor"):
         af.lift(lambda m, b: F.cross_entropy(m(b["x"]), b["y"]).item())(state, make_batch())
     af.lift(classify)(state, make_batch())  # the next step works
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_the_update_reports_the_weight_the_step_function_returned(n):
+    # the token count of the update: what the monitor counts tokens/s from
+    torch.manual_seed(0)
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    batch = make_batch(n=12)
+    step = af.lift(token_loss) if n == 1 else af.with_accumulation(n)(token_loss)
+    metrics = step(state, batch)
+    assert metrics["weight"].item() == batch["mask"].sum().item()
+    assert "weight" not in af.lift(classify)(state, batch).keys()
