@@ -423,7 +423,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     elapsed = 0.0
     first = state.step
     # the targets that are real bytes (padding left out), summed on the device as batches
-    # arrive and read once, after training: the monitor's own count would be positions
+    # arrive and read once, after training (the monitor counts the same from each update's
+    # "weight" metric, the real targets the loss returns)
     real_tokens = torch.zeros((), dtype=torch.int64, device=device)
     if state.step >= stop:  # a resumed run with nothing left to train
         if main_process:

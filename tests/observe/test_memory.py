@@ -157,8 +157,8 @@ def measured_peak(step, state, batch):
 STACKS = {
     "plain": lambda f: af.with_clipping(max_norm=1.0)(f),
     "checkpointed": lambda f: af.checkpointed(f),
-    "bf16": lambda f: af.with_amp(f),
-    "bf16_checkpointed": lambda f: af.with_amp(af.checkpointed(f)),
+    "bf16": lambda f: af.with_amp(dtype=torch.bfloat16)(f),
+    "bf16_checkpointed": lambda f: af.with_amp(dtype=torch.bfloat16)(af.checkpointed(f)),
 }
 
 
