@@ -27,10 +27,13 @@ class Block(nn.Module):
 
 
 class Net(nn.Module):
-    def __init__(self, dim: int = 8, depth: int = 3, classes: int = 4) -> None:
+    """An input layer, ``depth`` blocks (``block(dim)``, a [`Block`][] by default), a head."""
+
+    def __init__(self, dim: int = 8, depth: int = 3, classes: int = 4,
+                 block: type[nn.Module] = Block) -> None:
         super().__init__()
         self.inp = nn.Linear(6, dim)
-        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.blocks = nn.ModuleList(block(dim) for _ in range(depth))
         self.head = nn.Linear(dim, classes)
 
     def forward(self, x):
@@ -38,6 +41,27 @@ class Net(nn.Module):
         for block in self.blocks:
             h = block(h)
         return self.head(h)
+
+
+class MLPBlock(nn.Module):
+    """A transformer block's MLP: LayerNorm, Linear up, GELU, Linear down, residual (tensor
+    parallel: ``up`` column-wise, ``down`` row-wise)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class MLPNet(Net):
+    """``Net`` of two [`MLPBlock`][]s."""
+
+    def __init__(self, dim: int = 8, depth: int = 2, classes: int = 4) -> None:
+        super().__init__(dim, depth, classes, block=MLPBlock)
 
 
 def classify(model, batch):

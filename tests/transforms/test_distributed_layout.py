@@ -12,8 +12,8 @@ import copy
 
 import pytest
 import torch
-from helpers import Net, classify, make_batch
-from test_distributed_scale_out import MLPBlock, MLPNet, tp_plan
+from helpers import MLPBlock, MLPNet, Net, classify, make_batch
+from test_distributed_scale_out import tp_plan
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 

@@ -31,7 +31,7 @@ if TESTS not in sys.path:  # under torchrun: helpers and dist_worker sit in test
     sys.path.insert(0, TESTS)
 
 from dist_worker import RANK_ROWS, STEPS, global_batch  # noqa: E402
-from helpers import classify, save_rank_results, torchrun_results  # noqa: E402
+from helpers import MLPNet, Net, classify, save_rank_results, torchrun_results  # noqa: E402
 
 import accelfn as af  # noqa: E402
 from accelfn.transforms.distributed import muon as sharded_muon  # noqa: E402
@@ -58,45 +58,11 @@ class OddBlock(nn.Module):
         return h * torch.sigmoid(self.gate(h)).mean(-1, keepdim=True)
 
 
-class OddNet(nn.Module):
+class OddNet(Net):
+    """``Net`` of [`OddBlock`][]s, width 10."""
+
     def __init__(self, dim: int = 10, depth: int = 2, classes: int = 4) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, dim)
-        self.blocks = nn.ModuleList(OddBlock(dim) for _ in range(depth))
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
-
-
-class MLPBlock(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class MLPNet(nn.Module):
-    """Tensor-parallel blocks: ``up`` column-wise, ``down`` row-wise."""
-
-    def __init__(self, dim: int = 8, depth: int = 2, classes: int = 4) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, dim)
-        self.blocks = nn.ModuleList(MLPBlock(dim) for _ in range(depth))
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
+        super().__init__(dim, depth, classes, block=OddBlock)
 
 
 def tp_plan() -> dict:

@@ -15,7 +15,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -24,7 +23,7 @@ if TESTS not in sys.path:  # under torchrun: conftest, dist_worker and reference
     sys.path.insert(0, TESTS)
 
 from dist_worker import RANK_ROWS, STEPS, global_batch  # noqa: E402
-from helpers import Net, classify, save_rank_results, torchrun_results  # noqa: E402
+from helpers import MLPNet, Net, classify, save_rank_results, torchrun_results  # noqa: E402
 from reference import reference_update  # noqa: E402
 from trunk_models import Hidden, TrunkNet, via_method, via_submodule  # noqa: E402
 
@@ -34,33 +33,6 @@ WORLD = 4
 MAX_NORM = 0.05  # small enough that every update is clipped
 # the rows of each data shard of the global batch (12 rows): four shards, or two (tp=2)
 SHARDS = {4: [slice(0, 4), slice(4, 7), slice(7, 10), slice(10, 12)], 2: RANK_ROWS}
-
-
-class MLPBlock(nn.Module):
-    """A transformer block's MLP: LayerNorm, Linear up, GELU, Linear down, residual."""
-
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.up = nn.Linear(dim, 4 * dim)
-        self.down = nn.Linear(4 * dim, dim)
-
-    def forward(self, x):
-        return x + self.down(F.gelu(self.up(self.norm(x))))
-
-
-class MLPNet(nn.Module):
-    def __init__(self, dim: int = 8, depth: int = 2, classes: int = 4) -> None:
-        super().__init__()
-        self.inp = nn.Linear(6, dim)
-        self.blocks = nn.ModuleList(MLPBlock(dim) for _ in range(depth))
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
 
 
 class TrunkMLPNet(Hidden, MLPNet):
