@@ -391,8 +391,7 @@ class Step:
                         else float(batch_size(one, plan.dim)))
                     values = {"loss": loss, **metrics}
                     if isinstance(coef, Tensor):  # weight 0 (all padding): left out, as in
-                        empty = coef == 0  # training (its mean over no token is NaN)
-                        values = {k: torch.where(empty, 0.0, v) for k, v in values.items()}
+                        values = micro.without_empty(coef, values)  # training
                     sums.add(coef, values)
         finally:
             model.train(was_training)

@@ -25,7 +25,7 @@ from .outputs import unpack
 from .places import Spec
 from .plan import Plan, Sums
 
-__all__ = ["forward", "forward_and_backward"]
+__all__ = ["forward", "forward_and_backward", "without_empty"]
 
 # A ``with`` statement written on one line: its body has no line event of its own, where an
 # interrupt (a signal, a tracing injector) would arrive after the manager is entered but
@@ -66,6 +66,13 @@ def forward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext,
     rest = {k: v for k, v in out.items() if k != "carry"}
     carried[index] = detached(out["carry"])
     return rest
+
+
+def without_empty(weight: Tensor, values: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``values`` with 0 where ``weight`` is 0 (a micro-batch of padding only, whose loss and
+    metrics are often a mean over no token: NaN), so it contributes nothing; on the device."""
+    empty = weight == 0
+    return {k: torch.where(empty, 0.0, v) for k, v in values.items()}
 
 
 @functools.lru_cache(maxsize=64)
@@ -152,13 +159,11 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
             if weight is not None and (n > 1 or absolute):
                 coef = weight.detach().to(torch.float32)
                 absolute = True
-                # weight 0 (all padding): its loss and metrics, often a mean over no token
-                # (NaN), are left out, and its backward carries a zero gradient into the
-                # function (0 * NaN would be NaN); decided on the device
-                empty = coef == 0
-                loss = torch.where(empty, 0.0, loss)
-                if metrics:
-                    metrics = {k: torch.where(empty, 0.0, v) for k, v in metrics.items()}
+                # its backward carries a zero gradient into the function where the weight
+                # is 0 (0 * NaN would be NaN)
+                cleared = without_empty(coef, {"loss": loss, **(metrics or {})})
+                loss = cleared.pop("loss")
+                metrics = cleared or metrics
             else:
                 coef = fixed[i]
         if absolute and scale is not None and coef is not None:  # see accelfn.core.units
