@@ -25,6 +25,7 @@ from __future__ import annotations
 import atexit
 import gc
 import os
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -90,6 +91,7 @@ def init_distributed(backend: str | None = None) -> torch.device:
         _release_groups_at_exit()
         return device
     if env_world <= 1:
+        _check_not_a_ray_worker()
         return device
     if "MASTER_ADDR" not in os.environ or "RANK" not in os.environ:
         raise RuntimeError(
@@ -150,3 +152,27 @@ def scale_lr(base_lr: float, batch_size: int, base_batch_size: int = 256) -> flo
     if batch_size < 1 or base_batch_size < 1:
         raise ValueError("scale_lr needs positive batch sizes")
     return base_lr * batch_size * world_size() / base_batch_size
+
+
+def _ray_train_workers() -> int:
+    """The number of workers of the Ray Train run this process is a worker of (1 outside
+    one). Ray is asked only when ``ray.train`` is imported already, as it is in its workers."""
+    train = sys.modules.get("ray.train")
+    if train is None:
+        return 1
+    try:
+        return int(train.get_context().get_world_size())
+    except Exception:  # the driver, a plain Ray task or actor: not a Ray Train worker
+        return 1
+
+
+def _check_not_a_ray_worker() -> None:
+    """Refuse a Ray Train worker of several that has no process group: each would train
+    alone on its own share of nothing (DataParallelTrainer, or a group destroyed)."""
+    workers = _ray_train_workers()
+    if workers > 1:
+        raise RuntimeError(
+            f"this process is one of {workers} Ray Train workers but has no torch.distributed "
+            "process group, so each worker would train a model of its own: run the loop with "
+            "ray.train.torch.TorchTrainer (it sets the group up before the loop starts), not "
+            "DataParallelTrainer, and leave the group for Ray to destroy")
