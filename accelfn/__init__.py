@@ -18,12 +18,6 @@ from .checkpointing import (
     CheckpointLockedError,
     PreemptionGuard,
 )
-
-# core: the step protocol, the engine, TrainState, processes
-from .core.chain import chain
-from .core.engine import Step, apply_transform, describe, lift
-from .core.extension import GradientTransform, Transform
-from .core.guard import NonFiniteError
 from .core.modules import find_blocks
 from .core.processes import (
     init_distributed,
@@ -69,6 +63,12 @@ from .recipes.schedules import (
     warmup_plateau,
     warmup_stable_decay,
 )
+
+# core: the step protocol, the engine, TrainState, processes
+from .step.chain import chain
+from .step.engine import Step, apply_transform, describe, lift
+from .step.extension import GradientTransform, Transform
+from .step.guard import NonFiniteError
 
 # transforms
 from .transforms.accumulation import with_accumulation

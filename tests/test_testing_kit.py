@@ -10,7 +10,7 @@ from halving import halve, halved, loss_fn
 from torch import nn
 
 import accelfn as af
-from accelfn.core.places import Averaging
+from accelfn.step.spec import Averaging
 from accelfn.testing import check_transform, plain_update
 
 

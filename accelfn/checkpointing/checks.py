@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.engine import Step, describe
-from ..core.extension import GradientTransform
 from ..core.state import TrainState
+from ..step.engine import Step, describe
+from ..step.extension import GradientTransform
 from .format import LOADER_FORMAT, CheckpointError
 
 __all__ = [

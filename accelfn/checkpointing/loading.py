@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.engine import Step
 from ..core.state import TrainState
+from ..step.engine import Step
 from . import background, checks
 from .collective import agree, anyone, from_rank0, rank_world
 from .dcp import Part, check_metadata, load_sharded, parse_metadata, verify_shards

@@ -30,8 +30,8 @@ from typing import Any, Literal, overload
 
 import torch
 
-from ..core.engine import Step
 from ..core.state import TrainState
+from ..step.engine import Step
 from . import background, files
 from .background import AsyncSave
 from .checks import is_sharded

@@ -13,8 +13,8 @@ import re
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
-from ..core.engine import Step
 from ..core.state import TrainState
+from ..step.engine import Step
 from .checks import model_signature, optimizer_signature, stack_signature
 from .format import ONE, CheckpointError
 

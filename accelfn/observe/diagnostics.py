@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from ..core.extension import GradientTransform, Transform
+from ..step.extension import GradientTransform, Transform
 from .findings import Finding, format_findings
 from .gradients import gradient_findings, group_norms, layer_groups
 from .initialisation import check_init

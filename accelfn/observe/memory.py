@@ -32,8 +32,8 @@ from torch import Tensor, nn
 
 from ..core import compat_memory as compat
 from ..core.batch import Batch
-from ..core.engine import Step, lift
 from ..core.state import TrainState
+from ..step.engine import Step, lift
 
 __all__ = ["MemoryEstimate", "estimate_memory", "estimate_script", "format_estimate",
            "oom_advice"]

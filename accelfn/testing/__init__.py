@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from tensordict import TensorDict
 from torch import Tensor, nn
 
-from ..core.chain import GradientTransformError
-from ..core.engine import Step, apply_transform
-from ..core.extension import GradientTransform, Transform
 from ..core.state import TrainState
 from ..observe.sync_probe import SyncProbe
+from ..step.chain import GradientTransformError
+from ..step.engine import Step, apply_transform
+from ..step.extension import GradientTransform, Transform
 from ..transforms.accumulation import with_accumulation
 from ..transforms.amp import with_amp
 from ..transforms.clipping import with_clipping

@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from ..core.batch import Batch, batch_size, check_batch_dim, split_batch, split_checked
-from ..core.checks import FINEST_SPLIT
 from ..core.contexts import CallContext
-from ..core.extension import Transform
-from ..core.places import Accumulation
 from ..core.plan import Plan, Sums
+from ..step.checks import FINEST_SPLIT
+from ..step.extension import Transform
+from ..step.spec import Accumulation
 
 __all__ = ["with_accumulation"]
 

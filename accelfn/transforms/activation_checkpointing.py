@@ -20,11 +20,11 @@ from torch.utils.checkpoint import (
 )
 
 from ..core.contexts import CallContext, Prepared
-from ..core.engine import LossFn, Step
-from ..core.extension import Transform, configure
 from ..core.modules import find_blocks, running_stat_modules, wrap_forward
-from ..core.places import Checkpointing
 from ..core.state import TrainState
+from ..step.engine import LossFn, Step
+from ..step.extension import Transform, configure
+from ..step.spec import Checkpointing
 
 __all__ = ["checkpointed"]
 

@@ -16,11 +16,11 @@ from torch import Tensor, nn
 
 from ..core import compat
 from ..core.contexts import CallContext, Prepared, UpdateContext
-from ..core.engine import LossFn, Step
-from ..core.extension import Transform, configure
 from ..core.modules import wrap_forward
-from ..core.places import Precision
 from ..core.state import TrainState
+from ..step.engine import LossFn, Step
+from ..step.extension import Transform, configure
+from ..step.spec import Precision
 
 __all__ = ["with_amp"]
 

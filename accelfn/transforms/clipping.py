@@ -8,9 +8,9 @@ from typing import overload
 import torch
 
 from ..core.contexts import UpdateContext
-from ..core.engine import LossFn, Step
-from ..core.extension import Transform, configure
-from ..core.places import Clipping
+from ..step.engine import LossFn, Step
+from ..step.extension import Transform, configure
+from ..step.spec import Clipping
 
 __all__ = ["with_clipping"]
 

@@ -32,10 +32,10 @@ from torch import Tensor, nn
 
 from ..core import compat
 from ..core.contexts import CallContext, Prepared, UpdateContext
-from ..core.engine import LossFn, Step
-from ..core.extension import Transform, configure
-from ..core.places import Averaging
 from ..core.state import TrainState
+from ..step.engine import LossFn, Step
+from ..step.extension import Transform, configure
+from ..step.spec import Averaging
 
 __all__ = ["ema_state_dict", "ema_weights", "with_ema"]
 

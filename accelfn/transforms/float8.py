@@ -12,10 +12,10 @@ from torch import Tensor, nn
 
 from ..core import compat
 from ..core.contexts import CallContext, Prepared, UpdateContext
-from ..core.engine import LossFn, Step
-from ..core.extension import Transform, configure
-from ..core.places import Compilation, Float8
 from ..core.state import TrainState
+from ..step.engine import LossFn, Step
+from ..step.extension import Transform, configure
+from ..step.spec import Compilation, Float8
 
 __all__ = ["with_float8"]
 

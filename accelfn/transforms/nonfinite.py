@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import overload
 
-from ..core.engine import LossFn, Step
-from ..core.extension import Transform, configure
-from ..core.guard import POLICIES, SkipIf, nonfinite
+from ..step.engine import LossFn, Step
+from ..step.extension import Transform, configure
+from ..step.guard import POLICIES, SkipIf, nonfinite
 
 __all__ = ["with_nonfinite"]
 

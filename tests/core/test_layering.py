@@ -12,13 +12,15 @@ ROOT = Path(__file__).resolve().parents[2] / "accelfn"
 # package -> the other accelfn packages its modules may import
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
-    "transforms": {"core"},
+    "step": {"core"},
+    "transforms": {"core", "step"},
     "data": {"core"},
-    "observe": {"core"},
-    "checkpointing": {"core"},
+    "observe": {"core", "step"},
+    "checkpointing": {"core", "step"},
     "recipes": {"core", "data"},
-    "testing": {"core", "transforms", "observe"},
-    "cli": {"core", "transforms", "data", "observe", "checkpointing", "recipes", "__init__"},
+    "testing": {"core", "step", "transforms", "observe"},
+    "cli": {"core", "step", "transforms", "data", "observe", "checkpointing", "recipes",
+            "__init__"},
     "assets": set(),
 }
 PACKAGES = set(ALLOWED)

@@ -126,7 +126,7 @@ def test_unused_parameter_and_loss_scale_division() -> None:
 
 
 def test_transform_form_reads_gradients_inside_an_accelfn_step() -> None:
-    step_mod = pytest.importorskip("accelfn.core.engine")
+    step_mod = pytest.importorskip("accelfn.step.engine")
     from tensordict import TensorDict
 
     from accelfn.core.state import TrainState

@@ -17,9 +17,9 @@ from helpers import Net, as_dict, classify, make_batch, poisonable, roundtrip
 from torch.optim.lr_scheduler import ChainedScheduler
 
 import accelfn as af
-from accelfn.core.places import Compilation
 from accelfn.recipes.hyperparameters import Schedule, schedule
 from accelfn.recipes.schedules import warmup_stable_decay
+from accelfn.step.spec import Compilation
 
 TOTAL = 40
 WEIGHT_DECAY = 0.2

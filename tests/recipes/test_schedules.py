@@ -36,7 +36,6 @@ from torch.optim.lr_scheduler import (
 )
 
 import accelfn as af
-from accelfn.core.places import Compilation
 from accelfn.recipes.schedules import (
     WarmupPlateau,
     one_cycle,
@@ -45,6 +44,7 @@ from accelfn.recipes.schedules import (
     warmup_plateau,
     warmup_stable_decay,
 )
+from accelfn.step.spec import Compilation
 
 
 def cosine_at(t, base, warmup, total, min_lr, start):

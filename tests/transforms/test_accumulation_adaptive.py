@@ -151,7 +151,7 @@ def test_a_wrapping_that_cannot_skip_the_sync_is_refused_before_anything_changes
     import contextlib
     import dataclasses
 
-    from accelfn.core.places import Sharding
+    from accelfn.step.spec import Sharding
 
     grouped = af.Transform("distributed", Sharding(
         lambda prepared, state: dataclasses.replace(prepared, process_group="group"),

@@ -20,7 +20,7 @@ from torchao.float8.float8_linear import Float8Linear
 import accelfn as af
 from accelfn import with_float8
 from accelfn.core.contexts import CallContext
-from accelfn.core.places import Compilation
+from accelfn.step.spec import Compilation
 from accelfn.testing import check_transform, plain_update
 from accelfn.transforms.float8 import eligible
 

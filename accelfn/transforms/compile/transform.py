@@ -14,10 +14,10 @@ from torch import Tensor
 
 from ...core import compat
 from ...core.contexts import Prepared, UpdateContext
-from ...core.engine import LossFn, Step
-from ...core.extension import Transform, configure
-from ...core.places import Compilation
 from ...core.state import TrainState
+from ...step.engine import LossFn, Step
+from ...step.extension import Transform, configure
+from ...step.spec import Compilation
 from . import cache as cache_file
 from . import regional as regions
 

@@ -16,11 +16,11 @@ from torch import nn
 
 from ...core import compat
 from ...core.contexts import CallContext, Prepared, UpdateContext
-from ...core.engine import LossFn, Step
-from ...core.extension import Transform, configure
-from ...core.places import Sharding
 from ...core.processes import init_distributed, world_size
 from ...core.state import TrainState
+from ...step.engine import LossFn, Step
+from ...step.extension import Transform, configure
+from ...step.spec import Sharding
 from .ddp import all_reduce_grads, wrap_ddp
 from .errors import Translating, translate
 from .fsdp import check_optimizers, parameter_names, repoint_optimizers, root_call, shard_fsdp

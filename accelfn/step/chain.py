@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .contexts import UpdateContext
+from ..core.contexts import UpdateContext
 from .extension import Chained, GradientTransform, Transform
 
 __all__ = ["GradientTransformError", "Held", "Pending", "chain", "commit", "run"]

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import compat
-from .contexts import CallContext, UpdateContext
+from ..core import compat
+from ..core.contexts import CallContext, UpdateContext
+from ..core.state import TrainState
+from ..core.syncs import GUARD_READ, deferred_read, labelled_read
 from .extension import Transform
-from .places import Decision, NonFinite
-from .state import TrainState
-from .syncs import GUARD_READ, deferred_read, labelled_read
+from .spec import Decision, NonFinite
 
 __all__ = ["POLICIES", "Guard", "NonFiniteError", "nonfinite"]
 

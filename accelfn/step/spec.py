@@ -1,6 +1,6 @@
 """The built-ins' places in the update: one typed option per built-in, and a step's spec.
 
-The engine ([`accelfn.core.engine`][]) writes the update once, in order; each built-in
+The engine ([`accelfn.step.engine`][]) writes the update once, in order; each built-in
 transform fills its one place in it with the functions below, which the engine calls at a
 fixed line. A place holds one transform at most (the same built-in twice is refused), so
 the order the built-ins were stacked in cannot change what runs. Users extend the update
@@ -19,11 +19,11 @@ from typing import Any
 
 from torch import Tensor
 
-from .batch import Batch
-from .contexts import CallContext, Prepared, UpdateContext
+from ..core.batch import Batch
+from ..core.contexts import CallContext, Prepared, UpdateContext
+from ..core.plan import Plan, Sums
+from ..core.state import TrainState
 from .extension import Chained, GradientTransform, Transform
-from .plan import Plan, Sums
-from .state import TrainState
 
 __all__ = ["Accumulation", "Averaging", "Checkpointing", "Clipping", "Compilation",
            "Float8", "NonFinite", "Precision", "Sharding", "Spec", "spec_of"]

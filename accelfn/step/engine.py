@@ -1,7 +1,7 @@
 """The step: a pure user function lifted into exactly one optimizer update, written once.
 
 Whatever order the transforms were stacked in, one call runs this sequence, and nothing
-else; each built-in fills its one place in it (``accelfn.core.places``), the user's gradient
+else; each built-in fills its one place in it (``accelfn.step.spec``), the user's gradient
 transforms run in the order they were stacked:
 
     prepare once per TrainState: float8 -> fp32 islands -> activation checkpointing
@@ -28,18 +28,19 @@ import torch
 from tensordict import TensorDict
 from torch import Tensor
 
-from . import agreement, chain, checks, compat, micro
-from . import optimizers as optimizers_
-from .batch import Batch, batch_size, check_batch
-from .carry import SLOT as CARRY
-from .carry import Carries, takes_carry
-from .contexts import CallContext, Prepared, UpdateContext, entered, held
+from ..core import compat
+from ..core import optimizers as optimizers_
+from ..core.batch import Batch, batch_size, check_batch
+from ..core.carry import SLOT as CARRY
+from ..core.carry import Carries, takes_carry
+from ..core.contexts import CallContext, Prepared, UpdateContext, entered, held
+from ..core.outputs import unpack
+from ..core.plan import Plan, Sums
+from ..core.state import TrainState
+from . import agreement, chain, checks, micro
 from .extension import Chained, GradientTransform, Transform
 from .guard import NonFiniteError, nonfinite
-from .outputs import unpack
-from .places import Decision, Sharding, Spec, spec_of
-from .plan import Plan, Sums
-from .state import TrainState
+from .spec import Decision, Sharding, Spec, spec_of
 
 __all__ = ["LossFn", "NonFiniteError", "Step", "apply_transform", "describe", "lift"]
 
@@ -61,7 +62,7 @@ class Step:
         optimizer.zero_grad(set_to_none=True)
 
     for every optimizer of the state, with each transform of the stack adding its part at
-    its place (see [`accelfn.core.engine`][]), and returns a TensorDict of detached metrics
+    its place (see [`accelfn.step.engine`][]), and returns a TensorDict of detached metrics
     left on the device. A step is a value: it holds the function and the transforms only;
     everything a call changes lives in the [`TrainState`][].
     """
@@ -449,7 +450,7 @@ def describe(step: Step | Callable[..., Any]) -> str:
     ``with_nonfinite``, which act on what they leave, and outside the other built-ins, whose
     unscaling, reduction and weighting come before them:
     ``with_clipping(max_norm=1) ∘ chain(a, b) ∘ with_amp(bf16) ∘ my_step``."""
-    from .places import Clipping, NonFinite
+    from .spec import Clipping, NonFinite
 
     if not isinstance(step, Step):
         return getattr(step, "__name__", repr(step))

@@ -19,7 +19,8 @@ import torch
 from helpers import Net, classify, make_batch
 
 import accelfn as af
-from accelfn.core import chain, compat, engine, micro, optimizers
+from accelfn.core import compat, optimizers
+from accelfn.step import chain, engine, micro
 from accelfn.transforms import clipping
 
 FILES = {os.path.abspath(m.__file__) for m in (engine, micro, chain, optimizers, compat, clipping)}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..core.state import TrainState
 from .extension import Transform
-from .places import Averaging, Spec
-from .state import TrainState
+from .spec import Averaging, Spec
 
 __all__ = ["after_update_failed", "check_evaluate_options", "check_optimizer_holds_trainable",
            "check_state", "optimizer_failed", "optimizer_out_of_memory", "out_of_memory"]

@@ -1,4 +1,4 @@
-"""The user's order written once (accelfn/core/chain.py): ``af.chain(a, b)`` checked against
+"""The user's order written once (accelfn/step/chain.py): ``af.chain(a, b)`` checked against
 the same transforms applied by hand (``b(a(fn))``) and against the plain loop; one public
 type, ``af.Transform``, for built-ins, user transforms and chains; the user's place after the
 optimizer step (``after_step``), in written order and skipped with the update; and

@@ -15,15 +15,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import compat, units
-from . import optimizers as optimizers_
-from .batch import Batch, batch_size
-from .carry import SLOT as CARRY
-from .carry import Carries, detached
-from .contexts import CallContext, entered
-from .outputs import unpack
-from .places import Spec
-from .plan import Plan, Sums
+from ..core import compat, units
+from ..core import optimizers as optimizers_
+from ..core.batch import Batch, batch_size
+from ..core.carry import SLOT as CARRY
+from ..core.carry import Carries, detached
+from ..core.contexts import CallContext, entered
+from ..core.outputs import unpack
+from ..core.plan import Plan, Sums
+from .spec import Spec
 
 __all__ = ["forward", "forward_and_backward", "without_empty"]
 

@@ -1,4 +1,4 @@
-"""accelfn.core.places: each built-in fills one place of the update; a step's Spec."""
+"""accelfn.step.spec: each built-in fills one place of the update; a step's Spec."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from helpers import classify
 
 import accelfn as af
-from accelfn.core.places import Checkpointing, Clipping, Decision, Spec, spec_of
+from accelfn.step.spec import Checkpointing, Clipping, Decision, Spec, spec_of
 
 
 def _text() -> str:

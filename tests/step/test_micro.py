@@ -1,4 +1,4 @@
-"""accelfn.core.micro: the forward and backward of a call's micro-batches.
+"""accelfn.step.micro: the forward and backward of a call's micro-batches.
 
 A micro-batch whose returned weight is 0 (all padding: the empty row that pads the last
 batch of ``token_loader(drop_last=False)`` on a rank with fewer rows) contributes nothing:
@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from helpers import Net, classify, make_batch
 
 import accelfn as af
-from accelfn.core import micro
 from accelfn.core.contexts import CallContext
 from accelfn.core.plan import Plan
+from accelfn.step import micro
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "data"))
 from token_loader_worker import TinyLM, corpus_path, last_batch
@@ -85,7 +85,7 @@ def test_nothing_of_the_scopes_is_left_entered_after_a_failing_function():
         finally:
             entered.pop()
 
-    from accelfn.core.places import Checkpointing
+    from accelfn.step.spec import Checkpointing
 
     step = af.Transform("checkpointed", Checkpointing(lambda p, s: p, scope))(
         lambda model, batch: 1 / 0)

@@ -1,4 +1,4 @@
-"""The out-of-memory messages of accelfn.core.checks: they keep the allocator's own text
+"""The out-of-memory messages of accelfn.step.checks: they keep the allocator's own text
 ("Tried to allocate ...") and advise only what can still help."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_the_forward_oom_message_keeps_the_allocators_text():
 
 
 def test_the_optimizer_oom_message_keeps_the_allocators_text():
-    from accelfn.core import checks
+    from accelfn.step import checks
 
     text = str(checks.optimizer_out_of_memory("f", torch.OutOfMemoryError(ALLOCATOR), True))
     assert f"({ALLOCATOR})" in text and "{error}" not in text

@@ -87,7 +87,7 @@ def test_stack_equals_hand_written_amp_accumulation_clipping_loop():
 
 def spy(name, place, log):
     """A transform filling a preparing place, recording when it runs."""
-    from accelfn.core import places
+    from accelfn.step import spec as places
 
     def hook(prepared, state):
         log.append(name)

@@ -1,4 +1,4 @@
-"""Gradient transforms checked (accelfn/core/chain.py): after each of the user's transforms,
+"""Gradient transforms checked (accelfn/step/chain.py): after each of the user's transforms,
 before anything of the optimizers changes, every gradient has its parameter's shape, dtype
 and device, and no parameter was written; otherwise the call fails naming the transform and
 applies nothing (the gradients cleared, parameters, optimizer state, scheduler and the
@@ -13,7 +13,7 @@ import torch
 from helpers import Net, as_dict, assert_params_equal, classify, make_batch
 
 import accelfn as af
-from accelfn.core.chain import GradientTransformError
+from accelfn.step.chain import GradientTransformError
 
 BATCHES = [make_batch(seed=i) for i in range(4)]
 
@@ -203,7 +203,7 @@ def test_well_behaved_transforms_pass_the_checks_under_amp_accumulation_and_clip
 
 def test_the_checks_read_the_parameters_only_when_there_are_gradient_transforms(monkeypatch):
     """The hot path without user transforms is untouched: no version counter is read."""
-    from accelfn.core import chain
+    from accelfn.step import chain
 
     calls = []
     real = chain._check
@@ -264,7 +264,7 @@ def test_a_gradient_on_another_device_is_named_too():
     parameter's device as if it were elsewhere."""
     from types import SimpleNamespace
 
-    from accelfn.core import chain
+    from accelfn.step import chain
 
     torch.manual_seed(0)
     model = Net()

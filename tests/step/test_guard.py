@@ -1,4 +1,4 @@
-"""accelfn.core.guard: the non-finite decision's counting and the device check of gradients
+"""accelfn.step.guard: the non-finite decision's counting and the device check of gradients
 (the decision inside a step is tested against hand-written loops in
 tests/transforms/test_nonfinite.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accelfn.core.guard import Guard, NonFiniteError, grads_nonfinite
+from accelfn.step.guard import Guard, NonFiniteError, grads_nonfinite
 
 CLEAN, LOSS, GRADS, OVERFLOW = [False, False], [True, False], [False, True], [False, False, True]
 

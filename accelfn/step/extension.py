@@ -3,7 +3,7 @@ the user's [`GradientTransform`][], [`Chained`][] transforms, and ``configure`` 
 bare and configured forms).
 
 A [`Transform`][] is an immutable value: a name, the options it was built with, and its
-*part*: a built-in fills its one place of the update (see [`accelfn.core.places`][]); a
+*part*: a built-in fills its one place of the update (see [`accelfn.step.spec`][]); a
 [`GradientTransform`][] is the user's extension, run in stacking order between the reduction
 of the gradients and clipping. Transforms keep their state in the
 :class:`~accelfn.core.state.TrainState`, never on themselves, so a transform is a value that
@@ -48,7 +48,7 @@ class Transform:
     [`GradientTransform`][] for the rules, docs/writing-a-transform.md for a guide.
 
     A built-in is ``Transform(name, part, options, label)``, ``part`` its place in the update
-    (one of [`accelfn.core.places`][]'s types). Two transforms are equal when their name,
+    (one of [`accelfn.step.spec`][]'s types). Two transforms are equal when their name,
     options and label are equal (the part is made from the options).
     """
 

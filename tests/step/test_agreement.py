@@ -1,4 +1,4 @@
-"""accelfn.core.agreement: adaptive accumulation's agreement across processes (the two-process
+"""accelfn.step.agreement: adaptive accumulation's agreement across processes (the two-process
 runs are in tests/transforms/test_accumulation_adaptive.py; here what needs no process group)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 from helpers import classify
 
 import accelfn as af
-from accelfn.core import agreement
-from accelfn.core.places import Sharding
+from accelfn.step import agreement
+from accelfn.step.spec import Sharding
 
 
 def _sharding(refusal=None, declared=True):

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..core.contexts import CallContext
 from . import checks
-from .contexts import CallContext
-from .places import Spec
+from .spec import Spec
 
 if TYPE_CHECKING:
     from .engine import Step

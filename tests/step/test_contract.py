@@ -84,12 +84,12 @@ def test_stacks_sharing_a_state_share_equal_preparations_and_refuse_other_shardi
         log.append(1)
         return prepared
 
-    counted = af.Transform("counted", af.core.places.Checkpointing(count))
+    counted = af.Transform("counted", af.step.spec.Checkpointing(count))
     counted(classify)(state, make_batch())
     af.with_clipping(counted(classify))(state, make_batch())  # equal preparation: shared
     assert log == [1]
     af.lift(classify)(state, make_batch())  # prepares nothing: its own, raw preparation
-    fsdp = af.Transform("fake_fsdp", af.core.places.Sharding(
+    fsdp = af.Transform("fake_fsdp", af.step.spec.Sharding(
         count, lambda ctx, i, sync: contextlib.nullcontext(), lambda ctx: None))
     with pytest.raises(ValueError, match="shards the model differently"):
         fsdp(classify)(state, make_batch())
@@ -168,7 +168,7 @@ def test_user_gradient_transforms_run_in_stacking_order_among_builtins_in_any_or
 def test_a_place_takes_one_transform_and_a_name_one_transform():
     with pytest.raises(ValueError, match="with_accumulation is applied twice"):
         af.with_accumulation(4)(af.with_accumulation(2)(classify))
-    mine = af.Transform("my_split", af.core.places.Accumulation(
+    mine = af.Transform("my_split", af.step.spec.Accumulation(
         lambda ctx, batch: af.core.plan.Plan((batch,))))
     with pytest.raises(ValueError, match="with_accumulation and my_split both fill the "
                                          "'accumulation' place"):
