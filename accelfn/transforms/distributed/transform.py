@@ -21,6 +21,7 @@ from ...core.state import TrainState
 from ...step.engine import LossFn, Step
 from ...step.extension import Transform, configure
 from ...step.spec import Sharding
+from . import ft
 from .ddp import all_reduce_grads, wrap_ddp
 from .errors import Translating, translate
 from .fsdp import check_optimizers, parameter_names, repoint_optimizers, root_call, shard_fsdp
@@ -49,6 +50,7 @@ class _Options:
     plan: dict[str, Any] | None
     offload: str | None
     reshard_after_forward: bool | int | None
+    fault_tolerance: ft.FaultTolerance | None = None
 
 
 def _check_device(device: torch.device) -> None:
@@ -77,6 +79,8 @@ def _distributed(o: _Options) -> Transform:
     unsynced: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
     def shard(prepared: Prepared, state: TrainState) -> Prepared:
+        if o.fault_tolerance is not None:
+            return shard_fault_tolerant(prepared, state, o.fault_tolerance)
         init_distributed()
         model = prepared.model
         # every refusal first, so that a refused call changes nothing; a plan naming no
@@ -112,6 +116,28 @@ def _distributed(o: _Options) -> Transform:
         # the model) or of the FSDP2 root (the model itself, sharded in place)
         return dataclasses.replace(prepared, call=call, process_group=dist.group.WORLD)
 
+    def shard_fault_tolerant(prepared: Prepared, state: TrainState,
+                             options: ft.FaultTolerance) -> Prepared:
+        # a replica group of torchft: DDP over this torchrun job's processes (one process
+        # included), the gradients then summed with the live groups (ft.Runtime.reduce)
+        device = prepared.device
+        _check_device(device)
+        ft.check_lighthouse(options.address(), options.connect_timeout)  # before any change
+        init_distributed()
+        if not dist.is_initialized():
+            ft.one_process_group(device)
+            init_distributed()  # the exit-time collection of the group
+        model = prepared.model
+        if o.sync_batchnorm:
+            _sync_batchnorm(model, device)
+        with Translating(where=" while the first step wrapped the model"):
+            call = wrap_ddp(model, device, o.static_graph, o.compression, o.bucket_cap_mb,
+                            o.find_unused_parameters)
+            runtime = ft.Runtime(options, state, dist.group.WORLD, device)
+        ft.RUNTIMES[model] = runtime
+        return dataclasses.replace(prepared, call=call, process_group=dist.group.WORLD,
+                                   optimizer_step=runtime.gated(prepared.optimizer_step))
+
     def _micro_context(ctx: CallContext,
                        sync: bool) -> contextlib.AbstractContextManager[Any] | None:
         model = ctx.model
@@ -137,6 +163,8 @@ def _distributed(o: _Options) -> Transform:
                       sync: bool) -> contextlib.AbstractContextManager[Any]:
         if ctx.distributed is None:
             return contextlib.nullcontext()
+        if o.fault_tolerance is not None and ctx.training:  # the update's quorum (and heal)
+            ft.RUNTIMES[ctx.model].start()
         # torch.distributed's failures in the forward (DDP's unused parameters found at the
         # next forward, FSDP's all-gathers, a timeout) are explained (errors.translate)
         return Translating(_micro_context(ctx, sync), model=ctx.model,
@@ -158,11 +186,18 @@ def _distributed(o: _Options) -> Transform:
                     "unreduced. Use fsdp_sync='every' with with_accumulation(n, mode='calls')")
             with Translating(where=" in the all-reduce of a flushed window's gradients"):
                 all_reduce_grads(ctx.state.model, ctx.distributed)
+        runtime = None if o.fault_tolerance is None else ft.RUNTIMES[ctx.model]
         if ctx.divisor is None:
+            if runtime is not None:
+                runtime.reduce(ctx, None)
             return
         total = ctx.divisor.clone()
         with Translating(where=" in the all-reduce of the update's sample counts"):
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=ctx.distributed)
+        if runtime is not None:  # summed with the live replica groups' too
+            summed = runtime.reduce(ctx, total)
+            assert summed is not None
+            total = summed
         world = world_size()
         ctx.weight_total = total / o.tp if o.tp > 1 else total
         divisor = total / world
@@ -178,6 +213,9 @@ def _distributed(o: _Options) -> Transform:
         if ctx.distributed is None:
             return
         unsynced.pop(ctx.model, None)
+        if o.fault_tolerance is not None:
+            ft.RUNTIMES[ctx.model].abort()
+            return
         root = _fsdp(ctx.model)
         compat.fsdp_drop_unreduced_grads(root)
         root.set_requires_gradient_sync(True)
@@ -200,7 +238,8 @@ def _distributed(o: _Options) -> Transform:
         _ddp(ctx).require_forward_param_sync = True
 
     # DDP keeps nothing the engine's zero_grad does not clear
-    part = Sharding(shard, micro_context, reduce, abort=abort if fsdp else None,
+    part = Sharding(shard, micro_context, reduce,
+                    abort=abort if fsdp or o.fault_tolerance is not None else None,
                     explain=explain, unsynced_refusal=unsynced_refusal, agreed=agreed)
     return Transform("distributed", part, options=_option_values(o), label=_label(o))
 
@@ -226,7 +265,8 @@ def _label(o: _Options) -> str:
                                  ("compression", o.compression, None)):
         if value != default:
             parts.append(f"{name}={value}")
-    for name, flag in (("static_graph", o.static_graph), ("sync_batchnorm", o.sync_batchnorm)):
+    for name, flag in (("static_graph", o.static_graph), ("sync_batchnorm", o.sync_batchnorm),
+                       ("fault_tolerant", o.fault_tolerance is not None)):
         if flag:
             parts.append(name)
     return f"distributed({', '.join(parts)})"
@@ -303,6 +343,18 @@ def _check(o: _Options) -> None:
                          "processes each layer of the plan is sharded over")
     if o.bucket_cap_mb is not None and o.bucket_cap_mb <= 0:
         raise ValueError("distributed(bucket_cap_mb=...) must be > 0")
+    if o.fault_tolerance is not None:
+        if not isinstance(o.fault_tolerance, ft.FaultTolerance):
+            raise TypeError(f"distributed(fault_tolerance={o.fault_tolerance!r}) takes "
+                            "accelfn.FaultTolerance(lighthouse=..., ...) or True (its defaults)")
+        if o.strategy != "ddp":
+            raise ValueError(
+                f"distributed(strategy={o.strategy!r}, fault_tolerance=...): fault tolerance "
+                "makes replica groups of DDP (each torchrun job one group, its gradients summed "
+                "with the live groups'); FSDP2/HSDP within a group is not supported yet: use "
+                "strategy='ddp'")
+        ft.check_installed()
+        o.fault_tolerance.address()  # a lighthouse named (reached at the first step)
 
 
 @overload
@@ -314,7 +366,8 @@ def distributed(*, strategy: str = "ddp", static_graph: bool = False,
                 find_unused_parameters: bool = False, replicate: int | None = None,
                 tp: int = 1, tensor_parallel: Mapping[str, Any] | None = None,
                 offload: str | None = None,
-                reshard_after_forward: bool | int | None = None) -> Transform: ...
+                reshard_after_forward: bool | int | None = None,
+                fault_tolerance: ft.FaultTolerance | bool | None = None) -> Transform: ...
 def distributed(
     fn: LossFn | Step | None = None,
     /,
@@ -331,6 +384,7 @@ def distributed(
     tensor_parallel: Mapping[str, Any] | None = None,
     offload: str | None = None,
     reshard_after_forward: bool | int | None = None,
+    fault_tolerance: ft.FaultTolerance | bool | None = None,
 ) -> Step | Transform:
     """Equivalent to ``DistributedDataParallel(model, gradient_as_bucket_view=True)`` (or
     FSDP2 ``fully_shard`` on each repeated block and on the root) under torchrun, with
@@ -354,10 +408,19 @@ def distributed(
     the data by ``rank // k`` of ``world // k``). ``offload="cpu"`` is FSDP2's
     ``CPUOffloadPolicy``; ``reshard_after_forward`` is passed to ``fully_shard``. A
     ``ZeroRedundancyOptimizer`` (ZeRO-1) goes with ``strategy="ddp"``.
+
+    ``fault_tolerance=FaultTolerance(lighthouse=...)`` (or ``True``: its defaults) makes
+    each torchrun job one replica group of torchft (DDP over its processes, one process
+    included): at each update the group joins a quorum of the live groups at the lighthouse,
+    heals from a live peer when it is behind (the whole state sent), sums its gradients with
+    theirs and applies the update only if ``Manager.should_commit()`` agrees; a group that
+    dies leaves the others training (see ``accelfn.transforms.distributed.ft``).
     """
     o = _Options(strategy, static_graph, compression, sync_batchnorm, bucket_cap_mb,
                  fsdp_sync, find_unused_parameters, replicate, tp,
                  None if tensor_parallel is None else check_plan(tensor_parallel), offload,
-                 reshard_after_forward)
+                 reshard_after_forward,
+                 ft.FaultTolerance() if fault_tolerance is True
+                 else fault_tolerance or None)
     _check(o)
     return configure("distributed", fn, _distributed(o))
