@@ -124,16 +124,24 @@ def test_a_killed_worker_resumes_from_accelfns_checkpoint_exactly(crashed):
         assert torch.equal(copy["state"]["model"][name], value), name
 
 
+class Context:
+    """Ray Train's context in a worker of ``workers`` (here in the driver, which is none)."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+
+    def get_world_size(self) -> int:
+        return self.workers
+
+
 def test_a_ray_train_worker_without_a_process_group_is_refused(monkeypatch):
     # what DataParallelTrainer gives each of its workers: Ray's context says 2, torch has
     # no process group (and no torchrun variables): each worker would train alone
     import ray.train
+    import ray.train.torch
 
-    class Context:
-        def get_world_size(self) -> int:
-            return 2
-
-    monkeypatch.setattr(ray.train, "get_context", Context)
+    monkeypatch.setattr(ray.train, "get_context", lambda: Context(2))
+    monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cpu"))
     for variable in ("WORLD_SIZE", "RANK"):
         monkeypatch.delenv(variable, raising=False)
     with pytest.raises(RuntimeError, match=r"one of 2 Ray Train workers but has no "
@@ -141,3 +149,20 @@ def test_a_ray_train_worker_without_a_process_group_is_refused(monkeypatch):
         af.init_distributed()
     monkeypatch.undo()
     assert af.init_distributed() == torch.device("cpu")  # the driver: one process
+
+
+def test_a_ray_train_cpu_worker_trains_on_the_cpu_on_a_machine_with_gpus(monkeypatch):
+    # Ray leaves a worker given no GPU the machine's GPUs visible: torchrun's LOCAL_RANK bound
+    # it to cuda:LOCAL_RANK (rank 1 of 2 CPU workers failed on a machine with one GPU)
+    import ray.train
+    import ray.train.torch
+
+    from accelfn.transforms.distributed.transform import _check_device
+
+    monkeypatch.setattr(ray.train, "get_context", lambda: Context(1))
+    monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert af.init_distributed() == torch.device("cpu")
+    _check_device(torch.device("cpu"))  # distributed takes a model on Ray's device

@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import os
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -74,13 +76,20 @@ def init_distributed(backend: str | None = None) -> torch.device:
     CPUs, plus ``torch.cuda.set_device(LOCAL_RANK)``. Without torchrun's variables (a plain
     ``python`` run) it initialises nothing and returns the current device; a process group
     set up beforehand is used as it is, and without ``LOCAL_RANK`` the current CUDA device
-    is kept. With a process group, garbage is collected at interpreter exit, before the
+    is kept. In a Ray Train worker (``TorchTrainer`` sets its group up) the device is the one
+    Ray gave the worker: its GPU, or the CPU when it was given none (it sees the machine's
+    GPUs all the same). With a process group, garbage is collected at interpreter exit, before the
     interpreter finalizes, so that a group destroyed by ``destroy_process_group()`` is freed
     and its threads joined while they can still end normally.
     """
     cuda = torch.cuda.is_available()
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
-    if not cuda:
+    ray_device = ray_train_device()
+    if ray_device is not None:  # a Ray Train worker: the GPU Ray gave it, else the CPU
+        device = ray_device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    elif not cuda:
         device = torch.device("cpu")
     elif "LOCAL_RANK" in os.environ:  # torchrun's: bind this process to its GPU
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -154,16 +163,33 @@ def scale_lr(base_lr: float, batch_size: int, base_batch_size: int = 256) -> flo
     return base_lr * batch_size * world_size() / base_batch_size
 
 
-def _ray_train_workers() -> int:
-    """The number of workers of the Ray Train run this process is a worker of (1 outside
-    one). Ray is asked only when ``ray.train`` is imported already, as it is in its workers."""
+def _ray_train_context() -> Any:
+    """Ray Train's context when this process is one of its workers, else None. Ray is asked
+    only when ``ray.train`` is imported already, as it is in its workers."""
     train = sys.modules.get("ray.train")
     if train is None:
-        return 1
+        return None
     try:
-        return int(train.get_context().get_world_size())
+        return train.get_context()
     except Exception:  # the driver, a plain Ray task or actor: not a Ray Train worker
-        return 1
+        return None
+
+
+def _ray_train_workers() -> int:
+    """The number of workers of the Ray Train run this process is a worker of (1 outside
+    one)."""
+    context = _ray_train_context()
+    return 1 if context is None else int(context.get_world_size())
+
+
+def ray_train_device() -> torch.device | None:
+    """The device Ray Train gave this process when it is one of its workers (its GPU, or the
+    CPU when it was given none: Ray leaves such a worker the machine's GPUs visible); None
+    outside Ray Train."""
+    if _ray_train_context() is None:
+        return None
+    device: torch.device = importlib.import_module("ray.train.torch").get_device()
+    return device
 
 
 def _check_not_a_ray_worker() -> None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from ...core import compat
 from ...core.contexts import CallContext, Prepared, UpdateContext
-from ...core.processes import init_distributed, world_size
+from ...core.processes import init_distributed, ray_train_device, world_size
 from ...core.state import TrainState
 from ...step.engine import LossFn, Step
 from ...step.extension import Transform, configure
@@ -54,8 +54,10 @@ class _Options:
 
 
 def _check_device(device: torch.device) -> None:
-    expected = torch.device("cuda", torch.cuda.current_device()) \
-        if torch.cuda.is_available() else torch.device("cpu")
+    expected = ray_train_device()  # a Ray Train CPU worker sees the machine's GPUs too
+    if expected is None:
+        expected = torch.device("cuda", torch.cuda.current_device()) \
+            if torch.cuda.is_available() else torch.device("cpu")
     if device.type != expected.type or (device.type == "cuda" and device != expected):
         raise ValueError(
             f"the model is on {device} but this process trains on {expected}; move it "
