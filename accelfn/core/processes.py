@@ -28,12 +28,15 @@ import importlib
 import os
 import sys
 from collections.abc import Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict, TensorDictBase
 from torch import Tensor
+
+from . import hangs
 
 if dist.is_available() and not dist.is_initialized():  # see the module docstring
     import torch.distributed.fsdp.sharded_grad_scaler
@@ -69,7 +72,21 @@ def _release_groups_at_exit() -> None:
         _collect_at_exit_registered = True
 
 
-def init_distributed(backend: str | None = None) -> torch.device:
+def _timeout(timeout: float | timedelta | None) -> timedelta | None:
+    """``init_distributed``'s ``timeout`` as a timedelta, checked."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+            or not 0 < seconds < float("inf"):
+        raise ValueError(f"init_distributed(timeout={timeout!r}): give the seconds a collective "
+                         "may wait for every process (a number > 0, or a timedelta), e.g. "
+                         "timeout=300")
+    return timedelta(seconds=seconds)
+
+
+def init_distributed(backend: str | None = None, *, timeout: float | timedelta | None = None,
+                     hang_dir: str | os.PathLike[str] | None = None) -> torch.device:
     """Set up the process group from torchrun's environment and return this process' device.
 
     Equivalent to ``dist.init_process_group(backend)`` with ``nccl`` on GPUs and ``gloo`` on
@@ -81,7 +98,18 @@ def init_distributed(backend: str | None = None) -> torch.device:
     GPUs all the same). With a process group, garbage is collected at interpreter exit, before the
     interpreter finalizes, so that a group destroyed by ``destroy_process_group()`` is freed
     and its threads joined while they can still end normally.
+
+    ``timeout`` (seconds, or a timedelta) bounds how long a collective waits for every process
+    (torch's default: 30 minutes on gloo, 10 on NCCL); a group set up beforehand gets it by
+    ``dist.set_timeout``. When a process never arrives, the others fail after it and the
+    error names the collective and the ranks that did not come
+    (:func:`accelfn.core.hangs.name_hang`; torch's Flight Recorder is turned on for it). With
+    ``hang_dir``, each process's Flight Recorder is dumped there (``rank_<r>``) on such a
+    failure, for ``accelfn doctor --hang DIR``.
     """
+    wait = _timeout(timeout)
+    if hang_dir is not None and not isinstance(hang_dir, (str, os.PathLike)):
+        raise TypeError(f"init_distributed(hang_dir={hang_dir!r}): give a directory path")
     cuda = torch.cuda.is_available()
     env_world = int(os.environ.get("WORLD_SIZE", "1"))
     ray_device = ray_train_device()
@@ -98,6 +126,9 @@ def init_distributed(backend: str | None = None) -> torch.device:
         device = torch.device("cuda", torch.cuda.current_device())
     if dist.is_available() and dist.is_initialized():
         _release_groups_at_exit()
+        if wait is not None:
+            dist.set_timeout(wait)
+        hangs.record_collectives(hang_dir, size=False)  # the recorder started with the group
         return device
     if env_world <= 1:
         _check_not_a_ray_worker()
@@ -113,8 +144,9 @@ def init_distributed(backend: str | None = None) -> torch.device:
     device_id = device if backend == "nccl" else None
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     _release_groups_at_exit()
+    hangs.record_collectives(hang_dir)
     if restart is None:
-        dist.init_process_group(backend=backend, device_id=device_id)
+        dist.init_process_group(backend=backend, device_id=device_id, timeout=wait)
         return device
     # torchrun keeps one store for the whole job: without a per-restart prefix a restarted
     # worker can read the address its peer published before the restart and fail to connect.
@@ -122,7 +154,7 @@ def init_distributed(backend: str | None = None) -> torch.device:
 
     store, rank, world = next(rendezvous("env://"))
     prefixed = dist.PrefixStore(f"restart-{restart}/", store)  # type: ignore[attr-defined]
-    dist.init_process_group(backend=backend, store=prefixed,
+    dist.init_process_group(backend=backend, store=prefixed, timeout=wait,
                             rank=rank, world_size=world, device_id=device_id)
     return device
 
@@ -147,7 +179,11 @@ def reduce_metrics(metrics: Mapping[str, Tensor] | TensorDictBase, *,
     if world > 1:
         reduce_op = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM,
                      "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-        dist.all_reduce(values, op=reduce_op)
+        try:
+            dist.all_reduce(values, op=reduce_op)
+        except RuntimeError as error:
+            hangs.raise_named(error, "reduce_metrics")
+            raise
         if op == "mean":
             values = values / world
     return TensorDict({k: values[i] for i, k in enumerate(keys)}, batch_size=[])

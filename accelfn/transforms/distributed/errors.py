@@ -8,7 +8,10 @@ saying what happened and which accelfn option or habit fixes it; the ``distribut
 transform raises it ``from`` the original wherever it runs torch.distributed's code (wrapping
 the model, each micro-batch's forward, the weight all-reduce). torch has no structured error
 codes for these, so the recognition is by text, and anything not recognised passes through
-unchanged.
+unchanged. A timeout or a lost process also names the collective and the ranks that never
+arrived (:func:`accelfn.core.hangs.name_hang`: this process's Flight Recorder entry, and the
+word the processes leave each other in the store), and dumps the Flight Recorder for
+``accelfn doctor --hang`` when ``init_distributed(hang_dir=...)`` asked for it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from types import TracebackType
 from typing import Any
 
 from torch import nn
+
+from ...core import hangs
 
 __all__ = ["DistributedError", "Translating", "translate"]
 
@@ -43,9 +48,8 @@ _SHAPES = ("appears not to match sizes of the same param in process",
            "DDP expects same model across all ranks",
            "Detected mismatch between collectives on ranks",
            "op.preamble.length <= op.nbytes")
-_TIMEOUTS = ("Timed out waiting", "timed out after", "Watchdog caught collective operation "
-             "timeout", "Socket Timeout", "wait timeout after")
-_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+_TIMEOUTS = hangs.TIMEOUT_TEXTS
+_LOST = hangs.LOST_TEXTS
 _MIXED = "got mixed torch.Tensor and DTensor"
 _MILLISECONDS = re.compile(r"(?:waiting |Timeout\(ms\)=|after )(\d+) ?ms")
 
@@ -100,7 +104,8 @@ def _timeout(text: str, where: str) -> str:
         "process gets as many batches: accelfn.data.from_dataloader or loader() under "
         "torchrun), or evaluation, metric reduction or a checkpoint on one process only "
         "(every process calls them); or one is slower than the timeout (a first compile, "
-        "loading): pass a longer timeout= to torch.distributed.init_process_group"
+        "loading): pass a longer timeout= to torch.distributed.init_process_group (or "
+        "accelfn.init_distributed)" + _named()
     )
 
 
@@ -119,8 +124,15 @@ def _mixed(text: str, where: str) -> str:
 def _lost(where: str) -> str:
     return (
         f"another process left the run{where} (its connection closed): look for its error in "
-        "its own output; this process only lost it"
+        "its own output; this process only lost it" + _named()
     )
+
+
+def _named() -> str:
+    """What this process knows of the hung collective (under a process group), as a
+    sentence to append."""
+    hang = hangs.name_hang()
+    return f". Where: {hang.describe()}" if hang is not None else ""
 
 
 def translate(error: BaseException, *, model: nn.Module | None = None,

@@ -1,0 +1,68 @@
+"""The private torch.distributed APIs that name a hung collective, behind one name each.
+
+As :mod:`accelfn.core.compat` for the rest: torch's Flight Recorder (the ring buffer of the
+latest collectives each process group ran, which ProcessGroupGloo and ProcessGroupNCCL fill
+when ``TORCH_FR_BUFFER_SIZE`` is above 0) is dumped by ``torch._C._distributed_c10d
+._dump_fr_trace`` (the pickle that NCCL's watchdog writes to ``TORCH_FR_DUMP_TEMP_FILE<rank>``
+on a timeout, and that torch's analyser ``torchfrtrace`` reads back with
+``torch.distributed.flight_recorder.components.loader.read_dump``); the default group's store
+(where processes can still leave each other a word once a collective failed) is
+``distributed_c10d._get_default_store``. ``tests/observe/test_hangs.py`` runs each of them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+from torch._C._distributed_c10d import Store
+
+__all__ = ["default_store", "flight_recorder_dump", "flight_recorder_entries",
+           "flight_recorder_trace", "read_dump"]
+
+
+def flight_recorder_dump() -> bytes:
+    """This process's Flight Recorder as torch's own writer stores it: a pickled dict with
+    ``version``, ``pg_config``, ``pg_status`` and ``entries`` (one per recorded collective:
+    ``collective_seq_id``, ``profiling_name`` such as ``"gloo:all_reduce"``, ``state``,
+    ``process_group``, sizes, ``timeout_ms``, ``frames``); empty entries when recording is
+    off."""
+    from torch._C import _distributed_c10d
+
+    return bytes(_distributed_c10d._dump_fr_trace())  # type: ignore[attr-defined]
+
+
+def flight_recorder_trace() -> dict[str, Any]:
+    """[`flight_recorder_dump`][] read back (a dump of this very process: trusted)."""
+    trace = pickle.loads(flight_recorder_dump())
+    return trace if isinstance(trace, dict) else {}
+
+
+def read_dump(prefix: str, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """One rank's dump file as torch's analyser reads it
+    (``flight_recorder.components.loader.read_dump``): ``rank`` (from the file name after
+    ``prefix``), ``entries``, ``version`` and ``pg_config``."""
+    from torch.distributed.flight_recorder.components.loader import read_dump as torch_read
+
+    return dict(torch_read(prefix, os.fspath(path)))
+
+
+def default_store() -> Store:
+    """The store of the default process group (torchrun's, under a prefix)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def flight_recorder_entries() -> list[dict[str, Any]]:
+    """This process's Flight Recorder entries without stack frames (torch's JSON dump,
+    cheaper than the pickle): each has ``pg_id``, ``process_group``, ``collective_seq_id``,
+    ``profiling_name``, ``time_created_ns`` (the wall clock when the collective was called)."""
+    import json
+
+    from torch._C import _distributed_c10d
+
+    text = _distributed_c10d._dump_fr_trace_json(True, False)  # type: ignore[attr-defined]
+    entries = json.loads(text).get("entries", [])
+    return entries if isinstance(entries, list) else []
