@@ -3,7 +3,9 @@
 ``accelfn`` alone prints the help; ``accelfn --version`` the installed version.
 ``accelfn doctor [--json] [--num-workers N] [--memory SCRIPT]`` checks the machine (and
 estimates a script's peak memory per update; see
-:mod:`accelfn.observe.environment`); ``accelfn bench`` runs the staged case study (see
+:mod:`accelfn.observe.environment`); ``accelfn doctor --hang DIR`` names the collective a
+run hung in and the ranks that never entered it, from the Flight Recorder dumps in ``DIR``
+(see :mod:`accelfn.observe.hangs`); ``accelfn bench`` runs the staged case study (see
 :mod:`accelfn.cli.bench`); ``accelfn launch <torchrun arguments>`` is torchrun whose exit
 status is 75 when the workers saved on preemption (see :mod:`accelfn.cli.launch`).
 
@@ -38,8 +40,28 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def _run_hang(args: argparse.Namespace) -> int:
+    """``accelfn doctor --hang DIR``: 1 when a rank is named, 0 when none is missing."""
+    import json
+
+    from ..observe.findings import format_findings, worst_severity
+    from ..observe.hangs import analyse
+
+    try:
+        findings = analyse(args.hang)
+    except (OSError, ValueError) as error:
+        print(f"accelfn doctor: error: --hang {args.hang}: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps([f.to_dict() for f in findings], indent=2) if args.json
+          else format_findings(findings))
+    return 1 if worst_severity(findings) == "error" else 0
+
+
 def _run_doctor(args: argparse.Namespace) -> int:
     from ..observe.environment import doctor
+
+    if args.hang is not None:
+        return _run_hang(args)
 
     report = doctor(num_workers=args.num_workers)
     print(report.to_json() if args.json else str(report))
@@ -72,6 +94,10 @@ def add_doctor(subparsers: Any) -> None:
     p.add_argument("--memory", default=None, metavar="SCRIPT",
                    help="also estimate one update's peak memory by kind for a training script "
                         "defining memory_case() -> (step, state, batch), without training")
+    p.add_argument("--hang", default=None, metavar="DIR",
+                   help="instead, name the collective a run hung in and the ranks that never "
+                        "entered it, from the Flight Recorder dumps in DIR (the hang_dir "
+                        "given to accelfn.init_distributed)")
     p.set_defaults(func=_run_doctor)
 
 
