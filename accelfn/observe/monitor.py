@@ -11,24 +11,24 @@ Per step it keeps, without ever making the host wait for the device:
 
 * the iteration time: CUDA events at each step boundary on a GPU (read once completed),
   ``time.perf_counter`` on the CPU;
-* the time the loop waited for data (every ``next()`` under [`Monitor.iterate`][], the
-  time spent outside [`Monitor.measure`][], or a loader's own ``last_wait_s``);
-* samples and tokens, from which samples/s, tokens/s and MFU follow (FLOPs of one step are
+* the time the loop waited for data (every ``next()`` under [`Monitor.iterate`][], the time
+  spent outside [`Monitor.measure`][], or a loader's own ``last_wait_s``);
+* samples and tokens, from which samples/s, tokens/s and MFU follow (FLOPs of one step
   counted once with ``torch.utils.flop_counter.FlopCounterMode``);
 * memory (``torch.cuda.memory_allocated``; the process's resident memory on the CPU);
 * the step's metrics: scalar tensors copied to pinned host memory (``non_blocking=True``)
   after the step, read when their boundary event completed;
-* GPU utilisation, memory and power sampled by pynvml in a background thread.
+* GPU utilisation, memory and power sampled by pynvml in a background thread;
+* under a process group, stragglers (`accelfn.observe.stragglers`).
 
 Every ``log_every`` steps the completed records go to a progress bar and the sinks (JSONL,
 CSV, TensorBoard, any [`Sink`][]; W&B and MLflow in `accelfn.observe.trackers`), with the
 values of [`Monitor.log`][]; rows are numbered as the [`TrainState`][]'s ``step`` counts.
-Memory stays bounded however long the run (`accelfn.observe.aggregates`).
-[`Monitor.report`][] ends with a verdict against the performance checklist
-(`accelfn.observe.verdict`): data loading under 20% of an iteration, GPU busy over 85%, no
-unnecessary host syncs (one step is probed with [`SyncProbe`][]), a CPU not oversubscribed,
-and the fix for each. With ``memory_snapshot``, an out-of-memory error leaving the loop
-dumps what filled the memory ([`MemorySnapshot`][]).
+Memory stays bounded however long the run (`accelfn.observe.aggregates`). The report
+ends with a verdict against the checklist (`accelfn.observe.verdict`): data loading under
+20% of an iteration, GPU busy over 85%, no unnecessary host syncs (one step probed with
+[`SyncProbe`][]), a CPU not oversubscribed, and each fix. With ``memory_snapshot``, an
+out-of-memory error leaving the loop dumps what filled the memory ([`MemorySnapshot`][]).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from .records import PendingLog, PendingStep, StepRecord
 from .report import MonitorReport, Thresholds
 from .reporting import build_report
 from .sinks import Sink
+from .stragglers import Stragglers
 from .sync_probe import SyncPoint, SyncProbe
 
 # peak_flops and training_flops: re-exported where accelfn, cli.bench, benchmarks and examples
@@ -86,15 +87,14 @@ class Monitor:
         progress: show a console progress bar (rank 0 only); ``desc`` labels it. In a
             terminal it is redrawn in place; elsewhere (a log file, a pipe) it writes a plain
             line each 10% of ``total`` and its last line once, at [`close`][].
-        state: the run's [`TrainState`][]. A row's ``step`` is then the update it measured
-            as ``state.step`` counts it (the update that made ``state.step`` 20 is row 20,
-            so a validation loss logged at ``state.step`` shares its row; the calls of one
+        state: the run's [`TrainState`][]. A row's ``step`` is then the update it measured as
+            ``state.step`` counts it (the update that made ``state.step`` 20 is row 20, so a
+            validation loss logged at ``state.step`` shares its row; the calls of one
             accumulation window in ``mode="calls"`` share their update's), and on a resumed
-            run the files, trackers and progress bar continue from the checkpoint's step
-            instead of starting again. Without it the n-th step is row n, as ``state.step``
-            would count it. Start the monitor after loading the checkpoint.
-        jsonl: a file of one JSON row per step (rank 0 only); rows an earlier run wrote
-            at the starting step or later are dropped, the rest kept.
+            run the files, trackers and progress bar continue from the checkpoint's step.
+            Without it the n-th step is row n. Start the monitor after loading the checkpoint.
+        jsonl: a file of one JSON row per step (rank 0 only); rows an earlier run wrote at
+            the starting step or later are dropped, the rest kept.
         csv: the same rows in a CSV file, kept the same way.
         tensorboard: a log dir for ``SummaryWriter`` (needs the ``tensorboard`` extra).
         sinks: more destinations for the rows: any [`Sink`][],
@@ -116,6 +116,8 @@ class Monitor:
         sync_allow: substrings of sync locations you accept (see [`SyncProbe`][]).
         model: optional; checked for BatchNorm under distributed training (SyncBatchNorm).
         diagnostics: a [`Diagnostics`][] stepped with each step's metrics and batch.
+        stragglers: flag a process 20% slower than the median (default: on under a process
+            group of several; one ``all_gather`` each ``log_every`` updates on every process).
         profiler: a [`Profiler`][] started with the monitor and stepped with each step.
         thresholds: the checklist's limits.
         file: stream for the progress bar (default ``sys.stderr``).
@@ -143,7 +145,7 @@ class Monitor:
                  peak_dtype: torch.dtype | str = torch.bfloat16,
                  device: torch.device | str | None = None, gpu_index: int | None = None,
                  gpu_interval: float = 0.5, sync_check_step: int | None = 3,
-                 sync_allow: Iterable[str] = (),
+                 sync_allow: Iterable[str] = (), stragglers: bool | None = None,
                  model: nn.Module | None = None, diagnostics: Diagnostics | None = None,
                  profiler: Profiler | None = None, thresholds: Thresholds | None = None,
                  file: IO[str] | None = None, keep_rows: int = 1000, initial: int | None = None,
@@ -164,33 +166,29 @@ class Monitor:
         self.device = torch.device(device if device is not None else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         self._cuda = self.device.type == "cuda"
-        self.sync_check_step = sync_check_step
-        self.sync_allow = tuple(sync_allow)
+        self.sync_check_step, self.sync_allow = sync_check_step, tuple(sync_allow)
         self.model, self.diagnostics, self.profiler = model, diagnostics, profiler
         self.thresholds = thresholds or Thresholds()
         self._out = Outputs(main=is_main_process(), sinks=sinks, progress=progress, desc=desc,
                             paths={"jsonl": jsonl, "csv": csv, "tensorboard": tensorboard},
                             file=file, total=total, initial=initial or 0, plot=plot)
-        self.state = state
-        self._snapshot = snapshot_option(memory_snapshot, self.device, state)
+        self.state, self._snapshot = state, snapshot_option(memory_snapshot, self.device, state)
         #: where [`close`][] wrote the plot (``None``: not asked for, or not written)
         self.plot_file: Path | None = None
         self._gpu = GPUSampler(gpu_index, interval=gpu_interval) \
             if (self._cuda or gpu_index is not None) else None
         self._gpu_note: str | None = None if self._gpu else "no GPU in use"
         self._book = RunBook(warmup, records.ROW_KEYS, keep_rows)
+        self._stragglers = Stragglers(stragglers, warmup=warmup)
         self._pending: deque[PendingStep | PendingLog] = deque()
         self._last_step: int | None = None  # the step of the latest training row
-        self._started = False
-        self._closed = False
+        self._started = self._closed = False
         self._report: MonitorReport | None = None
-        self._n = 0
-        self._next_step = 1  # the step number of the next row (as state.step counts)
+        self._n, self._next_step = 0, 1  # steps seen; the next row's step (as state.step's)
         self._t0 = self._t_last = time.perf_counter()
         self._ev_last: torch.cuda.Event | None = None
-        self._wait_acc = 0.0
+        self._wait_acc, self._in_iterate = 0.0, 0
         self._awaiting_step = self._measuring = False
-        self._in_iterate = 0
         self._last_batch: Any = None
         self._probe: SyncProbe | None = None
         self._probe_step: int | None = None
@@ -250,8 +248,7 @@ class Monitor:
         """Flush everything (one device sync), stop threads, close outputs; return the report.
 
         Everything is stopped and closed even when flushing or a sink fails; the first such
-        error is raised at the end.
-        """
+        error is raised at the end."""
         return self._close(failed_loop=False)
 
     def _close(self, *, failed_loop: bool) -> MonitorReport:
@@ -434,18 +431,19 @@ class Monitor:
         self._out.advance()
         if self._n % self.log_every == 0:
             self.flush()
+            self._stragglers.check()  # on every process at the same update
 
     def log(self, values: Mapping[str, Any], step: int | None = None) -> None:
         """Write ``values`` (a validation loss, any scalars) to every sink at ``step``, one
         row ``{"step": step, **values}`` among the training rows. Never waits for the device.
 
-        ``values``: names to Python numbers or one-element tensors on any device (nested
-        mappings give ``"outer.inner"``), copied off without a sync and written once the
-        device has passed this call. ``step``: default, that of the latest training row
-        (before any, the first step). The report's ``logged`` holds each name's last value
-        and the plot draws them; see `accelfn.observe.sinks` for what each sink writes.
-        Called between steps (after ``step()``, as after an evaluation), it restarts the
-        step clock: the evaluation's time is not the next step's iteration or data wait.
+        ``values``: names to Python numbers or one-element tensors on any device (nested mappings
+        give ``"outer.inner"``), copied off without a sync and written once the device has
+        passed this call. ``step``: default, that of the latest training row (before any, the
+        first step). The report's ``logged`` holds each name's last value and the plot draws
+        them; see `accelfn.observe.sinks` for what each sink writes. Called between steps
+        (after ``step()``, as after an evaluation), it restarts the step clock: the
+        evaluation's time is not the next step's iteration or data wait.
         """
         records.check_logged(values, step)
         self._refuse_closed("log")
@@ -488,12 +486,15 @@ class Monitor:
                 self._book.add(last)
         if new:
             self._out.write(new, last)
+            self._stragglers.add(new)
 
     def _build_report(self) -> MonitorReport:
-        return build_report(
+        report = build_report(
             book=self._book, warmup=self.warmup, device=self.device,
             gpu=self._gpu, gpu_note=self._gpu_note, peak_given=self._peak_given,
             peak_dtype=self.peak_dtype, flops_per_step=self.flops_per_step, model=self.model,
             diagnostics=self.diagnostics, syncs=self._probe_result, probe_mode=self._probe_mode,
             sync_check=self.sync_check_step is not None, thresholds=self.thresholds,
             snapshot=self._snapshot)
+        report.findings += self._stragglers.findings()
+        return report
