@@ -1,5 +1,6 @@
 """Run under torchrun (one process) by tests/transforms/test_distributed_ft.py: one replica
-group of a fault-tolerant run, ``python -m torch.distributed.run ... ft_worker.py OUT GROUP``.
+group of a fault-tolerant run, ``python -m torch.distributed.run ... ft_worker.py OUT GROUP
+[STRATEGY]`` (``ddp`` by default; with ``fsdp`` and several processes, each saves its shards).
 
 Group 1's first process SIGKILLs itself in the forward of the update after KILL_AT updates
 taken with both groups (the update in flight); torchrun (``--max-restarts=1``) starts it
@@ -40,6 +41,7 @@ def rejoined(report: dict) -> bool:
 
 def main() -> None:
     out, group = sys.argv[1], int(sys.argv[2])
+    strategy = sys.argv[3] if len(sys.argv) > 3 else "ddp"
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(group + 10 * attempt)  # different initial weights: the heal must copy
     model = Net(dim=8, depth=1)
@@ -56,7 +58,7 @@ def main() -> None:
     options = FaultTolerance(replica_id=f"group{group}", replicas=2, timeout=5.0,
                              quorum_timeout=30.0, connect_timeout=5.0,
                              report=os.path.join(out, f"report{group}.json"))
-    step = af.distributed(fault_tolerance=options)(fn)
+    step = af.distributed(strategy=strategy, fault_tolerance=options)(fn)
     start = time.monotonic()
     while True:
         metrics = step(state, make_batch(n=8, seed=100 * group + state.step))
@@ -68,10 +70,15 @@ def main() -> None:
             time.sleep(0.05)  # alone: leave the cores to the restarting group
         if time.monotonic() - start > DEADLINE:
             raise SystemExit(f"group {group}: no rejoin within {DEADLINE} s: {report}")
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "step": state.step,
-                "attempt": attempt, "report": report},
-               os.path.join(out, f"group{group}.pt"))
+    rank = int(os.environ.get("RANK", "0"))  # FSDP2 within a group: this process' shards
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    optimized = optimizer.state_dict()
+    optimized["state"] = {k: {n: local(v) for n, v in s.items()}
+                          for k, s in optimized["state"].items()}
+    torch.save({"model": {k: local(v) for k, v in model.state_dict().items()},
+                "optimizer": optimized, "scheduler": scheduler.state_dict(),
+                "step": state.step, "attempt": attempt, "report": report},
+               os.path.join(out, f"group{group}" + (f"-rank{rank}" if rank else "") + ".pt"))
 
 
 if __name__ == "__main__":

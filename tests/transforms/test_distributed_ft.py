@@ -48,9 +48,13 @@ def test_bad_options_are_refused(options, match):
         FaultTolerance(**options)
 
 
-def test_a_sharding_strategy_is_refused():
-    with pytest.raises(ValueError, match="strategy='ddp'"):
-        af.distributed(strategy="fsdp", fault_tolerance=FaultTolerance(lighthouse="h:1"))
+@pytest.mark.parametrize("options", [dict(strategy="hsdp"),
+                                     dict(strategy="fsdp", offload="cpu")])
+def test_a_layout_it_cannot_combine_with_is_refused(options):
+    with pytest.raises(ValueError, match=r"replicate dimension.*strategy='fsdp'"):
+        af.distributed(**options, fault_tolerance=FaultTolerance(lighthouse="h:1"))
+    assert "fault_tolerant" in repr(af.distributed(
+        strategy="fsdp", fault_tolerance=FaultTolerance(lighthouse="h:1"))(classify))
 
 
 def test_options_of_another_type_are_refused():

@@ -1,12 +1,14 @@
 """Fault tolerance across replica groups with torchft: ``distributed(fault_tolerance=...)``.
 
 Equivalent to torchft's own loop (``Manager`` + ``OptimizerWrapper``) around accelfn's
-update: each *replica group* (one torchrun job, DDP over its processes) asks torchft's
-lighthouse for a quorum of live groups at the start of every update, heals from a live peer
-when it is behind (the whole ``TrainState`` sent by torchft's checkpoint transport), sums its
-gradients and sample counts with the other live groups after its own reduction, and applies
-the update only when ``manager.should_commit()`` says every process of the group succeeded.
-A group that dies leaves the others training with fewer replicas; it is restarted (torchrun's
+update: each *replica group* (one torchrun job, DDP or FSDP2 over its processes: HSDP whose
+replicate dimension is torchft's) asks torchft's lighthouse for a quorum of live groups at
+the start of every update, heals from a live peer when it is behind (the whole ``TrainState``
+sent by torchft's checkpoint transport), sums its gradients and sample counts with the other
+live groups after its own reduction (each process' gradients, its shards under FSDP2, with
+the same rank's of the other groups), and applies the update only when
+``manager.should_commit()`` says every process of the group succeeded. A group that dies
+leaves the others training with fewer replicas; it is restarted (torchrun's
 ``--max-restarts``, or by hand) and heals at its first update.
 
 What it does not promise: the run equals an uninterrupted one only where every group took

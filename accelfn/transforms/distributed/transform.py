@@ -120,21 +120,32 @@ def _distributed(o: _Options) -> Transform:
 
     def shard_fault_tolerant(prepared: Prepared, state: TrainState,
                              options: ft.FaultTolerance) -> Prepared:
-        # a replica group of torchft: DDP over this torchrun job's processes (one process
-        # included), the gradients then summed with the live groups (ft.Runtime.reduce)
+        # a replica group of torchft: DDP or FSDP2 over this torchrun job's processes (one
+        # process included), the gradients (each process' shards) then summed with the same
+        # rank of the live groups (ft.Runtime.reduce): HSDP whose replicate dimension is
+        # torchft's
         device = prepared.device
         _check_device(device)
+        model = prepared.model
+        check_optimizers(state.optimizers, o.strategy, o.tp, parameter_names(model))
         ft.check_lighthouse(options.address(), options.connect_timeout)  # before any change
         init_distributed()
         if not dist.is_initialized():
             ft.one_process_group(device)
             init_distributed()  # the exit-time collection of the group
-        model = prepared.model
         if o.sync_batchnorm:
             _sync_batchnorm(model, device)
         with Translating(where=" while the first step wrapped the model"):
-            call = wrap_ddp(model, device, o.static_graph, o.compression, o.bucket_cap_mb,
-                            o.find_unused_parameters)
+            if not fsdp:
+                call: Any = wrap_ddp(model, device, o.static_graph, o.compression,
+                                     o.bucket_cap_mb, o.find_unused_parameters)
+            else:
+                before = parameter_names(model)
+                shard_fsdp(model, None, prepared.compute_dtype, o.offload,
+                           o.reshard_after_forward)
+                repoint_optimizers(state, model, before)
+                shard_muon(state.optimizers)
+                call = root_call(model)
             runtime = ft.Runtime(options, state, dist.group.WORLD, device)
         ft.RUNTIMES[model] = runtime
         return dataclasses.replace(prepared, call=call, process_group=dist.group.WORLD,
@@ -217,7 +228,8 @@ def _distributed(o: _Options) -> Transform:
         unsynced.pop(ctx.model, None)
         if o.fault_tolerance is not None:
             ft.RUNTIMES[ctx.model].abort()
-            return
+            if not fsdp:
+                return
         root = _fsdp(ctx.model)
         compat.fsdp_drop_unreduced_grads(root)
         root.set_requires_gradient_sync(True)
@@ -349,12 +361,14 @@ def _check(o: _Options) -> None:
         if not isinstance(o.fault_tolerance, ft.FaultTolerance):
             raise TypeError(f"distributed(fault_tolerance={o.fault_tolerance!r}) takes "
                             "accelfn.FaultTolerance(lighthouse=..., ...) or True (its defaults)")
-        if o.strategy != "ddp":
+        if o.strategy == "hsdp" or o.tp > 1 or o.offload is not None:
+            which = "strategy='hsdp'" if o.strategy == "hsdp" else (
+                f"tp={o.tp}" if o.tp > 1 else f"offload={o.offload!r}")
             raise ValueError(
-                f"distributed(strategy={o.strategy!r}, fault_tolerance=...): fault tolerance "
-                "makes replica groups of DDP (each torchrun job one group, its gradients summed "
-                "with the live groups'); FSDP2/HSDP within a group is not supported yet: use "
-                "strategy='ddp'")
+                f"distributed({which}, fault_tolerance=...): the replica groups of fault "
+                "tolerance are HSDP's replicate dimension (each torchrun job one group): use "
+                "strategy='fsdp' (FSDP2 within each group, HSDP across them) or 'ddp'; tensor "
+                "parallelism and CPU offload are not supported with it")
         ft.check_installed()
         o.fault_tolerance.address()  # a lighthouse named (reached at the first step)
 
@@ -412,11 +426,12 @@ def distributed(
     ``ZeroRedundancyOptimizer`` (ZeRO-1) goes with ``strategy="ddp"``.
 
     ``fault_tolerance=FaultTolerance(lighthouse=...)`` (or ``True``: its defaults) makes
-    each torchrun job one replica group of torchft (DDP over its processes, one process
-    included): at each update the group joins a quorum of the live groups at the lighthouse,
-    heals from a live peer when it is behind (the whole state sent), sums its gradients with
-    theirs and applies the update only if ``Manager.should_commit()`` agrees; a group that
-    dies leaves the others training (see ``accelfn.transforms.distributed.ft``).
+    each torchrun job one replica group of torchft (DDP, or FSDP2 with ``strategy="fsdp"``,
+    over its processes, one process included: HSDP whose replicate dimension is torchft's):
+    at each update the group joins a quorum of the live groups at the lighthouse, heals from
+    a live peer when it is behind (the whole state sent), sums its gradients with theirs and
+    applies the update only if ``Manager.should_commit()`` agrees; a group that dies leaves
+    the others training (see ``accelfn.transforms.distributed.ft``).
     """
     o = _Options(strategy, static_graph, compression, sync_batchnorm, bucket_cap_mb,
                  fsdp_sync, find_unused_parameters, replicate, tp,
