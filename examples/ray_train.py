@@ -19,8 +19,9 @@ How the two split the work: accelfn's run folder (a path every worker can read: 
 path with one machine, a shared file system across machines) holds the exact checkpoints a
 restarted group resumes from (weights, optimizer, schedule, loader position, each rank's RNG
 states), so the run ends with the parameters of an uninterrupted one. Ray's copies are its
-bookkeeping: ``Result.checkpoint`` and ``Result.metrics`` of ``trainer.fit()``, and an
-``accelfn.checkpointing.load(result.checkpoint.path, state)`` away from the trained weights.
+bookkeeping: ``Result.checkpoint`` and ``Result.metrics`` of ``trainer.fit()``; in one
+process ``accelfn.checkpointing.load(result.checkpoint.path, state, allow_resharding=True)``
+loads the trained weights.
 
 ``--crash-at N`` shows a restart: rank 1 kills itself (SIGKILL) at update N the first time;
 Ray restarts the group, which resumes from the run's newest checkpoint.
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batch-size", type=run_options.positive_int, default=32,
                         help="per worker")
     parser.add_argument("--lr", type=run_options.positive_float, default=3e-3)
-    parser.add_argument("--save-every", type=run_options.positive_int, default=10,
+    parser.add_argument("--save-every", type=run_options.positive_int, default=20,
                         help="checkpoint (and report to Ray) every this many updates")
     parser.add_argument("--crash-at", type=run_options.positive_int, default=None,
                         help="the last worker kills itself at this update, the first time "
@@ -177,8 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "allow_resharding": args.allow_resharding}
     started = not ray.is_initialized()
     if started:  # a local Ray instance; ray.init(address=...) beforehand joins a cluster
-        ray.init(num_cpus=args.workers, num_gpus=args.workers if args.gpu else 0,
-                 include_dashboard=False)
+        ray.init(num_cpus=args.workers, include_dashboard=False)  # the GPUs found
     try:
         trainer = TorchTrainer(
             train_loop, train_loop_config=config,
