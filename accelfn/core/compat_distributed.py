@@ -2,12 +2,14 @@
 
 As :mod:`accelfn.core.compat` for the rest: torch's Flight Recorder (the ring buffer of the
 latest collectives each process group ran, which ProcessGroupGloo and ProcessGroupNCCL fill
-when ``TORCH_FR_BUFFER_SIZE`` is above 0) is dumped by ``torch._C._distributed_c10d
-._dump_fr_trace`` (the pickle that NCCL's watchdog writes to ``TORCH_FR_DUMP_TEMP_FILE<rank>``
-on a timeout, and that torch's analyser ``torchfrtrace`` reads back with
+when ``TORCH_FR_BUFFER_SIZE`` is above 0; gloo's in the CPU recorder, NCCL's in its own) is
+dumped by ``torch._C._distributed_c10d._dump_fr_trace`` (``_dump_nccl_trace`` under NCCL:
+the pickle that NCCL's watchdog writes to ``TORCH_FR_DUMP_TEMP_FILE<rank>`` on a timeout,
+and that torch's analyser ``torchfrtrace`` reads back with
 ``torch.distributed.flight_recorder.components.loader.read_dump``); the default group's store
 (where processes can still leave each other a word once a collective failed) is
-``distributed_c10d._get_default_store``. ``tests/observe/test_hangs.py`` runs each of them.
+``distributed_c10d._get_default_store``. ``tests/observe/test_hangs.py`` and
+``test_stragglers.py`` run each of them under gloo.
 """
 
 from __future__ import annotations
@@ -22,15 +24,24 @@ __all__ = ["default_store", "flight_recorder_dump", "flight_recorder_entries",
            "flight_recorder_trace", "read_dump"]
 
 
+def _nccl() -> bool:
+    """True under an NCCL default group: its collectives are in NCCL's recorder."""
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_backend() == "nccl"
+
+
 def flight_recorder_dump() -> bytes:
     """This process's Flight Recorder as torch's own writer stores it: a pickled dict with
     ``version``, ``pg_config``, ``pg_status`` and ``entries`` (one per recorded collective:
     ``collective_seq_id``, ``profiling_name`` such as ``"gloo:all_reduce"``, ``state``,
     ``process_group``, sizes, ``timeout_ms``, ``frames``); empty entries when recording is
     off."""
-    from torch._C import _distributed_c10d
+    from torch._C import _distributed_c10d as c10d
 
-    return bytes(_distributed_c10d._dump_fr_trace())  # type: ignore[attr-defined]
+    if _nccl():
+        return bytes(c10d._dump_nccl_trace())  # type: ignore[attr-defined]
+    return bytes(c10d._dump_fr_trace())  # type: ignore[attr-defined]
 
 
 def flight_recorder_trace() -> dict[str, Any]:
@@ -61,8 +72,11 @@ def flight_recorder_entries() -> list[dict[str, Any]]:
     ``profiling_name``, ``time_created_ns`` (the wall clock when the collective was called)."""
     import json
 
-    from torch._C import _distributed_c10d
+    from torch._C import _distributed_c10d as c10d
 
-    text = _distributed_c10d._dump_fr_trace_json(True, False)  # type: ignore[attr-defined]
+    if _nccl():
+        text = c10d._dump_nccl_trace_json(True, False)  # type: ignore[attr-defined]
+    else:
+        text = c10d._dump_fr_trace_json(True, False)  # type: ignore[attr-defined]
     entries = json.loads(text).get("entries", [])
     return entries if isinstance(entries, list) else []
