@@ -41,6 +41,7 @@ from .observe.memory_snapshots import MemorySnapshot, memory_snapshot
 from .observe.monitor import Monitor
 from .observe.profiling import Profiler, profiled
 from .observe.sync_probe import SyncProbe
+from .parts.nonfinite import NonFiniteError
 
 # recipes
 from .recipes.early_stopping import EarlyStopping
@@ -68,7 +69,6 @@ from .recipes.schedules import (
 from .step.chain import chain
 from .step.engine import Step, apply_transform, describe, lift
 from .step.extension import GradientTransform, Transform
-from .step.guard import NonFiniteError
 
 # transforms
 from .transforms.accumulation import with_accumulation

@@ -31,7 +31,7 @@ def test_a_batch_smaller_than_the_micro_batch_count_is_as_the_docs_say():
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     reference = copy.deepcopy(state)
     batch = make_batch(n=2)
-    import accelfn.transforms.accumulation as accumulation
+    import accelfn.parts.accumulation as accumulation
 
     accumulation._warned_small = False  # once per process: this test's own
     with warnings.catch_warnings(record=True) as caught:

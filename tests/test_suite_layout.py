@@ -10,7 +10,11 @@ TESTS = Path(__file__).resolve().parent
 PACKAGE = TESTS.parent / "accelfn"
 # the modules named by the engine's sequence: each has a test module of its own name
 MIRRORED = {"core": ("compat", "optimizers", "plan", "state"),
-            "step": ("agreement", "chain", "checks", "engine", "guard", "micro", "spec")}
+            "step": ("agreement", "chain", "checks", "engine", "micro", "spec")}
+# a built-in's mechanism (accelfn/parts/<module>.py) is tested through its public transform
+PARTS = {"accumulation": "transforms/test_accumulation.py",
+         "clipping": "transforms/test_clipping.py", "nonfinite": "transforms/test_nonfinite.py",
+         "precision": "transforms/test_amp.py"}
 
 
 def test_the_steps_modules_have_test_modules_of_their_names():
@@ -20,6 +24,13 @@ def test_the_steps_modules_have_test_modules_of_their_names():
         missing = [name for name in names
                    if not (TESTS / package / f"test_{name}.py").exists()]
         assert not missing, f"add tests/{package}/test_<module>.py for {missing}"
+
+
+def test_every_part_has_the_test_module_of_its_transform():
+    found = {p.stem for p in (PACKAGE / "parts").glob("*.py") if p.stem != "__init__"}
+    assert found == set(PARTS), f"name the test module of each of {sorted(found)} in PARTS"
+    missing = [test for test in PARTS.values() if not (TESTS / test).exists()]
+    assert not missing, f"missing {missing}"
 
 
 def test_no_test_takes_helpers_from_conftest():

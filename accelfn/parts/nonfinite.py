@@ -1,8 +1,8 @@
-"""The non-finite guard: the decision that skips updates with NaN/Inf loss or gradients.
+"""The non-finite guard: the decision that skips updates with NaN/Inf loss or gradients
+(``with_nonfinite``'s options, the decision ``decide``, and the counters in the TrainState).
 
-Every step has one: the engine's default is :func:`nonfinite` with ``policy="skip",
-max_consecutive=10``, and ``accelfn.with_nonfinite`` fills the place with other options. It
-lives in the core because the engine needs a default.
+Every step has one: the engine's default is ``NonFinite()`` (``policy="skip",
+max_consecutive=10``), and ``accelfn.with_nonfinite`` fills the place with other options.
 
 The decision is taken on the gradients the optimizer will apply: it reuses clipping's norm,
 or fp16's overflow flag when no gradient transform wrote the gradients after unscaling, and
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,13 +25,78 @@ from ..core import compat
 from ..core.contexts import CallContext, UpdateContext
 from ..core.state import TrainState
 from ..core.syncs import GUARD_READ, deferred_read, labelled_read
-from .extension import Transform
-from .spec import Decision, NonFinite
 
-__all__ = ["POLICIES", "Guard", "NonFiniteError", "nonfinite"]
+__all__ = ["POLICIES", "Decision", "Guard", "NonFinite", "NonFiniteError", "Pending", "abort",
+           "decide"]
 
 POLICIES = ("skip", "raise", "off")
 SLOT = "nonfinite"
+SkipIf = Callable[[Tensor, list[Tensor]], Tensor]
+
+
+@dataclass(frozen=True, slots=True, repr=False)
+class NonFinite:
+    """``with_nonfinite``'s options: the ``policy`` (skip, raise, off), the updates in a row
+    skipped before raising (``max_consecutive``), the user's ``skip_if(loss, grads)`` verdict,
+    and ``advance`` (a skipped update still steps the schedulers and averages the EMA)."""
+
+    policy: str = "skip"
+    max_consecutive: int = 10
+    skip_if: SkipIf | None = None
+    advance: bool = False
+
+    def __post_init__(self) -> None:
+        policy, limit, skip_if = self.policy, self.max_consecutive, self.skip_if
+        if policy not in POLICIES:
+            raise ValueError(f"with_nonfinite(policy={policy!r}) is unknown; use one of "
+                             f"{POLICIES}")
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"with_nonfinite(max_consecutive={limit!r}) must be an int >= 1")
+        if skip_if is not None and not callable(skip_if):
+            raise TypeError(f"with_nonfinite(skip_if={skip_if!r}) takes a function "
+                            "skip_if(loss, grads) -> device bool tensor")
+
+    def __repr__(self) -> str:
+        extra = (", skip_if" if self.skip_if is not None else "") + (
+            ", skipped=advance" if self.advance else "")
+        if self.policy == "skip":
+            return f"with_nonfinite(skip, max_consecutive={self.max_consecutive}{extra})"
+        return f"with_nonfinite({self.policy}{extra})"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The non-finite decision of an update.
+
+    ``skip`` is the decision taken on the host; or None to leave it to the device: then
+    ``flags`` is a device bool tensor and the optimizer skips on ``flags.any()`` through its
+    ``found_inf`` input (fused optimizers only), the guard settling its counters later
+    (``TrainState.sync``). ``checked=False`` says nothing was checked: the update is applied
+    and no ``skipped`` metric is reported.
+    """
+
+    skip: bool | None = False
+    flags: Tensor | None = None
+    checked: bool = True
+
+    def __post_init__(self) -> None:
+        if self.skip is None and self.flags is None:
+            raise ValueError("Decision(skip=None) leaves the decision to the device and needs "
+                             "the device flags: Decision(None, flags=...)")
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """A decision left to the device, read one update later: its flags (copied to host
+    memory as they are computed), the CUDA event marking the copy, the update it decided,
+    and the options it was taken with."""
+
+    host: Tensor
+    event: torch.cuda.Event | None
+    update: int
+    options: NonFinite
+
+
 _PROCEED, _SKIP = Decision(False), Decision(True)  # decisions are values: these suffice
 _UNCHECKED = Decision(checked=False)
 
@@ -55,7 +120,7 @@ class Guard:
     def __init__(self) -> None:
         self.skipped = 0
         self.consecutive = 0
-        self._pending: tuple[Any, ...] | None = None
+        self._pending: Pending | None = None
 
     def decide(self, flags: list[bool], update: int, policy: str, limit: int) -> bool:
         if not any(flags):  # the common case: nothing to count
@@ -63,8 +128,8 @@ class Guard:
             return False
         return self._account(*_unpack_flags(flags), update, policy, limit)
 
-    def defer(self, flags: Tensor, update: int, policy: str, limit: int,
-              advance: bool = False) -> None:
+    def defer(self, flags: Tensor, update: int, options: NonFinite) -> None:
+        """Keep the device's decision of ``update`` to read at the next update."""
         event = None
         if flags.is_cuda:
             host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
@@ -73,26 +138,28 @@ class Guard:
             event.record()
         else:
             host = flags
-        self._pending = (host, event, update, policy, limit, advance)
+        self._pending = Pending(host, event, update, options)
 
     def forget(self, update: int) -> None:
         """Drop a decision deferred by ``update`` when that update failed (it applied
         nothing: the decision must not count it nor step the scheduler for it)."""
-        if self._pending is not None and self._pending[2] == update:
+        if self._pending is not None and self._pending.update == update:
             self._pending = None
 
     def settle(self, state: TrainState) -> None:
         """Apply a deferred decision: count it, step the scheduler if the update was real."""
-        if self._pending is None:
+        pending = self._pending
+        if pending is None:
             return
-        host, event, update, policy, limit, advance = self._pending
         self._pending = None
+        update, options = pending.update, pending.options
         with deferred_read():  # copied to pinned memory one update ago: no device wait
-            if event is not None:
-                event.synchronize()
-            values = host.tolist()
-        skipped = self._account(*_unpack_flags(values), update, policy, limit, done=True)
-        if not skipped and not advance:  # advance: the engine stepped it with the update
+            if pending.event is not None:
+                pending.event.synchronize()
+            values = pending.host.tolist()
+        skipped = self._account(*_unpack_flags(values), update, options.policy,
+                                options.max_consecutive, done=True)
+        if not skipped and not options.advance:  # advance: the engine stepped it with the update
             try:
                 state.step_scheduler()
             except BaseException as error:
@@ -215,68 +282,55 @@ def _host_flags(evidence: Evidence) -> list[bool]:
             for v, (_, is_flag) in zip(values, evidence)]
 
 
-SkipIf = Callable[[Tensor, list[Tensor]], Tensor]
-
-
-def nonfinite(policy: str = "skip", max_consecutive: int = 10,
-              skip_if: SkipIf | None = None, advance: bool = False) -> Transform:
-    """The guard as a transform (see the module docstring); options checked by the caller."""
-    checks_on_host = policy != "off" and skip_if is None
-
-    def decide(ctx: UpdateContext, overflow: Tensor | None, norm: Tensor | None,
-               current: bool) -> Decision:
-        guard = ctx.state.slot(SLOT, Guard)
-        if guard._pending is not None:
-            guard.settle(ctx.state)  # the previous update's deferred decision
-        if policy == "off" and overflow is None and skip_if is None:
-            return _UNCHECKED
-        on_device = ctx.prepared.skips_on_device and policy != "raise"
-        if (checks_on_host and overflow is None and norm is not None
-                and ctx.distributed is None and not on_device):
-            # the common case in one read: a sum is finite when both are (a non-finite sum,
-            # or an overflow of the sum alone, is looked at value by value below)
-            with labelled_read(GUARD_READ):
-                finite = math.isfinite((ctx.loss + norm).item())
-            if finite:
-                guard.consecutive = 0
-                return _PROCEED
-        if overflow is None and policy == "off":  # only skip_if decides
-            overflow = torch.zeros((), dtype=torch.bool, device=ctx.device)
-        evidence = _evidence(ctx, overflow, norm, current, check=policy != "off")
-        if skip_if is not None:  # the user's verdict, a device bool, at a place of its own
-            if len(evidence) < 3:
-                evidence.append((torch.zeros((), dtype=torch.bool, device=ctx.device), True))
-            evidence.append((_verdict(skip_if, ctx), True))
-        if ctx.distributed is None and not on_device:  # judged on the host, value by value
-            flags = _host_flags(evidence)
-            skip = guard.decide(flags, ctx.state.step, policy, max_consecutive)
-            return _SKIP if skip else _PROCEED
-        device_flags = _device_flags(evidence, ctx.device)
-        if ctx.distributed is not None:  # every process takes the same decision
-            reduced = device_flags.to(torch.int32)
-            dist.all_reduce(reduced, dist.ReduceOp.MAX, group=ctx.distributed)
-            device_flags = reduced.bool()
-        if on_device:
-            guard.defer(device_flags, ctx.state.step, policy, max_consecutive, advance)
-            return Decision(None, flags=device_flags)
+def decide(options: NonFinite, ctx: UpdateContext, overflow: Tensor | None,
+           norm: Tensor | None, current: bool) -> Decision:
+    """The update's decision: fp16's ``overflow`` flag (``current``: no gradient transform
+    wrote the gradients after it) and clipping's ``norm`` when it describes the gradients as
+    the optimizers will see them (None otherwise: the gradients are checked here)."""
+    policy, limit, skip_if = options.policy, options.max_consecutive, options.skip_if
+    guard = ctx.state.slot(SLOT, Guard)
+    if guard._pending is not None:
+        guard.settle(ctx.state)  # the previous update's deferred decision
+    if policy == "off" and overflow is None and skip_if is None:
+        return _UNCHECKED
+    on_device = ctx.prepared.skips_on_device and policy != "raise"
+    if (policy != "off" and skip_if is None and overflow is None and norm is not None
+            and ctx.distributed is None and not on_device):
+        # the common case in one read: a sum is finite when both are (a non-finite sum,
+        # or an overflow of the sum alone, is looked at value by value below)
         with labelled_read(GUARD_READ):
-            flags = device_flags.tolist()
-        return _SKIP if guard.decide(flags, ctx.state.step, policy, max_consecutive) else _PROCEED
+            finite = math.isfinite((ctx.loss + norm).item())
+        if finite:
+            guard.consecutive = 0
+            return _PROCEED
+    if overflow is None and policy == "off":  # only skip_if decides
+        overflow = torch.zeros((), dtype=torch.bool, device=ctx.device)
+    evidence = _evidence(ctx, overflow, norm, current, check=policy != "off")
+    if skip_if is not None:  # the user's verdict, a device bool, at a place of its own
+        if len(evidence) < 3:
+            evidence.append((torch.zeros((), dtype=torch.bool, device=ctx.device), True))
+        evidence.append((_verdict(skip_if, ctx), True))
+    if ctx.distributed is None and not on_device:  # judged on the host, value by value
+        flags = _host_flags(evidence)
+        return _SKIP if guard.decide(flags, ctx.state.step, policy, limit) else _PROCEED
+    device_flags = _device_flags(evidence, ctx.device)
+    if ctx.distributed is not None:  # every process takes the same decision
+        reduced = device_flags.to(torch.int32)
+        dist.all_reduce(reduced, dist.ReduceOp.MAX, group=ctx.distributed)
+        device_flags = reduced.bool()
+    if on_device:
+        guard.defer(device_flags, ctx.state.step, options)
+        return Decision(None, flags=device_flags)
+    with labelled_read(GUARD_READ):
+        flags = device_flags.tolist()
+    return _SKIP if guard.decide(flags, ctx.state.step, policy, limit) else _PROCEED
 
-    extra = (", skip_if" if skip_if is not None else "") + (", skipped=advance" if advance else "")
-    if policy == "skip":
-        label = f"with_nonfinite({policy}, max_consecutive={max_consecutive}{extra})"
-    else:
-        label = f"with_nonfinite({policy}{extra})"
-    def abort(ctx: CallContext) -> None:
-        guard = ctx.state.get_slot(SLOT)
-        if isinstance(guard, Guard):  # a decision deferred by this call: no update to settle
-            guard.forget(ctx.state.step)
 
-    return Transform(
-        "with_nonfinite", NonFinite(decide, abort, advance_skipped=advance),
-        options=(("policy", policy), ("max_consecutive", max_consecutive),
-                 ("skip_if", skip_if), ("advance", advance)), label=label)
+def abort(ctx: CallContext) -> None:
+    """After a failed call: forget a decision it deferred (no update to settle)."""
+    guard = ctx.state.get_slot(SLOT)
+    if isinstance(guard, Guard):
+        guard.forget(ctx.state.step)
 
 
 def _verdict(skip_if: SkipIf, ctx: UpdateContext) -> Tensor:

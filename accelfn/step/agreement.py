@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core.contexts import CallContext
+from ..parts import accumulation
 from . import checks
 from .spec import Spec
 
@@ -38,8 +39,8 @@ def needed(step: Step, ctx: CallContext) -> bool:
     """Whether the processes agree on each call's outcome: adaptive accumulation in several
     processes (refused, before anything changes, where the sharding cannot skip the sync)."""
     spec = step.spec
-    part, sharding = spec.accumulation, spec.sharding
-    if ctx.distributed is None or part is None or part.count is None:
+    options, sharding = spec.accumulation, spec.sharding
+    if ctx.distributed is None or options is None or not options.adaptive:
         return False
     refusal = "a sharding that cannot run its backward unsynced" \
         if sharding is None or sharding.unsynced_refusal is None \
@@ -59,12 +60,13 @@ def agree(step: Step, ctx: CallContext, error: Exception | None) -> bool:
     call again with the largest count any proposes; raises when one cannot split finer
     or failed otherwise (every process raises: none is left waiting in a collective)."""
     spec = step.spec
-    part = spec.accumulation
-    assert part is not None and part.retry is not None and part.count is not None
+    options = spec.accumulation
+    assert options is not None and options.adaptive
     oom = isinstance(error, torch.OutOfMemoryError)
-    finer = oom and error is not None and part.retry(ctx, error)
+    finer = oom and error is not None and accumulation.retry(options, ctx, error)
     flags = torch.tensor([error is not None, oom and not finer, error is not None and not oom,
-                          part.count(ctx, None)], dtype=torch.int64, device=ctx.device)
+                          accumulation.count(options, ctx, None)], dtype=torch.int64,
+                         device=ctx.device)
     torch.distributed.all_reduce(flags, torch.distributed.ReduceOp.MAX, ctx.distributed)
     failed, stuck, other, count = flags.tolist()
     if not failed:
@@ -87,7 +89,7 @@ def agree(step: Step, ctx: CallContext, error: Exception | None) -> bool:
             "parameters and optimizer unchanged). Its error says what happened")
         setattr(failure, _AGREED, True)
         raise failure
-    part.count(ctx, count)
+    accumulation.count(options, ctx, count)
     return False
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..core.state import TrainState
+from ..parts.accumulation import FINEST_SPLIT
 from .extension import Transform
 from .spec import Averaging, Spec
 
@@ -42,9 +43,6 @@ def check_evaluate_options(averaging: Averaging | None, options: dict[str, objec
                         f"{offered}")
 
 
-#: The attribute an out-of-memory error gets from ``with_accumulation(adaptive=True)`` once
-#: it failed at one sample per micro-batch: the number of micro-batches of that last split.
-FINEST_SPLIT = "accelfn_finest_split"
 
 
 def out_of_memory(text: str, transforms: tuple[Transform, ...], spec: Spec,

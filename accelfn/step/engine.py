@@ -37,15 +37,17 @@ from ..core.contexts import CallContext, Prepared, UpdateContext, entered, held
 from ..core.outputs import unpack
 from ..core.plan import Plan, Sums
 from ..core.state import TrainState
+from ..parts import accumulation, clipping, nonfinite, precision
+from ..parts.clipping import Clipping
+from ..parts.nonfinite import Decision, NonFinite, NonFiniteError
 from . import agreement, chain, checks, micro
 from .extension import Chained, GradientTransform, Transform
-from .guard import NonFiniteError, nonfinite
-from .spec import Decision, Sharding, Spec, spec_of
+from .spec import Sharding, Spec, spec_of
 
 __all__ = ["LossFn", "NonFiniteError", "Step", "apply_transform", "describe", "lift"]
 
 LossFn = Callable[..., "Tensor | Mapping[str, Tensor]"]  # fn(model, batch[, carry])
-_DEFAULT_GUARD = nonfinite().part
+_DEFAULT_GUARD = NonFinite()  # every update decides
 _SCALAR = torch.Size([])
 _FIXED = frozenset({"fn", "transforms", "spec", "_key", "_after", "_guard", "_carry"})
 _PREPARING = ("float8", "precision", "checkpointing", "sharding", "compilation", "averaging")
@@ -81,7 +83,7 @@ class Step:
         self._key = tuple(t for t in transforms if any(
             getattr(self.spec, place) is t.part for place in _PREPARING))
         self._after = tuple(self.spec.after_update)
-        self._guard = self.spec.nonfinite or _DEFAULT_GUARD  # every update decides
+        self._guard = self.spec.nonfinite or _DEFAULT_GUARD
         self._carry = takes_carry(fn)
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
@@ -130,9 +132,11 @@ class Step:
         optimizers = state.optimizers
         prepared = Prepared(model=state.model, optimizer_step=optimizers_.stepper(optimizers),
                             device=state.device)
+        amp = spec.precision
+        islands = amp and (lambda prepared, state: precision.islands(amp, prepared, state))
         # the canonical order: each wraps what the one before it made
         for place, prepare in (("float8", spec.float8 and spec.float8.convert),
-                               ("precision", spec.precision and spec.precision.islands),
+                               ("precision", islands),
                                ("checkpointing", spec.checkpointing and spec.checkpointing.wrap),
                                ("sharding", spec.sharding and spec.sharding.shard),
                                ("compilation", spec.compilation and spec.compilation.compile),
@@ -154,13 +158,10 @@ class Step:
 
     # ----------------------------------------------------------------- the update
     def _plan(self, ctx: CallContext, batch: Batch) -> Plan:
-        part = self.spec.accumulation
-        if part is None:
+        options = self.spec.accumulation
+        if options is None:
             return Plan((batch,))
-        plan = part.split(ctx, batch)
-        if not isinstance(plan, Plan):
-            raise TypeError(f"the accumulation's split returned {plan!r}; return a Plan")
-        return plan
+        return accumulation.split(options, ctx, batch)
 
     def __call__(self, state: TrainState, batch: Batch) -> TensorDict:
         check_batch(batch)
@@ -214,8 +215,8 @@ class Step:
                 agreement.agree(self, ctx, error)  # raises unless every process retries
                 return None
             if isinstance(error, torch.OutOfMemoryError):
-                part = self.spec.accumulation
-                if part is not None and part.retry is not None and part.retry(ctx, error):
+                options = self.spec.accumulation
+                if options is not None and accumulation.retry(options, ctx, error):
                     return None  # leaves the handler: the failed pass's tensors can go
                 raise checks.out_of_memory(describe(self), self.transforms, self.spec,
                                            error) from error
@@ -245,15 +246,15 @@ class Step:
         returned = sums.returned_weight()
         if returned is not None:  # the update's token count (what tokens/s is counted from)
             metrics["weight"] = returned
-        if spec.accumulation is not None and spec.accumulation.metrics is not None:
-            metrics.update(spec.accumulation.metrics(ctx))
+        if spec.accumulation is not None and spec.accumulation.adaptive:
+            metrics.update(accumulation.metrics(spec.accumulation, ctx))
         uctx = UpdateContext(state, prepared, metrics["loss"])
         if absolute:
             uctx.divisor = uctx.weight_total = torch.as_tensor(
                 sums.weight, dtype=torch.float32, device=prepared.device)
         # the gradients: unscaled, reduced, divided, the user's transforms, clipped
-        precision = spec.precision
-        overflow = precision.unscale(uctx) if precision and precision.unscale else None
+        scales = spec.precision is not None and spec.precision.scales
+        overflow = precision.unscale(uctx) if scales else None  # fp16's flag
         if spec.sharding is not None:
             spec.sharding.reduce(uctx)
         if uctx.divisor is not None:
@@ -261,16 +262,16 @@ class Step:
             if grads:
                 compat.foreach_div_(grads, uctx.divisor)
         states = chain.run(spec.gradients, uctx) if spec.gradients else None  # checked
-        norm = spec.clipping.clip(uctx) if spec.clipping is not None else None
+        norm = clipping.clip(spec.clipping, uctx) if spec.clipping is not None else None
         # the decision, then the optimizer steps
-        decision = progress.decision = self._guard.decide(uctx, overflow, norm,
-                                                          not spec.gradients)
+        decision = progress.decision = nonfinite.decide(self._guard, uctx, overflow, norm,
+                                                        not spec.gradients)
         optimizers_.rate_metrics(metrics, optimizers, prepared.device)  # what it uses
         on_device = self._apply(uctx, decision, progress)  # a device flag: decided there
         # from here on the update is applied (or skipped): it cannot be undone
         if states and decision.skip is not True:  # the user's after-step places run here
             chain.commit(states)
-        advance = self._guard.advance_skipped  # as loops stepping them unconditionally
+        advance = self._guard.advance  # as loops stepping them unconditionally
         if decision.skip is False or advance:
             state.step_scheduler()
         if carried is not None:
@@ -344,20 +345,22 @@ class Step:
         """Undo a failed call: gradients cleared, every part's partial work undone."""
         optimizers_.clear_grads(ctx.state.optimizers)
         spec = self.spec
-        for abort in (self._guard.abort, spec.accumulation and spec.accumulation.abort,
-                      spec.precision and spec.precision.forget,
-                      spec.sharding and spec.sharding.abort):
-            if abort:
-                abort(ctx)
+        nonfinite.abort(ctx)
+        if spec.accumulation is not None:
+            accumulation.abort(spec.accumulation, ctx)
+        if spec.precision is not None:
+            precision.forget(ctx)
+        if spec.sharding is not None and spec.sharding.abort is not None:
+            spec.sharding.abort(ctx)
 
     def flush(self, state: TrainState) -> TensorDict | None:
         """Apply the update of an open call-counting window (``with_accumulation(n,
         mode='calls')``); None when there is nothing to apply."""
-        part = self.spec.accumulation
-        if part is None or part.flush is None:
+        options = self.spec.accumulation
+        if options is None or options.mode != "calls":
             return None
         ctx = CallContext(state, self.prepare(state))
-        sums = part.flush(ctx)
+        sums = accumulation.flush(options, ctx)
         if sums is None:
             return None
         return self._update(ctx, sums, True)
@@ -450,8 +453,6 @@ def describe(step: Step | Callable[..., Any]) -> str:
     ``with_nonfinite``, which act on what they leave, and outside the other built-ins, whose
     unscaling, reduction and weighting come before them:
     ``with_clipping(max_norm=1) ∘ chain(a, b) ∘ with_amp(bf16) ∘ my_step``."""
-    from .spec import Clipping, NonFinite
-
     if not isinstance(step, Step):
         return getattr(step, "__name__", repr(step))
     name = getattr(step.fn, "__name__", type(step.fn).__name__)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
@@ -22,7 +22,7 @@ from torch import Tensor
 if TYPE_CHECKING:
     from .engine import Step
 
-__all__ = ["Chained", "GradientTransform", "Transform", "configure"]
+__all__ = ["Chained", "GradientTransform", "Transform", "builtin", "configure"]
 
 #: (grads, params, state) -> the new state, or None to keep it (grads edited in place)
 GradientUpdate = Callable[[list[Tensor], list[Tensor], Any], Any]
@@ -203,6 +203,13 @@ class GradientTransform:
     def __call__(self, fn: Callable[..., Any] | Step) -> Step:
         """The step ``fn`` with this gradient transform added outermost."""
         return self.transform()(fn)
+
+
+def builtin(name: str, options: Any) -> Transform:
+    """The transform ``name`` of a built-in's ``options`` (a frozen dataclass of
+    ``accelfn.parts``): its fields are the transform's options, its repr the label."""
+    found = tuple((f.name, getattr(options, f.name)) for f in fields(options))
+    return Transform(name, options, options=found, label=repr(options))
 
 
 def configure(name: str, fn: Callable[..., Any] | Step | None,

@@ -23,6 +23,7 @@ from ..core.carry import Carries, detached
 from ..core.contexts import CallContext, entered
 from ..core.outputs import unpack
 from ..core.plan import Plan, Sums
+from ..parts import precision
 from .spec import Spec
 
 __all__ = ["forward", "forward_and_backward", "without_empty"]
@@ -39,7 +40,7 @@ def forward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext,
     checkpointing's scope, run as the model's forward when it is sharded (``Prepared.call``),
     with the carry of a step function that takes one (see accelfn.core.carry). ``model`` is
     the state's own module: its submodules and methods work as through ``model(...)``."""
-    managers = [part.autocast(ctx) for part in (spec.precision,) if part is not None]
+    managers = [] if spec.precision is None else [precision.autocast(spec.precision, ctx)]
     scopes = (spec.float8 and spec.float8.forward,
               spec.checkpointing and spec.checkpointing.forward)
     managers += [scope(ctx) for scope in scopes if scope]
@@ -115,12 +116,12 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
     micros = plan.micros
     n = len(micros)
     fixed = _coefficients(plan, absolute)
-    sharding, precision, float8 = spec.sharding, spec.precision, spec.float8
-    scale = precision.scale if precision is not None else None
+    sharding, amp, float8 = spec.sharding, spec.precision, spec.float8
+    scale = precision.scale if amp is not None and amp.scales else None
     plain = not carries and sharding is None and spec.checkpointing is None
     # autocast and nothing else: entered here, without a call
-    autocast = precision.autocast if plain and float8 is None and precision is not None else None
-    direct = plain and precision is None and float8 is None
+    autocast = amp if plain and float8 is None else None
+    direct = plain and amp is None and float8 is None
     model = ctx.prepared.model
     check = sums.empty  # the first micro-batch of a window: check the output
     losses, coefs = sums.loss_terms()
@@ -136,7 +137,7 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
         if direct:
             out = fn(model, micro)
         elif autocast is not None:
-            with autocast(ctx): out = fn(model, micro)  # noqa: E701  (one line: see above)
+            with precision.autocast(autocast, ctx): out = fn(model, micro)  # noqa: E701
         elif sharding is not None:
             sync = plan.update and i == n - 1
             with sharding.micro(ctx, i, sync): out = forward(  # noqa: E701

@@ -1,10 +1,13 @@
-"""The built-ins' places in the update: one typed option per built-in, and a step's spec.
+"""A step's spec: one place per built-in, typed by the built-in's options, and the user's
+gradient transforms in the order they were stacked.
 
-The engine ([`accelfn.step.engine`][]) writes the update once, in order; each built-in
-transform fills its one place in it with the functions below, which the engine calls at a
-fixed line. A place holds one transform at most (the same built-in twice is refused), so
-the order the built-ins were stacked in cannot change what runs. Users extend the update
-with [`GradientTransform`][accelfn.GradientTransform]s, kept in the order they were stacked.
+The engine ([`accelfn.step.engine`][]) writes the update once, in order, and calls each
+built-in by name at its place: the options of ``accelfn.parts`` (``Clipping``,
+``Precision``, ``Accumulation``, ``NonFinite``) are handed to their module's functions
+(``clipping.clip(options, ctx)``). The built-ins that prepare the model (float8, activation
+checkpointing, sharding, compile, EMA) still fill their place with a record of functions,
+defined below. A place holds one transform at most (the same built-in twice is refused), so
+the order the built-ins were stacked in cannot change what runs.
 
 Every function is handed the call's context (``CallContext`` or ``UpdateContext``) or, when
 preparing, the [`Prepared`][accelfn.core.contexts.Prepared] so far and the state.
@@ -19,14 +22,17 @@ from typing import Any
 
 from torch import Tensor
 
-from ..core.batch import Batch
 from ..core.contexts import CallContext, Prepared, UpdateContext
-from ..core.plan import Plan, Sums
 from ..core.state import TrainState
+from ..parts import precision
+from ..parts.accumulation import Accumulation
+from ..parts.clipping import Clipping
+from ..parts.nonfinite import NonFinite
+from ..parts.precision import Precision
 from .extension import Chained, GradientTransform, Transform
 
-__all__ = ["Accumulation", "Averaging", "Checkpointing", "Clipping", "Compilation",
-           "Float8", "NonFinite", "Precision", "Sharding", "Spec", "spec_of"]
+__all__ = ["Averaging", "Checkpointing", "Compilation", "Float8", "Sharding", "Spec",
+           "spec_of"]
 
 Context = contextlib.AbstractContextManager[Any]
 Prepare = Callable[[Prepared, TrainState], Prepared]
@@ -41,22 +47,6 @@ class Float8:
     convert: Prepare
     forward: Callable[[CallContext], Context]
     after_update: AfterUpdate | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Precision:
-    """``with_amp``: fp32 islands and the compute dtype; autocast; fp16's loss scaling.
-
-    ``unscale`` returns the device flag "the scaled gradients overflowed"; ``update`` moves
-    the scale after the update; ``forget`` makes the scaler forget a failed call."""
-
-    islands: Prepare
-    autocast: Callable[[CallContext], Context]
-    check: Check | None = None
-    scale: Callable[[CallContext, Tensor], Tensor] | None = None
-    unscale: Callable[[UpdateContext], Tensor | None] | None = None
-    update: AfterUpdate | None = None
-    forget: Callable[[CallContext], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,65 +98,6 @@ class Averaging:
     evaluate_options: tuple[str, ...] = ("weights",)
 
 
-@dataclass(frozen=True, slots=True)
-class Accumulation:
-    """``with_accumulation``: the micro-batches of a call (and the calls of an update).
-    ``retry(ctx, error)``: after an out-of-memory error in a forward or backward (the call
-    undone), whether to run the call again (with a finer split); ``metrics(ctx)``: what the
-    update reports of it; ``count(ctx, agreed)``: the micro-batch count a retrying split
-    uses, set first to ``agreed`` unless None (the processes of a run agree on it)."""
-
-    split: Callable[[CallContext, Batch], Plan]
-    flush: Callable[[CallContext], Sums | None] | None = None
-    abort: Callable[[CallContext], None] | None = None
-    retry: Callable[[CallContext, BaseException], bool] | None = None
-    metrics: Callable[[CallContext], dict[str, Tensor]] | None = None
-    count: Callable[[CallContext, int | None], int] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Clipping:
-    """``with_clipping``: clips the gradients; returns their total norm before clipping,
-    NaN/Inf when any gradient was (clipping by value would turn an Inf into ``max_value``),
-    which the non-finite decision reads."""
-
-    clip: Callable[[UpdateContext], Tensor | None]
-
-
-@dataclass(frozen=True, slots=True)
-class NonFinite:
-    """``with_nonfinite``: the decision to skip an update. ``decide(ctx, overflow, norm,
-    current)`` gets fp16's overflow flag (``current``: no gradient transform wrote the
-    gradients after it) and clipping's norm when it describes the gradients as the optimizers
-    will see them (None otherwise: the gradients are checked again). ``abort`` forgets a
-    decision deferred by a call that failed."""
-
-    decide: Callable[[UpdateContext, Tensor | None, Tensor | None, bool], Decision]
-    abort: Callable[[CallContext], None] | None = None
-    advance_skipped: bool = False  # a skipped update still advances schedules and the EMA
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The non-finite decision of an update.
-
-    ``skip`` is the decision taken on the host; or None to leave it to the device: then
-    ``flags`` is a device bool tensor and the optimizer skips on ``flags.any()`` through its
-    ``found_inf`` input (fused optimizers only), the transform settling its counters later
-    (``TrainState.sync``). ``checked=False`` says nothing was checked: the update is applied
-    and no ``skipped`` metric is reported.
-    """
-
-    skip: bool | None = False
-    flags: Tensor | None = None
-    checked: bool = True
-
-    def __post_init__(self) -> None:
-        if self.skip is None and self.flags is None:
-            raise ValueError("Decision(skip=None) leaves the decision to the device and needs "
-                             "the device flags: Decision(None, flags=...)")
-
-
 _PLACES: dict[type, str] = {
     Float8: "float8", Precision: "precision", Checkpointing: "checkpointing",
     Sharding: "sharding", Compilation: "compilation", Averaging: "averaging",
@@ -193,14 +124,19 @@ class Spec:
     @property
     def checks(self) -> list[Check]:
         """The refusals a state is checked against before any preparation changes it."""
-        found = [getattr(getattr(self, f.name), "check", None) for f in fields(self)
-                 if f.name != "gradients"]
+        options = self.precision
+        islands = None if options is None or not options.fp32 else (
+            lambda state: precision.check(options, state))
+        found = [islands if f.name == "precision" else getattr(getattr(self, f.name), "check",
+                                                                 None)
+                 for f in fields(self) if f.name != "gradients"]
         return [check for check in found if check is not None]
 
     @property
     def after_update(self) -> list[AfterUpdate]:
         """What runs after the optimizer step, in the sequence's order."""
-        found = [self.precision and self.precision.update, self.float8 and self.float8.after_update,
+        scales = self.precision is not None and self.precision.scales
+        found = [scales and precision.update, self.float8 and self.float8.after_update,
                  self.averaging and self.averaging.update,
                  self.compilation and self.compilation.after_update]
         return [f for f in found if f]

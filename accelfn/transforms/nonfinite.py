@@ -1,12 +1,12 @@
-"""with_nonfinite: the policy for NaN/Inf losses and gradients."""
+"""with_nonfinite: the policy for NaN/Inf losses and gradients (``accelfn.parts.nonfinite``)."""
 
 from __future__ import annotations
 
 from typing import overload
 
+from ..parts.nonfinite import NonFinite, SkipIf
 from ..step.engine import LossFn, Step
-from ..step.extension import Transform, configure
-from ..step.guard import POLICIES, SkipIf, nonfinite
+from ..step.extension import Transform, builtin, configure
 
 __all__ = ["with_nonfinite"]
 
@@ -42,16 +42,8 @@ def with_nonfinite(fn: LossFn | Step | None = None, /, *, policy: str = "skip",
     ``ema.update()`` after ``scaler.step(optimizer)`` unconditionally does (timm's); the
     default ``"hold"`` leaves them for the next applied update.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"with_nonfinite(policy={policy!r}) is unknown; use one of {POLICIES}")
-    if isinstance(max_consecutive, bool) or not isinstance(max_consecutive, int) \
-            or max_consecutive < 1:
-        raise ValueError(f"with_nonfinite(max_consecutive={max_consecutive!r}) must be an int >= 1")
-    if skip_if is not None and not callable(skip_if):
-        raise TypeError(f"with_nonfinite(skip_if={skip_if!r}) takes a function "
-                        "skip_if(loss, grads) -> device bool tensor")
     if skipped not in ("hold", "advance"):
         raise ValueError(f"with_nonfinite(skipped={skipped!r}) is unknown; use 'hold' (a "
                          "skipped update leaves schedules and EMA) or 'advance'")
-    return configure("with_nonfinite", fn, nonfinite(policy, max_consecutive, skip_if,
-                                                     advance=skipped == "advance"))
+    options = NonFinite(policy, max_consecutive, skip_if, advance=skipped == "advance")
+    return configure("with_nonfinite", fn, builtin("with_nonfinite", options))

@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[2] / "accelfn"
 # package -> the other accelfn packages its modules may import
 ALLOWED: dict[str, set[str]] = {
     "core": set(),
-    "step": {"core"},
-    "transforms": {"core", "step"},
+    "parts": {"core"},
+    "step": {"core", "parts"},
+    "transforms": {"core", "parts", "step"},
     "data": {"core"},
     "observe": {"core", "step"},
     "checkpointing": {"core", "step"},

@@ -1,4 +1,4 @@
-"""accelfn.step.guard: the non-finite decision's counting and the device check of gradients
+"""accelfn.parts.nonfinite: the non-finite decision's counting and the device check of gradients
 (the decision inside a step is tested against hand-written loops in
 tests/transforms/test_nonfinite.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accelfn.step.guard import Guard, NonFiniteError, grads_nonfinite
+from accelfn.parts.nonfinite import Guard, NonFinite, NonFiniteError, grads_nonfinite
 
 CLEAN, LOSS, GRADS, OVERFLOW = [False, False], [True, False], [False, True], [False, False, True]
 
@@ -44,7 +44,7 @@ def test_state_round_trips_and_refuses_to_save_a_pending_decision():
     again = Guard()
     again.load_state_dict(guard.state_dict())
     assert (again.skipped, again.consecutive) == (1, 1)
-    guard.defer(torch.tensor([False, True]), 2, "skip", 10)
+    guard.defer(torch.tensor([False, True]), 2, NonFinite())
     with pytest.raises(RuntimeError, match=r"state\.sync"):
         guard.state_dict()
     guard.forget(2)

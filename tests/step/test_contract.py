@@ -168,8 +168,7 @@ def test_user_gradient_transforms_run_in_stacking_order_among_builtins_in_any_or
 def test_a_place_takes_one_transform_and_a_name_one_transform():
     with pytest.raises(ValueError, match="with_accumulation is applied twice"):
         af.with_accumulation(4)(af.with_accumulation(2)(classify))
-    mine = af.Transform("my_split", af.step.spec.Accumulation(
-        lambda ctx, batch: af.core.plan.Plan((batch,))))
+    mine = af.Transform("my_split", af.parts.accumulation.Accumulation(3))
     with pytest.raises(ValueError, match="with_accumulation and my_split both fill the "
                                          "'accumulation' place"):
         mine(af.with_accumulation(2)(classify))

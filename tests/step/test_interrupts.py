@@ -21,7 +21,7 @@ from helpers import Net, classify, make_batch
 import accelfn as af
 from accelfn.core import compat, optimizers
 from accelfn.step import chain, engine, micro
-from accelfn.transforms import clipping
+from accelfn.parts import clipping
 
 FILES = {os.path.abspath(m.__file__) for m in (engine, micro, chain, optimizers, compat, clipping)}
 

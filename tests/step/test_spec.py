@@ -8,7 +8,9 @@ import pytest
 from helpers import classify
 
 import accelfn as af
-from accelfn.step.spec import Checkpointing, Clipping, Decision, Spec, spec_of
+from accelfn.parts.clipping import Clipping
+from accelfn.parts.nonfinite import Decision
+from accelfn.step.spec import Checkpointing, Spec, spec_of
 
 
 def _text() -> str:
@@ -29,7 +31,7 @@ def test_a_builtin_twice_and_two_of_one_place_are_refused_naming_them():
     clip = af.with_clipping(max_norm=1.0)
     with pytest.raises(ValueError, match="with_clipping is applied twice in the stack"):
         spec_of((clip, clip), _text)
-    other = af.Transform("my_clip", Clipping(lambda ctx: None))
+    other = af.Transform("my_clip", Clipping(max_norm=2.0))
     with pytest.raises(ValueError, match="with_clipping and my_clip both fill the 'clipping'"):
         spec_of((clip, other), _text)
 

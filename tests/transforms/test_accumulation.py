@@ -229,7 +229,7 @@ def test_calls_mode_with_fp16_amp_equals_grad_scaler_loop(net, outer):
 @pytest.fixture
 def unwarned(monkeypatch):
     """A process that has not been warned about small batches yet."""
-    import accelfn.transforms.accumulation as accumulation
+    import accelfn.parts.accumulation as accumulation
 
     monkeypatch.setattr(accumulation, "_warned_small", False)
 

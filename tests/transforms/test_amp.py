@@ -234,7 +234,7 @@ def test_fp32_island_without_parameters_turns_the_accelerators_autocast_off(monk
 def test_auto_dtype_on_the_cpu_is_bf16_only_where_computed_natively(net, monkeypatch, native):
     """Emulated bf16 (no AVX-512/AMX) runs many times slower than float32: auto keeps float32
     there (autocast off, the plain fp32 loop bitwise) and says so; bf16 where native."""
-    from accelfn.transforms import amp
+    from accelfn.parts import precision as amp
 
     monkeypatch.setattr(amp, "_cpu_bf16", lambda: native)
     dtypes = []

@@ -165,7 +165,7 @@ def test_fused_guard_reads_only_the_previous_updates_flags(net, monkeypatch):
     monkeypatch.setattr(torch.Tensor, "tolist", spy)
     step(state, make_batch(seed=0))
     assert reads == []  # nothing read on the host during the first update
-    pending = state.slots["nonfinite"]._pending[0]
+    pending = state.slots["nonfinite"]._pending.host
     step(state, make_batch(seed=1))
     assert len(reads) == 1 and reads[0] is pending  # the earlier update's flags, not this one's
 
@@ -223,7 +223,7 @@ def test_sync_probe_finds_no_host_sync_in_a_fused_step_and_the_guard_read_otherw
     with SyncProbe(mode="emulate") as probe:
         step(plain, make_batch(seed=1))
     assert [(s.op, s.location.split(":")[0]) for s in probe.syncs] == [
-        ("Tensor.item (or bool()/float()/int() of a tensor)", "accelfn/step/guard.py")]
+        ("Tensor.item (or bool()/float()/int() of a tensor)", "accelfn/parts/nonfinite.py")]
     (read,) = probe.syncs  # named, with the one-line fix
     assert read.via == GUARD_READ and "fused=True" in read.fix
 
@@ -255,7 +255,7 @@ def test_policy_off_with_fp16_still_skips_loss_scale_overflows_as_grad_scaler_do
 def test_a_finite_loss_and_norm_whose_sum_overflows_are_not_bad():
     # the guard reads loss + norm at once; an overflow of that sum alone is no NaN/Inf (a
     # clipping norm cannot reach it in fp32, a norm reported by another transform might)
-    from accelfn.step.guard import _host_flags
+    from accelfn.parts.nonfinite import _host_flags
 
     big, inf = torch.tensor(3e38), torch.tensor(float("inf"))
     assert _host_flags([(big, False), (big, False)]) == [False, False]
