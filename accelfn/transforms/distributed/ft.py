@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import socket
+import time
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -41,6 +42,7 @@ from ...core.state import TrainState
 __all__ = ["FaultTolerance", "fault_tolerance_report"]
 
 SLOT = "fault_tolerance"
+REPORT_EVERY = 10.0  # seconds: the JSON report is rewritten at least this often
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 _START = ("start one with `torchft_lighthouse --min_replicas 1 --join_timeout_ms 10000` "
           "(installed with accelfn[ft]; it listens on [::]:29510) and pass its address, e.g. "
@@ -58,7 +60,8 @@ class FaultTolerance:
     ``timeout``: seconds for a cross-group collective, the commit vote and the state
     transfer; ``quorum_timeout``: seconds to wait for a quorum; ``connect_timeout``: seconds
     to wait for the lighthouse and the peers' managers; ``report``: a JSON file rewritten by
-    the group's rank 0 whenever the record changes.
+    the group's rank 0 when a run of updates with one number of groups begins, when an
+    update is not applied, and at least every 10 seconds.
     """
 
     lighthouse: str | None = None
@@ -196,7 +199,7 @@ class Runtime:
         self.quorum = False  # start_quorum called for the update in progress
         self.commit = True  # the gate of the optimizer step
         self.healed = False
-        self._written = 0  # the record's runs when the report was last written
+        self._written = (0, 0.0)  # the record's runs and the time when last written
         self.store = _group_store(group, self.rank)
         timeout = timedelta(seconds=options.timeout)
         replica_id = options.replica_id or os.environ.get("REPLICA_GROUP_ID") or None
@@ -260,7 +263,8 @@ class Runtime:
         ctx.metrics["replicas"] = torch.full((), float(replicas), device=ctx.device)
         ctx.metrics["committed"] = torch.full((), float(commit), device=ctx.device)
         if self.rank == 0 and self.options.report is not None and (
-                not commit or len(record.runs) > self._written):
+                not commit or len(record.runs) != self._written[0]
+                or time.monotonic() - self._written[1] > REPORT_EVERY):
             self._write(record)
         if total is None or not commit:
             return inner_total
@@ -272,7 +276,7 @@ class Runtime:
         with open(temporary, "w") as f:
             json.dump(record.report(self.options.replicas), f, indent=1)
         os.replace(temporary, path)
-        self._written = len(record.runs)
+        self._written = (len(record.runs), time.monotonic())
 
     def abort(self) -> None:
         """A failed call: the next update starts a new quorum (torchft's errors cleared)."""
