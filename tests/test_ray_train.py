@@ -166,3 +166,27 @@ def test_a_ray_train_cpu_worker_trains_on_the_cpu_on_a_machine_with_gpus(monkeyp
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert af.init_distributed() == torch.device("cpu")
     _check_device(torch.device("cpu"))  # distributed takes a model on Ray's device
+
+
+def test_a_preemption_guard_in_a_ray_train_worker_says_to_leave_it_out(monkeypatch):
+    # Ray Train runs the training function in a thread of the worker: no signal handler there
+    import threading
+
+    import ray.train
+
+    monkeypatch.setattr(ray.train, "get_context", lambda: Context(2))
+    raised: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            with af.PreemptionGuard():
+                pass
+        except RuntimeError as error:
+            raised.append(error)
+
+    thread = threading.Thread(target=guarded)
+    thread.start()
+    thread.join()
+    assert len(raised) == 1
+    assert "under Ray Train" in str(raised[0]) and "leave the guard out" in str(raised[0])
+    assert "FailureConfig" in str(raised[0])

@@ -50,6 +50,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from ..core.processes import in_ray_train_worker
 from .states import States, at_update_boundary, checkpoint_step, named_states
 
 __all__ = ["EXIT_PREEMPTED", "MARKER_ENV", "PreemptionGuard"]
@@ -154,6 +155,12 @@ class PreemptionGuard:
     def install(self) -> PreemptionGuard:
         """Install the signal handlers (from the main thread, as Python requires)."""
         if threading.current_thread() is not threading.main_thread():
+            if in_ray_train_worker():
+                raise RuntimeError(
+                    "PreemptionGuard under Ray Train: the training function runs in a thread "
+                    "of the worker, and signal handlers can only be installed from the main "
+                    "thread; leave the guard out: Ray's FailureConfig restarts the worker group, "
+                    "which resumes from the run's newest checkpoint (docs/ray.md)")
             raise RuntimeError("signal handlers can only be installed from the main thread; "
                                "create the PreemptionGuard in the training script's main thread")
         if self._previous:

@@ -228,6 +228,12 @@ def ray_train_device() -> torch.device | None:
     return device
 
 
+def in_ray_train_worker() -> bool:
+    """Whether this process is a worker of a Ray Train run (whose training function runs in a
+    thread of the worker, not in its main thread)."""
+    return _ray_train_context() is not None
+
+
 def _check_not_a_ray_worker() -> None:
     """Refuse a Ray Train worker of several that has no process group: each would train
     alone on its own share of nothing (DataParallelTrainer, or a group destroyed)."""
