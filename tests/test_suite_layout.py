@@ -13,6 +13,7 @@ MIRRORED = {"core": ("compat", "optimizers", "plan", "state"),
             "step": ("agreement", "chain", "checks", "engine", "micro", "spec")}
 # a built-in's mechanism (accelfn/parts/<module>.py) is tested through its public transform
 PARTS = {"accumulation": "transforms/test_accumulation.py",
+         "activation_checkpointing": "transforms/test_activation_checkpointing.py",
          "clipping": "transforms/test_clipping.py", "nonfinite": "transforms/test_nonfinite.py",
          "precision": "transforms/test_amp.py"}
 

@@ -37,7 +37,7 @@ from ..core.contexts import CallContext, Prepared, UpdateContext, entered, held
 from ..core.outputs import unpack
 from ..core.plan import Plan, Sums
 from ..core.state import TrainState
-from ..parts import accumulation, clipping, nonfinite, precision
+from ..parts import accumulation, activation_checkpointing, clipping, nonfinite, precision
 from ..parts.clipping import Clipping
 from ..parts.nonfinite import Decision, NonFinite, NonFiniteError
 from . import agreement, chain, checks, micro
@@ -132,12 +132,13 @@ class Step:
         optimizers = state.optimizers
         prepared = Prepared(model=state.model, optimizer_step=optimizers_.stepper(optimizers),
                             device=state.device)
-        amp = spec.precision
+        amp, blocks = spec.precision, spec.checkpointing
         islands = amp and (lambda prepared, state: precision.islands(amp, prepared, state))
+        wrap = blocks and (lambda prepared, state: activation_checkpointing.wrap(
+            blocks, prepared, state))
         # the canonical order: each wraps what the one before it made
         for place, prepare in (("float8", spec.float8 and spec.float8.convert),
-                               ("precision", islands),
-                               ("checkpointing", spec.checkpointing and spec.checkpointing.wrap),
+                               ("precision", islands), ("checkpointing", wrap),
                                ("sharding", spec.sharding and spec.sharding.shard),
                                ("compilation", spec.compilation and spec.compilation.compile),
                                ("averaging", spec.averaging and spec.averaging.average)):

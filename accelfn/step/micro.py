@@ -23,7 +23,7 @@ from ..core.carry import Carries, detached
 from ..core.contexts import CallContext, entered
 from ..core.outputs import unpack
 from ..core.plan import Plan, Sums
-from ..parts import precision
+from ..parts import activation_checkpointing, precision
 from .spec import Spec
 
 __all__ = ["forward", "forward_and_backward", "without_empty"]
@@ -41,9 +41,10 @@ def forward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext,
     with the carry of a step function that takes one (see accelfn.core.carry). ``model`` is
     the state's own module: its submodules and methods work as through ``model(...)``."""
     managers = [] if spec.precision is None else [precision.autocast(spec.precision, ctx)]
-    scopes = (spec.float8 and spec.float8.forward,
-              spec.checkpointing and spec.checkpointing.forward)
-    managers += [scope(ctx) for scope in scopes if scope]
+    if spec.float8 is not None:
+        managers.append(spec.float8.forward(ctx))
+    if spec.checkpointing is not None:
+        managers.append(activation_checkpointing.scope(spec.checkpointing, ctx))
     model = ctx.prepared.model
     call = ctx.prepared.call
     if not carries:

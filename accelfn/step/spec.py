@@ -24,14 +24,15 @@ from torch import Tensor
 
 from ..core.contexts import CallContext, Prepared, UpdateContext
 from ..core.state import TrainState
-from ..parts import precision
+from ..parts import activation_checkpointing, precision
 from ..parts.accumulation import Accumulation
+from ..parts.activation_checkpointing import Checkpointing
 from ..parts.clipping import Clipping
 from ..parts.nonfinite import NonFinite
 from ..parts.precision import Precision
 from .extension import Chained, GradientTransform, Transform
 
-__all__ = ["Averaging", "Checkpointing", "Compilation", "Float8", "Sharding", "Spec",
+__all__ = ["Averaging", "Compilation", "Float8", "Sharding", "Spec",
            "spec_of"]
 
 Context = contextlib.AbstractContextManager[Any]
@@ -47,17 +48,6 @@ class Float8:
     convert: Prepare
     forward: Callable[[CallContext], Context]
     after_update: AfterUpdate | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Checkpointing:
-    """``checkpointed``: activation checkpointing of the blocks, wrapped in place when
-    preparing; ``forward`` is the scope of a call of the step function in which the blocks
-    run with this step's settings (whichever submodule or method the function calls)."""
-
-    wrap: Prepare
-    forward: Callable[[CallContext], Context] | None = None
-    check: Check | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,13 +114,16 @@ class Spec:
     @property
     def checks(self) -> list[Check]:
         """The refusals a state is checked against before any preparation changes it."""
-        options = self.precision
-        islands = None if options is None or not options.fp32 else (
-            lambda state: precision.check(options, state))
-        found = [islands if f.name == "precision" else getattr(getattr(self, f.name), "check",
-                                                                 None)
-                 for f in fields(self) if f.name != "gradients"]
-        return [check for check in found if check is not None]
+        amp, blocks = self.precision, self.checkpointing
+        found = {
+            "precision": amp and amp.fp32 and (lambda state: precision.check(amp, state)),
+            "checkpointing": blocks and (
+                lambda state: activation_checkpointing.check(blocks, state)),
+        }
+        checks = [found[f.name] if f.name in found else getattr(getattr(self, f.name), "check",
+                                                                None)
+                  for f in fields(self) if f.name != "gradients"]
+        return [check for check in checks if check]
 
     @property
     def after_update(self) -> list[AfterUpdate]:

@@ -12,6 +12,7 @@ import torch
 
 import accelfn as af
 from accelfn.parts.accumulation import Accumulation
+from accelfn.parts.activation_checkpointing import COMPUTE_INTENSIVE_OPS, Checkpointing
 from accelfn.parts.clipping import Clipping
 from accelfn.parts.nonfinite import NonFinite
 from accelfn.parts.precision import Precision
@@ -23,6 +24,8 @@ BUILT = [
      Precision(torch.float16, ("head",), cache=False)),
     (af.with_accumulation(4, mode="calls", dim=1), Accumulation(4, "calls", 1)),
     (af.with_nonfinite(policy="raise", skipped="advance"), NonFinite("raise", advance=True)),
+    (af.checkpointed(blocks=torch.nn.Linear, every=2, selective=True),
+     Checkpointing(torch.nn.Linear, 2, COMPUTE_INTENSIVE_OPS)),
 ]
 
 
@@ -44,6 +47,8 @@ def test_defaults_and_normalised_values():
     assert not Precision(torch.bfloat16).scales
     assert repr(NonFinite()) == "with_nonfinite(skip, max_consecutive=10)"
     assert repr(Accumulation(2, adaptive=True)) == "with_accumulation(2, adaptive)"
+    # equal options share the key their settings are kept under on the blocks
+    assert Checkpointing(every=2).key == Checkpointing(every=2).key != Checkpointing().key
 
 
 @pytest.mark.parametrize(("build", "match"), [
@@ -56,6 +61,8 @@ def test_defaults_and_normalised_values():
     (lambda: Accumulation(2, mode="calls", adaptive=True), "adaptive=True"),
     (lambda: NonFinite("ignore"), "policy='ignore'"),
     (lambda: NonFinite(max_consecutive=0), "max_consecutive"),
+    (lambda: Checkpointing(every=0), "every"),
+    (lambda: Checkpointing(save=(), offload="cpu"), "pass one of them"),
 ])
 def test_bad_options_are_refused_when_built_naming_the_option(build, match):
     with pytest.raises((ValueError, TypeError), match=match):

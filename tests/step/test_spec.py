@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-from helpers import classify
+import torch
+from helpers import Net, classify
 
 import accelfn as af
+from accelfn.parts.activation_checkpointing import Checkpointing
 from accelfn.parts.clipping import Clipping
 from accelfn.parts.nonfinite import Decision
-from accelfn.step.spec import Checkpointing, Spec, spec_of
+from accelfn.step.spec import Spec, spec_of
 
 
 def _text() -> str:
@@ -42,10 +42,12 @@ def test_a_part_of_no_place_is_refused_with_the_fix():
 
 
 def test_checks_and_after_update_list_what_the_places_hold_in_order():
-    check = lambda state: None
-    spec = Spec(checkpointing=Checkpointing(lambda prepared, state: prepared,
-                                            lambda ctx: contextlib.nullcontext(), check=check))
-    assert spec.checks == [check]
+    spec = Spec(checkpointing=Checkpointing(blocks=(torch.nn.LSTM,)))
+    [check] = spec.checks
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="found no block to checkpoint in Net"):
+        check(state)
     assert Spec().after_update == [] and Spec().checks == []
 
 
