@@ -76,7 +76,12 @@ from .transforms.activation_checkpointing import checkpointed
 from .transforms.amp import with_amp
 from .transforms.clipping import with_clipping
 from .transforms.compile import compiled
-from .transforms.distributed import DistributedError, distributed
+from .transforms.distributed import (
+    DistributedError,
+    FaultTolerance,
+    distributed,
+    fault_tolerance_report,
+)
 from .transforms.ema import ema_state_dict, ema_weights, with_ema
 from .transforms.float8 import with_float8
 from .transforms.nonfinite import with_nonfinite
@@ -92,6 +97,7 @@ __all__ = [
     "Diagnostics",
     "DistributedError",
     "EarlyStopping",
+    "FaultTolerance",
     "GradientTransform",
     "MemoryEstimate",
     "MemorySnapshot",
@@ -121,6 +127,7 @@ __all__ = [
     "ema_weights",
     "estimate_memory",
     "estimate_script",
+    "fault_tolerance_report",
     "find_blocks",
     "format_estimate",
     "freeze",
