@@ -5,7 +5,7 @@
 estimates a script's peak memory per update; see
 :mod:`accelfn.observe.environment`); ``accelfn doctor --hang DIR`` names the collective a
 run hung in and the ranks that never entered it, from the Flight Recorder dumps in ``DIR``
-(see :mod:`accelfn.observe.hangs`); ``accelfn bench`` runs the staged case study (see
+(see :mod:`accelfn.observe.hang_dumps`); ``accelfn bench`` runs the staged case study (see
 :mod:`accelfn.cli.bench`); ``accelfn launch <torchrun arguments>`` is torchrun whose exit
 status is 75 when the workers saved on preemption (see :mod:`accelfn.cli.launch`).
 
@@ -45,7 +45,7 @@ def _run_hang(args: argparse.Namespace) -> int:
     import json
 
     from ..observe.findings import format_findings, worst_severity
-    from ..observe.hangs import analyse
+    from ..observe.hang_dumps import analyse
 
     try:
         findings = analyse(args.hang)

@@ -8,7 +8,7 @@ the collective nor the missing process. Two of torch's own mechanisms fill that 
 
 * the **Flight Recorder**: every process group records its latest collectives (sequence
   number, op such as ``gloo:all_reduce``, sizes, state) in a ring buffer of
-  ``TORCH_FR_BUFFER_SIZE`` entries, which :func:`record_collectives` turns on (2000 entries)
+  ``TORCH_FR_BUFFER_SIZE`` entries, which :func:`record_collectives` turns on (256 entries)
   before the group exists. NCCL's watchdog dumps it to ``TORCH_FR_DUMP_TEMP_FILE<rank>`` on
   a timeout; gloo has no watchdog, so :func:`name_hang` writes the same dump (torch's own
   pickle, the file torch's ``torchfrtrace`` and ``accelfn doctor --hang`` read) on the
@@ -39,7 +39,8 @@ __all__ = ["DUMP_PREFIX", "Hang", "HangError", "is_hang_error", "name_hang", "ra
 
 #: dump files are ``<dir>/rank_<global rank>``, as torch's analyser infers them
 DUMP_PREFIX = "rank_"
-_ENTRIES = "2000"  # the ring buffer's size when the user set none (NCCL's usual default)
+_ENTRIES = "256"  # when the user set no size: the latest collectives name a hang, and a
+# dump of 256 takes milliseconds (the monitor's straggler check reads it every log_every)
 _KEY = "accelfn/hang/"
 #: torch's texts for a collective that timed out, and for a peer whose connection closed
 TIMEOUT_TEXTS = ("Timed out waiting", "timed out after", "Watchdog caught collective "

@@ -102,20 +102,24 @@ class Stragglers:
 
     def _arrivals(self) -> tuple[float, float, float, float]:
         """(first and last sequence number, summed arrival in s after the last check, count)
-        of the default group's collectives since the last check, from the Flight Recorder."""
+        of the default group's collectives since the last check, from the Flight Recorder;
+        when its ring buffer no longer holds them all, the sum of those it holds scaled up to
+        all of them (the same on every process: they ran the same collectives)."""
         try:
             entries = compat_distributed.flight_recorder_entries()
         except Exception:
             return 0.0, 0.0, 0.0, 0.0
         world = [e for e in entries if e.get("pg_id") == 0 and not e.get("is_p2p")]
-        new = [e for e in world if self._seq is None or e["collective_seq_id"] > self._seq]
+        since = self._seq or 0
+        new = [e for e in world if e["collective_seq_id"] > since]
         if world:
             self._seq = max(e["collective_seq_id"] for e in world)
         if not new:
             return 0.0, 0.0, 0.0, 0.0
         seqs = [e["collective_seq_id"] for e in new]
         total = sum((e["time_created_ns"] - self._base_ns) / 1e9 for e in new)
-        return float(min(seqs)), float(max(seqs)), total, float(len(new))
+        ran = max(seqs) - since  # collectives in the window, held or not
+        return float(min(seqs)), float(max(seqs)), total * ran / len(new), float(len(new))
 
     def check(self) -> None:
         """One ``all_gather`` of every process's step and arrival times since the last

@@ -1,5 +1,5 @@
 """The account of a hung collective, as one process says it (the launches that produce it for
-real are in tests/observe/test_hangs.py)."""
+real are in tests/observe/test_hang_dumps.py)."""
 
 from __future__ import annotations
 

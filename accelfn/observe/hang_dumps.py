@@ -145,7 +145,7 @@ def find_hangs(dumps: dict[int, dict[str, Any]]) -> list[GroupHang]:
 
 def analyse(directory: str | os.PathLike[str]) -> list[Finding]:
     """The findings of the dumps in ``directory``: per process group, the collective it hung
-    in and the ranks that did not enter it (see [`accelfn.observe.hangs`][])."""
+    in and the ranks that did not enter it (see [`accelfn.observe.hang_dumps`][])."""
     dumps = read_dumps(directory)
     hangs = find_hangs(dumps)
     found = [Finding("hang_dumps", "info", f"{len(dumps)} dump(s), of rank "

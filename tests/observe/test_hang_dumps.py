@@ -8,7 +8,7 @@ Flight Recorder (torch's own pickle, ``_dump_fr_trace``), and ``accelfn doctor -
 rank 2 from those dumps. torchrun ends the stuck rank once the others failed.
 
 The module is also the torchrun worker: ``python -m torch.distributed.run --nproc_per_node=3
-test_hangs.py OUT HANG_DIR`` saves what each survivor caught in ``OUT/rank<r>.pt``.
+test_hang_dumps.py OUT HANG_DIR`` saves what each survivor caught in ``OUT/rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ if TESTS not in sys.path:  # under torchrun: helpers sit in tests/
 from helpers import free_port  # noqa: E402
 
 from accelfn.cli.main import main  # noqa: E402
-from accelfn.observe.hangs import analyse  # noqa: E402
+from accelfn.observe.hang_dumps import analyse  # noqa: E402
 
 TIMEOUT_S = 2.0
 STUCK_S = 60.0  # far beyond the bound: the survivors must not wait for it
