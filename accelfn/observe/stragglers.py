@@ -60,7 +60,8 @@ def judge(own_s: list[float], *, slower: float = 0.2) -> dict[int, float]:
 class Stragglers:
     """The monitor's straggler check (see [`accelfn.observe.stragglers`][]).
 
-    ``enabled``: ``None`` turns it on under a process group of several processes.
+    ``enabled``: ``None`` turns it on under a process group of several processes (as it is
+    at each check: a monitor made before ``init_distributed`` checks too).
     ``warmup``: leading rows left out (compilation, start-up). Feed it the rows the monitor
     reads ([`add`][]), call [`check`][] on every process at the same update; the flagged
     ranks are [`findings`][] (and warned once each on the main process).
@@ -71,7 +72,7 @@ class Stragglers:
         if not slower > 0:
             raise ValueError(f"Stragglers(slower={slower}): give the share above the median "
                              "that flags a process, e.g. 0.2 for 20% slower")
-        self.on = world_size() > 1 if enabled is None else bool(enabled)
+        self.enabled = enabled
         self.slower, self._skip = slower, warmup
         self._steps: list[float] = []
         self._updates = 0  # training rows since the last check, warm-up included
@@ -79,7 +80,7 @@ class Stragglers:
         self._last: int | None = None
         self._seq: int | None = None  # the default group's sequence number at the last check
         self._base_ns = 0  # this process's wall clock when the last check ended
-        if self.on and world_size() > 1:
+        if enabled is not False and world_size() > 1:
             self._arrivals()  # the collectives before this monitor are not its own
         self.checks = 0
         #: rank -> (worst ratio, own time s, median own time s, first and last update)
@@ -124,7 +125,7 @@ class Stragglers:
     def check(self) -> None:
         """One ``all_gather`` of every process's step and arrival times since the last
         check; flag the processes at least ``slower`` above the median own time."""
-        if not self.on or world_size() < 2:
+        if self.enabled is False or world_size() < 2:
             return
         steps, self._steps = self._steps, []
         first, last, self._first, self._last = self._first, self._last, None, None

@@ -103,7 +103,6 @@ def test_judge_flags_ranks_20_percent_above_the_median_only():
 
 def test_the_check_is_off_in_one_process_and_refuses_a_bad_threshold():
     check = Stragglers()
-    assert not check.on
     check.add([{"step": 1, "iter_s": 0.1}])
     check.check()  # no process group: nothing gathered, nothing found
     assert check.findings() == []
