@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+import weakref
 
 import pytest
 import torch
@@ -93,6 +94,18 @@ def test_an_unreachable_lighthouse_is_named_within_the_timeout_and_changes_nothi
     for k, v in state.model.state_dict().items():
         assert torch.equal(v, before[k])
     assert type(state.model) is Net and state.model.inp.weight.grad is None
+
+
+def test_a_second_fault_tolerant_state_in_a_process_is_refused(monkeypatch):
+    from accelfn.transforms.distributed import ft
+
+    other = torch.nn.Linear(1, 1)  # a state already trained with fault tolerance here
+    monkeypatch.setattr(ft, "RUNTIMES", weakref.WeakKeyDictionary({other: object()}))
+    step = af.distributed(fault_tolerance=FaultTolerance(lighthouse="h:1"))(classify)
+    state = _state()
+    with pytest.raises(ValueError, match="one replica group"):
+        step(state, make_batch(n=4))
+    assert state.step == 0 and type(state.model) is Net
 
 
 # ----------------------------------------------------------------------------- the record

@@ -128,6 +128,17 @@ def check_lighthouse(address: str, connect_timeout: float) -> None:
             f"(FaultTolerance(connect_timeout=...)); {_START}") from error
 
 
+def check_alone() -> None:
+    """Refuse a second fault-tolerant state in a process: each process is one member of one
+    replica group, whose quorum, heal and commit cover one state."""
+    if len(RUNTIMES):
+        raise ValueError(
+            "distributed(fault_tolerance=...) already trains another TrainState in this "
+            "process: a process is a member of one replica group, whose quorum, heal and "
+            "commit cover one state (a second would join the lighthouse as another group). "
+            "Train one state per process with it (a new model: a new process)")
+
+
 class Record:
     """Which updates ran with how many replica groups: runs of ``[first, last, replicas]``,
     the updates not applied (``should_commit`` said no) and the updates this group healed

@@ -128,6 +128,7 @@ def _distributed(o: _Options) -> Transform:
         _check_device(device)
         model = prepared.model
         check_optimizers(state.optimizers, o.strategy, o.tp, parameter_names(model))
+        ft.check_alone()
         ft.check_lighthouse(options.address(), options.connect_timeout)  # before any change
         init_distributed()
         if not dist.is_initialized():
