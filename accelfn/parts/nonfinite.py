@@ -27,7 +27,7 @@ from ..core.state import TrainState
 from ..core.syncs import GUARD_READ, deferred_read, labelled_read
 
 __all__ = ["POLICIES", "Decision", "Guard", "NonFinite", "NonFiniteError", "Pending", "abort",
-           "decide"]
+           "decide", "schedule"]
 
 POLICIES = ("skip", "raise", "off")
 SLOT = "nonfinite"
@@ -159,12 +159,11 @@ class Guard:
             values = pending.host.tolist()
         skipped = self._account(*_unpack_flags(values), update, options.policy,
                                 options.max_consecutive, done=True)
-        if not skipped and not options.advance:  # advance: the engine stepped it with the update
-            try:
-                state.step_scheduler()
-            except BaseException as error:
-                error.add_note(_settle_failed(update))
-                raise
+        try:
+            schedule(options, state, skipped, settled=True)
+        except BaseException as error:
+            error.add_note(_settle_failed(update))
+            raise
 
     def _account(self, loss_bad: bool, grads_bad: bool, overflow: bool, custom: bool,
                  update: int, policy: str, limit: int, done: bool = False) -> bool:
@@ -324,6 +323,19 @@ def decide(options: NonFinite, ctx: UpdateContext, overflow: Tensor | None,
     with labelled_read(GUARD_READ):
         flags = device_flags.tolist()
     return _SKIP if guard.decide(flags, ctx.state.step, policy, limit) else _PROCEED
+
+
+def schedule(options: NonFinite, state: TrainState, skip: bool | None,
+             settled: bool = False) -> None:
+    """Step the schedulers for an update, the one place they are stepped: after an applied
+    update; after a skipped one too with ``advance`` (as loops stepping them unconditionally);
+    for a decision left to the device (``skip`` None), when the next update or
+    ``TrainState.sync()`` settles it (``settled``), unless ``advance`` stepped them already."""
+    if options.advance:
+        if not settled:
+            state.step_scheduler()
+    elif skip is False:
+        state.step_scheduler()
 
 
 def abort(ctx: CallContext) -> None:

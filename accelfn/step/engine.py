@@ -272,9 +272,8 @@ class Step:
         # from here on the update is applied (or skipped): it cannot be undone
         if states and decision.skip is not True:  # the user's after-step places run here
             chain.commit(states)
-        advance = self._guard.advance  # as loops stepping them unconditionally
-        if decision.skip is False or advance:
-            state.step_scheduler()
+        nonfinite.schedule(self._guard, state, decision.skip)  # settled later if on the device
+        advance = self._guard.advance
         if carried is not None:
             state.slot(CARRY, Carries).commit_update(carried, decision.skip, on_device)
         after = self._after
