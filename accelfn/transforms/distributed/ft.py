@@ -262,6 +262,8 @@ class Runtime:
             for flat, gs in zip(flats, buckets.values()):
                 pieces = torch.split(flat, [g.numel() for g in gs])
                 compat.foreach_copy_(gs, [p.view_as(g) for p, g in zip(pieces, gs)])
+            if total is None and grads:  # unweighted: the mean of the groups' gradients
+                compat.foreach_div_(grads, float(replicas))
         else:  # a failed exchange may have left them half-reduced: the update is not applied
             for g in grads:
                 g.zero_()
