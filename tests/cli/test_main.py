@@ -33,9 +33,8 @@ def test_module_entry_point_runs_the_same_command() -> None:
                           text=True, timeout=120, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == f"accelfn {accelfn.__version__}"
-    proc = subprocess.run([sys.executable, "-m", "accelfn"], capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: accelfn"), proc.stderr
+    # `python -m accelfn` alone is main() on an empty command line: the usage that
+    # test_bare_command_prints_help_and_succeeds checks (a second process would repeat it)
 
 
 def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

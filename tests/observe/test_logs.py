@@ -53,21 +53,29 @@ def test_the_monitor_logs_to_its_package_logger(caplog: pytest.LogCaptureFixture
 
 @pytest.mark.slow
 def test_nothing_is_printed_unless_logging_is_configured() -> None:
+    # one fresh process: the run before logging is configured, a line on stdout, then the
+    # same run after logging.basicConfig (what was printed before the line came from the first)
     code = (
-        "import logging, torch\n"
+        "import logging, sys, torch\n"
         "from accelfn.observe.monitor import Monitor\n"
-        "mon = Monitor(progress=False, sync_check_step=None)\n"
-        "with mon:\n"
-        "    mon.step({'loss': torch.tensor(1.0)})\n"
-        "logging.getLogger('accelfn.observe').warning('a warning record')\n")
-    quiet = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                           text=True, timeout=300, check=True)
-    assert (quiet.stdout, quiet.stderr) == ("", "")
-    configured = subprocess.run(
-        [sys.executable, "-c", "import logging; logging.basicConfig(level=logging.INFO)\n"
-         + code], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True)
-    assert "INFO:accelfn.observe:monitor: rows from step 1" in configured.stderr
-    assert "WARNING:accelfn.observe:a warning record" in configured.stderr
+        "def run():\n"
+        "    mon = Monitor(progress=False, sync_check_step=None)\n"
+        "    with mon:\n"
+        "        mon.step({'loss': torch.tensor(1.0)})\n"
+        "    logging.getLogger('accelfn.observe').warning('a warning record')\n"
+        "    sys.stdout.flush(); sys.stderr.flush()\n"
+        "run()\n"
+        "print('configured', flush=True)\n"
+        "sys.stderr.write('configured\\n'); sys.stderr.flush()\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "run()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=True)
+    quiet_out, _, _ = proc.stdout.partition("configured\n")
+    quiet_err, marked, configured = proc.stderr.partition("configured\n")
+    assert (quiet_out, quiet_err) == ("", "") and marked
+    assert "INFO:accelfn.observe:monitor: rows from step 1" in configured
+    assert "WARNING:accelfn.observe:a warning record" in configured
 
 
 def test_other_ranks_are_silent_unless_all_ranks(monkeypatch: pytest.MonkeyPatch,
