@@ -15,6 +15,9 @@ MIRRORED = {"core": ("compat", "optimizers", "plan", "state"),
 PARTS = {"accumulation": "transforms/test_accumulation.py",
          "activation_checkpointing": "transforms/test_activation_checkpointing.py",
          "clipping": "transforms/test_clipping.py", "nonfinite": "transforms/test_nonfinite.py",
+         "compilation": "transforms/test_compiled.py",
+         "compile_cache": "transforms/test_compiled.py",
+         "compile_regions": "transforms/test_compiled_steps.py",
          "precision": "transforms/test_amp.py"}
 
 

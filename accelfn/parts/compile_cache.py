@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
-from ...core import compat
-from ...core.processes import is_main_process
-from ...core.state import TrainState
+from ..core import compat
+from ..core.processes import is_main_process
+from ..core.state import TrainState
 
 __all__ = ["CacheFile", "load", "pack_kernels", "read_cache", "save", "unpack_kernels",
            "write_cache"]

@@ -26,8 +26,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ...core.modules import find_blocks, inner_forward, running_stat_modules, wrap_forward
-from ...core.state import TrainState
+from ..core.modules import find_blocks, inner_forward, running_stat_modules, wrap_forward
+from ..core.state import TrainState
 
 __all__ = ["Regional", "check", "in_place_reason", "wrap_blocks"]
 

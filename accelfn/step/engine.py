@@ -37,7 +37,14 @@ from ..core.contexts import CallContext, Prepared, UpdateContext, entered, held
 from ..core.outputs import unpack
 from ..core.plan import Plan, Sums
 from ..core.state import TrainState
-from ..parts import accumulation, activation_checkpointing, clipping, nonfinite, precision
+from ..parts import (
+    accumulation,
+    activation_checkpointing,
+    clipping,
+    compilation,
+    nonfinite,
+    precision,
+)
 from ..parts.clipping import Clipping
 from ..parts.nonfinite import Decision, NonFinite, NonFiniteError
 from . import agreement, chain, checks, micro
@@ -132,22 +139,19 @@ class Step:
         optimizers = state.optimizers
         prepared = Prepared(model=state.model, optimizer_step=optimizers_.stepper(optimizers),
                             device=state.device)
-        amp, blocks = spec.precision, spec.checkpointing
-        islands = amp and (lambda prepared, state: precision.islands(amp, prepared, state))
-        wrap = blocks and (lambda prepared, state: activation_checkpointing.wrap(
-            blocks, prepared, state))
         # the canonical order: each wraps what the one before it made
-        for place, prepare in (("float8", spec.float8 and spec.float8.convert),
-                               ("precision", islands), ("checkpointing", wrap),
-                               ("sharding", spec.sharding and spec.sharding.shard),
-                               ("compilation", spec.compilation and spec.compilation.compile),
-                               ("averaging", spec.averaging and spec.averaging.average)):
-            if prepare:
-                result = prepare(prepared, state)
-                if not isinstance(result, Prepared):
-                    raise TypeError(f"the {place} part returned {result!r}; return a Prepared "
-                                    "(dataclasses.replace(prepared, ...))")
-                prepared = result
+        if spec.float8 is not None:
+            prepared = _made("float8", spec.float8.convert(prepared, state))
+        if spec.precision is not None:
+            prepared = precision.islands(spec.precision, prepared, state)
+        if spec.checkpointing is not None:
+            prepared = activation_checkpointing.wrap(spec.checkpointing, prepared, state)
+        if spec.sharding is not None:
+            prepared = _made("sharding", spec.sharding.shard(prepared, state))
+        if spec.compilation is not None:
+            prepared = compilation.compile(spec.compilation, prepared, state)
+        if spec.averaging is not None:
+            prepared = _made("averaging", spec.averaging.average(prepared, state))
         skips = all(compat.step_supports_amp_scaling(o) and all(
             group.get("fused") for group in o.param_groups) for o in optimizers)
         prepared = dataclasses.replace(prepared, skips_on_device=skips,
@@ -416,6 +420,14 @@ class _Progress:
         self.decision: Decision | None = None
         self.applied = False
         self.counted = False
+
+
+def _made(place: str, result: object) -> Prepared:
+    """What the ``place`` part's preparation returned, which must be a ``Prepared``."""
+    if not isinstance(result, Prepared):
+        raise TypeError(f"the {place} part returned {result!r}; return a Prepared "
+                        "(dataclasses.replace(prepared, ...))")
+    return result
 
 
 def _release_memory(device: torch.device) -> None:

@@ -16,6 +16,7 @@ preparing, the [`Prepared`][accelfn.core.contexts.Prepared] so far and the state
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -24,15 +25,16 @@ from torch import Tensor
 
 from ..core.contexts import CallContext, Prepared, UpdateContext
 from ..core.state import TrainState
-from ..parts import activation_checkpointing, precision
+from ..parts import activation_checkpointing, compilation, precision
 from ..parts.accumulation import Accumulation
 from ..parts.activation_checkpointing import Checkpointing
 from ..parts.clipping import Clipping
+from ..parts.compilation import Compilation
 from ..parts.nonfinite import NonFinite
 from ..parts.precision import Precision
 from .extension import Chained, GradientTransform, Transform
 
-__all__ = ["Averaging", "Compilation", "Float8", "Sharding", "Spec",
+__all__ = ["Averaging", "Float8", "Sharding", "Spec",
            "spec_of"]
 
 Context = contextlib.AbstractContextManager[Any]
@@ -66,15 +68,6 @@ class Sharding:
     # an agreed pass whose gradients the reduction all-reduces once
     unsynced_refusal: Callable[[CallContext], str | None] | None = None
     agreed: Callable[[CallContext], None] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Compilation:
-    """``compiled``: torch.compile of the model (and optimizer step); the compile cache."""
-
-    compile: Prepare
-    check: Check | None = None
-    after_update: AfterUpdate | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +107,12 @@ class Spec:
     @property
     def checks(self) -> list[Check]:
         """The refusals a state is checked against before any preparation changes it."""
-        amp, blocks = self.precision, self.checkpointing
+        amp, blocks, compiling = self.precision, self.checkpointing, self.compilation
         found = {
-            "precision": amp and amp.fp32 and (lambda state: precision.check(amp, state)),
-            "checkpointing": blocks and (
-                lambda state: activation_checkpointing.check(blocks, state)),
+            "precision": amp and amp.fp32 and functools.partial(precision.check, amp),
+            "checkpointing": blocks and functools.partial(activation_checkpointing.check,
+                                                          blocks),
+            "compilation": compiling and functools.partial(compilation.check, compiling),
         }
         checks = [found[f.name] if f.name in found else getattr(getattr(self, f.name), "check",
                                                                 None)
@@ -131,7 +125,8 @@ class Spec:
         scales = self.precision is not None and self.precision.scales
         found = [scales and precision.update, self.float8 and self.float8.after_update,
                  self.averaging and self.averaging.update,
-                 self.compilation and self.compilation.after_update]
+                 self.compilation and self.compilation.cache is not None
+                 and functools.partial(compilation.after_update, self.compilation)]
         return [f for f in found if f]
 
 

@@ -13,9 +13,10 @@ from torch import Tensor, nn
 from ..core import compat
 from ..core.contexts import CallContext, Prepared, UpdateContext
 from ..core.state import TrainState
+from ..parts.compilation import Compilation
 from ..step.engine import LossFn, Step
 from ..step.extension import Transform, configure
-from ..step.spec import Compilation, Float8
+from ..step.spec import Float8
 
 __all__ = ["with_float8"]
 

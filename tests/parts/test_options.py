@@ -14,6 +14,7 @@ import accelfn as af
 from accelfn.parts.accumulation import Accumulation
 from accelfn.parts.activation_checkpointing import COMPUTE_INTENSIVE_OPS, Checkpointing
 from accelfn.parts.clipping import Clipping
+from accelfn.parts.compilation import Compilation
 from accelfn.parts.nonfinite import NonFinite
 from accelfn.parts.precision import Precision
 
@@ -26,6 +27,8 @@ BUILT = [
     (af.with_nonfinite(policy="raise", skipped="advance"), NonFinite("raise", advance=True)),
     (af.checkpointed(blocks=torch.nn.Linear, every=2, selective=True),
      Checkpointing(torch.nn.Linear, 2, COMPUTE_INTENSIVE_OPS)),
+    (af.compiled(mode="max-autotune", optimizer=True, regional="nested"),
+     Compilation("max-autotune", optimizer=True, regional="nested")),
 ]
 
 
@@ -62,6 +65,8 @@ def test_defaults_and_normalised_values():
     (lambda: NonFinite("ignore"), "policy='ignore'"),
     (lambda: NonFinite(max_consecutive=0), "max_consecutive"),
     (lambda: Checkpointing(every=0), "every"),
+    (lambda: Compilation(mode="fast"), "mode='fast'"),
+    (lambda: Compilation(backend="inductor", cache=""), "path of a file"),
     (lambda: Checkpointing(save=(), offload="cpu"), "pass one of them"),
 ])
 def test_bad_options_are_refused_when_built_naming_the_option(build, match):

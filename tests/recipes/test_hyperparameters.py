@@ -19,7 +19,6 @@ from torch.optim.lr_scheduler import ChainedScheduler
 import accelfn as af
 from accelfn.recipes.hyperparameters import Schedule, schedule
 from accelfn.recipes.schedules import warmup_stable_decay
-from accelfn.step.spec import Compilation
 
 TOTAL = 40
 WEIGHT_DECAY = 0.2
@@ -211,10 +210,6 @@ def _tensor_hyperparameters(prepared, state):
     return prepared
 
 
-# What compiled(optimizer=True) does to the rate (and tensor betas), without compiling.
-TensorHyperparameters = af.Transform("tensor_hp", Compilation(_tensor_hyperparameters))
-
-
 def test_tensor_hyperparameters_are_filled_in_place():
     torch.manual_seed(0)
     net = Net()
@@ -228,7 +223,9 @@ def test_tensor_hyperparameters_are_filled_in_place():
 
     sched = schedule(opt, lr=lr, betas=betas)  # built while they are floats
     state = af.TrainState(net, opt, scheduler=sched)
-    step = af.lift(classify).with_transform(TensorHyperparameters)
+    # what compiled(optimizer=True) does to the rate (and tensor betas) when preparing
+    _tensor_hyperparameters(None, state)
+    step = af.lift(classify)
     step(state, make_batch(seed=0))
     rate, (beta1, _) = opt.param_groups[0]["lr"], opt.param_groups[0]["betas"]
     assert isinstance(rate, torch.Tensor) and isinstance(beta1, torch.Tensor)

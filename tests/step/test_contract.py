@@ -76,15 +76,19 @@ def test_one_step_in_two_stacks_and_two_states_behaves_as_if_built_alone():
     assert_params_equal(b.model, alone_b.model)
 
 
-def test_stacks_sharing_a_state_share_equal_preparations_and_refuse_other_sharding():
+def test_stacks_sharing_a_state_share_equal_preparations_and_refuse_other_sharding(
+        monkeypatch):
     state = _state()
     log = []
 
-    def count(prepared, st):
+    def count(options, prepared, st):
         log.append(1)
         return prepared
 
-    counted = af.Transform("counted", af.step.spec.Checkpointing(count))
+    from accelfn.parts import activation_checkpointing  # its preparation, counted
+
+    monkeypatch.setattr(activation_checkpointing, "wrap", count)
+    counted = af.checkpointed(blocks=torch.nn.Linear)
     counted(classify)(state, make_batch())
     af.with_clipping(counted(classify))(state, make_batch())  # equal preparation: shared
     assert log == [1]

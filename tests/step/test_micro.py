@@ -74,21 +74,21 @@ def test_a_function_calling_backward_itself_is_told_to_return_the_loss():
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_nothing_of_the_scopes_is_left_entered_after_a_failing_function():
+def test_nothing_of_the_scopes_is_left_entered_after_a_failing_function(monkeypatch):
     entered = []
 
     @contextlib.contextmanager
-    def scope(ctx):
+    def scope(options, ctx):
         entered.append(True)
         try:
             yield
         finally:
             entered.pop()
 
-    from accelfn.step.spec import Checkpointing
+    from accelfn.parts import activation_checkpointing
 
-    step = af.Transform("checkpointed", Checkpointing(lambda p, s: p, scope))(
-        lambda model, batch: 1 / 0)
+    monkeypatch.setattr(activation_checkpointing, "scope", scope)
+    step = af.checkpointed(blocks=torch.nn.Linear)(lambda model, batch: 1 / 0)
     model = Net()
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ZeroDivisionError):

@@ -28,7 +28,7 @@ from reference import reference_update
 
 import accelfn as af
 from accelfn.core import compat
-from accelfn.transforms.compile.cache import CacheFile, read_cache, unpack_kernels, write_cache
+from accelfn.parts.compile_cache import CacheFile, read_cache, unpack_kernels, write_cache
 
 HERE = Path(__file__).resolve()
 TOL = {"atol": 1e-5, "rtol": 1e-4}  # fp32: inductor fuses and reorders reductions

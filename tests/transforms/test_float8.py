@@ -20,7 +20,6 @@ from torchao.float8.float8_linear import Float8Linear
 import accelfn as af
 from accelfn import with_float8
 from accelfn.core.contexts import CallContext
-from accelfn.step.spec import Compilation
 from accelfn.testing import check_transform, plain_update
 from accelfn.transforms.float8 import eligible
 
@@ -382,7 +381,7 @@ def test_cuda_without_compile_is_refused_with_the_fix():
 
 
 def test_cuda_with_compile_in_the_stack_is_accepted():
-    regional = af.Transform("regional", Compilation(lambda prepared, state: prepared))
+    regional = af.compiled(regional=True)  # compiles the blocks inside float8's wrap
     for step in (af.compiled(with_float8(min_features=16)(ce)),  # wraps the model
                  regional(with_float8(min_features=16)(ce))):  # compiles inside it
         model = mlp()
