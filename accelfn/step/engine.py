@@ -55,6 +55,7 @@ __all__ = ["LossFn", "NonFiniteError", "Step", "apply_transform", "describe", "l
 
 LossFn = Callable[..., "Tensor | Mapping[str, Tensor]"]  # fn(model, batch[, carry])
 _DEFAULT_GUARD = NonFinite()  # every update decides
+_UNCOMMITTED = Decision(True)  # an update the replica groups did not commit: skipped
 _SCALAR = torch.Size([])
 _FIXED = frozenset({"fn", "transforms", "spec", "_key", "_after", "_guard", "_carry"})
 _PREPARING = ("float8", "precision", "checkpointing", "sharding", "compilation", "averaging")
@@ -269,8 +270,10 @@ class Step:
         states = chain.run(spec.gradients, uctx) if spec.gradients else None  # checked
         norm = clipping.clip(spec.clipping, uctx) if spec.clipping is not None else None
         # the decision, then the optimizer steps
-        decision = progress.decision = nonfinite.decide(self._guard, uctx, overflow, norm,
-                                                        not spec.gradients)
+        sharding = spec.sharding  # fault tolerance: every replica group committed the update
+        committed = sharding is None or sharding.commit is None or sharding.commit(uctx)
+        decision = progress.decision = nonfinite.decide(
+            self._guard, uctx, overflow, norm, not spec.gradients) if committed else _UNCOMMITTED
         optimizers_.rate_metrics(metrics, optimizers, prepared.device)  # what it uses
         on_device = self._apply(uctx, decision, progress)  # a device flag: decided there
         # from here on the update is applied (or skipped): it cannot be undone

@@ -68,6 +68,9 @@ class Sharding:
     # an agreed pass whose gradients the reduction all-reduces once
     unsynced_refusal: Callable[[CallContext], str | None] | None = None
     agreed: Callable[[CallContext], None] | None = None
+    # whether the update is applied, asked once after the reduction (fault tolerance: every
+    # replica group agreed); False skips it as a skipped update is skipped (None: applied)
+    commit: Callable[[UpdateContext], bool] | None = None
 
 
 @dataclass(frozen=True, slots=True)

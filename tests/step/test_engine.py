@@ -310,3 +310,34 @@ def test_the_update_reports_the_weight_the_step_function_returned(n):
     metrics = step(state, batch)
     assert metrics["weight"].item() == batch["mask"].sum().item()
     assert "weight" not in af.lift(classify)(state, batch).keys()
+
+
+def test_an_update_the_sharding_does_not_commit_is_skipped_whole():
+    """Fault tolerance's vote (``Sharding.commit``): an update the replica groups do not
+    commit changes no parameter, optimizer state nor schedule, reports ``skipped`` and is
+    counted, as a skipped non-finite update; a committed one is the plain update."""
+    import contextlib
+
+    from accelfn.step.spec import Sharding
+
+    votes = iter([True, False, True])
+    fake = af.Transform("fake_sharding", Sharding(
+        lambda prepared, state: prepared, lambda ctx, i, sync: contextlib.nullcontext(),
+        lambda ctx: None, commit=lambda ctx: next(votes)))
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    state = af.TrainState(model, optimizer, scheduler=scheduler)
+    step = fake(classify)
+    assert step(state, make_batch(seed=0))["skipped"].item() == 0
+    before = [p.detach().clone() for p in model.parameters()]
+    momentum = [optimizer.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    metrics = step(state, make_batch(seed=1))
+    assert metrics["skipped"].item() == 1 and state.step == 2
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert all(torch.equal(m, optimizer.state[p]["momentum_buffer"])
+               for m, p in zip(momentum, model.parameters()))
+    assert scheduler.last_epoch == 1 and all(p.grad is None for p in model.parameters())
+    assert step(state, make_batch(seed=2))["skipped"].item() == 0
+    assert scheduler.last_epoch == 2

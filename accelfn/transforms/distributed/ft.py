@@ -208,7 +208,7 @@ class Runtime:
         self.world = dist.get_world_size(group)
         self.device = device
         self.quorum = False  # start_quorum called for the update in progress
-        self.commit = True  # the gate of the optimizer step
+        self.commit = True  # the vote of the update: the engine applies it only when True
         self.healed = False
         self._written = (0, 0.0)  # the record's runs and the time when last written
         self.store = _group_store(group, self.rank)
@@ -294,12 +294,6 @@ class Runtime:
     def abort(self) -> None:
         """A failed call: the next update starts a new quorum (torchft's errors cleared)."""
         self.quorum = False
-
-    def gated(self, step: Callable[[], object]) -> Callable[[], object]:
-        """The optimizer step, applied only when the group committed the update."""
-        def optimizer_step() -> object:
-            return step() if self.commit else None
-        return optimizer_step
 
 
 #: each prepared model's runtime (steps built alike share a preparation, hence one runtime)

@@ -149,8 +149,7 @@ def _distributed(o: _Options) -> Transform:
                 call = root_call(model)
             runtime = ft.Runtime(options, state, dist.group.WORLD, device)
         ft.RUNTIMES[model] = runtime
-        return dataclasses.replace(prepared, call=call, process_group=dist.group.WORLD,
-                                   optimizer_step=runtime.gated(prepared.optimizer_step))
+        return dataclasses.replace(prepared, call=call, process_group=dist.group.WORLD)
 
     def _micro_context(ctx: CallContext,
                        sync: bool) -> contextlib.AbstractContextManager[Any] | None:
@@ -253,9 +252,13 @@ def _distributed(o: _Options) -> Transform:
         _ddp(ctx).require_forward_param_sync = True
 
     # DDP keeps nothing the engine's zero_grad does not clear
+    def commit(ctx: UpdateContext) -> bool:
+        return ft.RUNTIMES[ctx.model].commit  # every live group's vote, taken in reduce
+
     part = Sharding(shard, micro_context, reduce,
                     abort=abort if fsdp or o.fault_tolerance is not None else None,
-                    explain=explain, unsynced_refusal=unsynced_refusal, agreed=agreed)
+                    explain=explain, unsynced_refusal=unsynced_refusal, agreed=agreed,
+                    commit=commit if o.fault_tolerance is not None else None)
     return Transform("distributed", part, options=_option_values(o), label=_label(o))
 
 
