@@ -13,7 +13,8 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 import accelfn as af
 from accelfn.observe.sync_probe import SyncProbe
-from accelfn.transforms.ema import _Schedule, ema_state_dict, ema_weights, with_ema
+from accelfn.parts.averaging import _Schedule
+from accelfn.transforms.ema import ema_state_dict, ema_weights, with_ema
 
 
 class BNNet(nn.Module):

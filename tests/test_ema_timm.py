@@ -21,7 +21,8 @@ from torch import nn
 
 import accelfn as af
 from accelfn.observe.sync_probe import SyncProbe
-from accelfn.transforms.ema import _Schedule, ema_state_dict, with_ema
+from accelfn.parts.averaging import _Schedule
+from accelfn.transforms.ema import ema_state_dict, with_ema
 
 
 class BNNet(nn.Module):

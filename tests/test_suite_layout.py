@@ -14,6 +14,7 @@ MIRRORED = {"core": ("compat", "optimizers", "plan", "state"),
 # a built-in's mechanism (accelfn/parts/<module>.py) is tested through its public transform
 PARTS = {"accumulation": "transforms/test_accumulation.py",
          "activation_checkpointing": "transforms/test_activation_checkpointing.py",
+         "averaging": "test_ema.py",
          "clipping": "transforms/test_clipping.py", "nonfinite": "transforms/test_nonfinite.py",
          "compilation": "transforms/test_compiled.py",
          "compile_cache": "transforms/test_compiled.py",

@@ -6,8 +6,9 @@ import torch
 
 from ..core.state import TrainState
 from ..parts.accumulation import FINEST_SPLIT
+from ..parts.averaging import EVALUATE_OPTIONS, Averaging
 from .extension import Transform
-from .spec import Averaging, Spec
+from .spec import Spec
 
 __all__ = ["after_update_failed", "check_evaluate_options", "check_optimizer_holds_trainable",
            "check_state", "optimizer_failed", "optimizer_out_of_memory", "out_of_memory"]
@@ -35,7 +36,7 @@ def check_state(state: object) -> None:
 
 def check_evaluate_options(averaging: Averaging | None, options: dict[str, object]) -> None:
     """Refuse ``evaluate()`` options that no transform of the step takes."""
-    known = () if averaging is None else averaging.evaluate_options
+    known = () if averaging is None else EVALUATE_OPTIONS
     unknown = sorted(set(options) - set(known))
     if unknown:
         offered = ", ".join(f"{o!r} (with_ema)" for o in sorted(known)) or "none"

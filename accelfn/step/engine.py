@@ -40,6 +40,7 @@ from ..core.state import TrainState
 from ..parts import (
     accumulation,
     activation_checkpointing,
+    averaging,
     clipping,
     compilation,
     nonfinite,
@@ -152,7 +153,7 @@ class Step:
         if spec.compilation is not None:
             prepared = compilation.compile(spec.compilation, prepared, state)
         if spec.averaging is not None:
-            prepared = _made("averaging", spec.averaging.average(prepared, state))
+            prepared = averaging.average(spec.averaging, prepared, state)
         skips = all(compat.step_supports_amp_scaling(o) and all(
             group.get("fused") for group in o.param_groups) for o in optimizers)
         prepared = dataclasses.replace(prepared, skips_on_device=skips,
@@ -380,8 +381,8 @@ class Step:
         weighted over micro-batches exactly as in training. ``options`` go to the transforms
         that take them (``weights="ema"`` with ``with_ema``).
         """
-        averaging = self.spec.averaging
-        checks.check_evaluate_options(averaging, options)
+        ema = self.spec.averaging
+        checks.check_evaluate_options(ema, options)
         check_batch(batch)
         ctx = CallContext(state, self.prepare(state), training=False)
         plan = self._plan(ctx, batch)
@@ -391,7 +392,7 @@ class Step:
         was_training = model.training
         model.eval()
         try:
-            managers = [] if averaging is None else [averaging.evaluate(ctx, options)]
+            managers = [] if ema is None else [averaging.evaluate(ema, ctx, options)]
             carried: dict[int, Any] = {}
             with torch.no_grad(), entered(managers):
                 for i, one in enumerate(plan.micros):

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -25,16 +25,17 @@ from torch import Tensor
 
 from ..core.contexts import CallContext, Prepared, UpdateContext
 from ..core.state import TrainState
-from ..parts import activation_checkpointing, compilation, precision
+from ..parts import activation_checkpointing, averaging, compilation, precision
 from ..parts.accumulation import Accumulation
 from ..parts.activation_checkpointing import Checkpointing
+from ..parts.averaging import Averaging
 from ..parts.clipping import Clipping
 from ..parts.compilation import Compilation
 from ..parts.nonfinite import NonFinite
 from ..parts.precision import Precision
 from .extension import Chained, GradientTransform, Transform
 
-__all__ = ["Averaging", "Float8", "Sharding", "Spec",
+__all__ = ["Float8", "Sharding", "Spec",
            "spec_of"]
 
 Context = contextlib.AbstractContextManager[Any]
@@ -71,17 +72,6 @@ class Sharding:
     # whether the update is applied, asked once after the reduction (fault tolerance: every
     # replica group agreed); False skips it as a skipped update is skipped (None: applied)
     commit: Callable[[UpdateContext], bool] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Averaging:
-    """``with_ema``: averaged copies of the prepared model's weights, updated after each
-    update, swapped in by ``evaluate(weights=...)``."""
-
-    average: Prepare
-    update: AfterUpdate
-    evaluate: Callable[[CallContext, Mapping[str, Any]], Context]
-    evaluate_options: tuple[str, ...] = ("weights",)
 
 
 _PLACES: dict[type, str] = {
@@ -127,7 +117,7 @@ class Spec:
         """What runs after the optimizer step, in the sequence's order."""
         scales = self.precision is not None and self.precision.scales
         found = [scales and precision.update, self.float8 and self.float8.after_update,
-                 self.averaging and self.averaging.update,
+                 self.averaging and functools.partial(averaging.update, self.averaging),
                  self.compilation and self.compilation.cache is not None
                  and functools.partial(compilation.after_update, self.compilation)]
         return [f for f in found if f]

@@ -13,6 +13,7 @@ import torch
 import accelfn as af
 from accelfn.parts.accumulation import Accumulation
 from accelfn.parts.activation_checkpointing import COMPUTE_INTENSIVE_OPS, Checkpointing
+from accelfn.parts.averaging import Averaging
 from accelfn.parts.clipping import Clipping
 from accelfn.parts.compilation import Compilation
 from accelfn.parts.nonfinite import NonFinite
@@ -29,6 +30,8 @@ BUILT = [
      Checkpointing(torch.nn.Linear, 2, COMPUTE_INTENSIVE_OPS)),
     (af.compiled(mode="max-autotune", optimizer=True, regional="nested"),
      Compilation("max-autotune", optimizer=True, regional="nested")),
+    (af.with_ema(decay=0.99, every=4, updates_per_epoch=10, warmup_epochs=1, adjust=2.0),
+     Averaging(0.99, 4, updates_per_epoch=10, warmup_epochs=1, adjust=2.0)),
 ]
 
 
@@ -51,6 +54,7 @@ def test_defaults_and_normalised_values():
     assert repr(NonFinite()) == "with_nonfinite(skip, max_consecutive=10)"
     assert repr(Accumulation(2, adaptive=True)) == "with_accumulation(2, adaptive)"
     # equal options share the key their settings are kept under on the blocks
+    assert Averaging(0.9, adjust=2.0).schedule.decay == pytest.approx(0.8)  # torchvision's
     assert Checkpointing(every=2).key == Checkpointing(every=2).key != Checkpointing().key
 
 
@@ -66,6 +70,8 @@ def test_defaults_and_normalised_values():
     (lambda: NonFinite(max_consecutive=0), "max_consecutive"),
     (lambda: Checkpointing(every=0), "every"),
     (lambda: Compilation(mode="fast"), "mode='fast'"),
+    (lambda: Averaging(decay=1.0), "decay=1.0"),
+    (lambda: Averaging(warmup_epochs=2), "needs updates_per_epoch"),
     (lambda: Compilation(backend="inductor", cache=""), "path of a file"),
     (lambda: Checkpointing(save=(), offload="cpu"), "pass one of them"),
 ])

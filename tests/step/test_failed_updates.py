@@ -155,7 +155,7 @@ def test_scheduler_failure_after_the_update_says_so_and_next_call_works(net, amp
 def test_after_update_failure_clears_gradients_and_loss_scaler(net, monkeypatch):
     """The EMA's update, after the optimizer step, fails once: the update counts, the next
     call works (the loss scaler was reset, nothing is left in .grad)."""
-    from accelfn.transforms import ema
+    from accelfn.parts import averaging as ema
 
     calls = {"n": 0}
     real = ema._EmaWeights.update
