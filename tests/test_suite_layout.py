@@ -17,6 +17,7 @@ PARTS = {"accumulation": "transforms/test_accumulation.py",
          "averaging": "test_ema.py",
          "clipping": "transforms/test_clipping.py", "nonfinite": "transforms/test_nonfinite.py",
          "compilation": "transforms/test_compiled.py",
+         "float8": "transforms/test_float8.py",
          "compile_cache": "transforms/test_compiled.py",
          "compile_regions": "transforms/test_compiled_steps.py",
          "precision": "transforms/test_amp.py"}

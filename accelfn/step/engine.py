@@ -43,6 +43,7 @@ from ..parts import (
     averaging,
     clipping,
     compilation,
+    float8,
     nonfinite,
     precision,
 )
@@ -143,7 +144,7 @@ class Step:
                             device=state.device)
         # the canonical order: each wraps what the one before it made
         if spec.float8 is not None:
-            prepared = _made("float8", spec.float8.convert(prepared, state))
+            prepared = float8.convert(spec.float8, prepared, state)
         if spec.precision is not None:
             prepared = precision.islands(spec.precision, prepared, state)
         if spec.checkpointing is not None:

@@ -23,7 +23,7 @@ from ..core.carry import Carries, detached
 from ..core.contexts import CallContext, entered
 from ..core.outputs import unpack
 from ..core.plan import Plan, Sums
-from ..parts import activation_checkpointing, precision
+from ..parts import activation_checkpointing, float8, precision
 from .spec import Spec
 
 __all__ = ["forward", "forward_and_backward", "without_empty"]
@@ -42,7 +42,7 @@ def forward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext,
     the state's own module: its submodules and methods work as through ``model(...)``."""
     managers = [] if spec.precision is None else [precision.autocast(spec.precision, ctx)]
     if spec.float8 is not None:
-        managers.append(spec.float8.forward(ctx))
+        managers.append(float8.forward(spec.float8, ctx))
     if spec.checkpointing is not None:
         managers.append(activation_checkpointing.scope(spec.checkpointing, ctx))
     model = ctx.prepared.model

@@ -25,32 +25,24 @@ from torch import Tensor
 
 from ..core.contexts import CallContext, Prepared, UpdateContext
 from ..core.state import TrainState
-from ..parts import activation_checkpointing, averaging, compilation, precision
+from ..parts import activation_checkpointing, averaging, compilation, float8, precision
 from ..parts.accumulation import Accumulation
 from ..parts.activation_checkpointing import Checkpointing
 from ..parts.averaging import Averaging
 from ..parts.clipping import Clipping
 from ..parts.compilation import Compilation
+from ..parts.float8 import Float8
 from ..parts.nonfinite import NonFinite
 from ..parts.precision import Precision
 from .extension import Chained, GradientTransform, Transform
 
-__all__ = ["Float8", "Sharding", "Spec",
+__all__ = ["Sharding", "Spec",
            "spec_of"]
 
 Context = contextlib.AbstractContextManager[Any]
 Prepare = Callable[[Prepared, TrainState], Prepared]
 Check = Callable[[TrainState], object]
 AfterUpdate = Callable[[UpdateContext, Tensor], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Float8:
-    """``with_float8``: Linear layers converted first; their forward and scale precompute."""
-
-    convert: Prepare
-    forward: Callable[[CallContext], Context]
-    after_update: AfterUpdate | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +108,10 @@ class Spec:
     def after_update(self) -> list[AfterUpdate]:
         """What runs after the optimizer step, in the sequence's order."""
         scales = self.precision is not None and self.precision.scales
-        found = [scales and precision.update, self.float8 and self.float8.after_update,
+        fp8 = self.float8
+        found = [scales and precision.update,
+                 fp8 and fp8.fsdp_float8_all_gather and functools.partial(float8.after_update,
+                                                                          fp8),
                  self.averaging and functools.partial(averaging.update, self.averaging),
                  self.compilation and self.compilation.cache is not None
                  and functools.partial(compilation.after_update, self.compilation)]

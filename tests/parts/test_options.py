@@ -16,6 +16,7 @@ from accelfn.parts.activation_checkpointing import COMPUTE_INTENSIVE_OPS, Checkp
 from accelfn.parts.averaging import Averaging
 from accelfn.parts.clipping import Clipping
 from accelfn.parts.compilation import Compilation
+from accelfn.parts.float8 import Float8
 from accelfn.parts.nonfinite import NonFinite
 from accelfn.parts.precision import Precision
 
@@ -30,6 +31,7 @@ BUILT = [
      Checkpointing(torch.nn.Linear, 2, COMPUTE_INTENSIVE_OPS)),
     (af.compiled(mode="max-autotune", optimizer=True, regional="nested"),
      Compilation("max-autotune", optimizer=True, regional="nested")),
+    (af.with_float8(min_features=32, recipe="rowwise"), Float8(32, recipe="rowwise")),
     (af.with_ema(decay=0.99, every=4, updates_per_epoch=10, warmup_epochs=1, adjust=2.0),
      Averaging(0.99, 4, updates_per_epoch=10, warmup_epochs=1, adjust=2.0)),
 ]
@@ -71,6 +73,7 @@ def test_defaults_and_normalised_values():
     (lambda: Checkpointing(every=0), "every"),
     (lambda: Compilation(mode="fast"), "mode='fast'"),
     (lambda: Averaging(decay=1.0), "decay=1.0"),
+    (lambda: Float8(min_features=8), "min_features=8"),
     (lambda: Averaging(warmup_epochs=2), "needs updates_per_epoch"),
     (lambda: Compilation(backend="inductor", cache=""), "path of a file"),
     (lambda: Checkpointing(save=(), offload="cpu"), "pass one of them"),

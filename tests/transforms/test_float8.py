@@ -20,8 +20,8 @@ from torchao.float8.float8_linear import Float8Linear
 import accelfn as af
 from accelfn import with_float8
 from accelfn.core.contexts import CallContext
+from accelfn.parts.float8 import eligible
 from accelfn.testing import check_transform, plain_update
-from accelfn.transforms.float8 import eligible
 
 BF16 = af.with_amp(dtype=torch.bfloat16)  # bf16 autocast whatever the CPU computes natively
 
@@ -364,7 +364,9 @@ def _context(step, state, device: str):
 
 
 def _hook(step):
-    return step.spec.float8.forward
+    from accelfn.parts import float8
+
+    return lambda ctx: float8.forward(step.spec.float8, ctx)
 
 
 def test_cuda_without_compile_is_refused_with_the_fix():
