@@ -18,6 +18,7 @@ from .checkpointing import (
     CheckpointLockedError,
     PreemptionGuard,
 )
+from .core.hangs import HangError
 from .core.modules import find_blocks
 from .core.processes import (
     init_distributed,
@@ -99,6 +100,7 @@ __all__ = [
     "EarlyStopping",
     "FaultTolerance",
     "GradientTransform",
+    "HangError",
     "MemoryEstimate",
     "MemorySnapshot",
     "Monitor",

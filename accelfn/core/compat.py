@@ -3,7 +3,8 @@
 torch changes its private functions between releases without notice. Keeping each one here,
 with a test in ``tests/core/test_compat.py`` that fails loudly when torch changes it, means a
 torch upgrade breaks one file, in a known place (and ``compat_memory`` for the fake tensors
-and allocator history of the memory tools). The torch range accelfn is tested with is
+and allocator history of the memory tools, ``compat_distributed`` for the Flight Recorder
+and the process group's timeout). The torch range accelfn is tested with is
 stated in ``pyproject.toml``.
 """
 
