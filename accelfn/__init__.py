@@ -18,6 +18,8 @@ from .checkpointing import (
     CheckpointLockedError,
     PreemptionGuard,
 )
+
+# core: TrainState, processes, modules
 from .core.hangs import HangError
 from .core.modules import find_blocks
 from .core.processes import (
@@ -42,6 +44,8 @@ from .observe.memory_snapshots import MemorySnapshot, memory_snapshot
 from .observe.monitor import Monitor
 from .observe.profiling import Profiler, profiled
 from .observe.sync_probe import SyncProbe
+
+# parts: the built-ins' errors
 from .parts.nonfinite import NonFiniteError
 
 # recipes
@@ -66,7 +70,7 @@ from .recipes.schedules import (
     warmup_stable_decay,
 )
 
-# core: the step protocol, the engine, TrainState, processes
+# step: the step, the transform types, the chain
 from .step.chain import chain
 from .step.engine import Step, apply_transform, describe, lift
 from .step.extension import GradientTransform, Transform
