@@ -149,8 +149,15 @@ def test_hand_written_loop_example(tmp_path):
     assert [r["epoch"] for r in rows][-1] == "2"
 
 
+def assert_no_word_of_the_sync_check(printed: str, reports: int) -> None:
+    """The examples run with the monitor's sync check off (sync_check_step=None): ``reports``
+    monitor reports are printed, and nothing about host syncs."""
+    assert printed.count("accelfn monitor report") == reports
+    assert "host_syncs" not in printed and "probed for host syncs" not in printed
+
+
 @pytest.mark.slow
-def test_gpt_example_learns_and_resumes_exactly(tmp_path):
+def test_gpt_example_learns_and_resumes_exactly(tmp_path, capsys):
     example = load_example("gpt")
     small = ["--text-bytes", "60000", "--batch-size", "8", "--seq-len", "32", "--dim", "32",
              "--depth", "2", "--accumulation", "2", "--quiet"]
@@ -164,6 +171,7 @@ def test_gpt_example_learns_and_resumes_exactly(tmp_path):
     a, b = final_model(straight), final_model(split)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    assert_no_word_of_the_sync_check(capsys.readouterr().out, reports=3)
 
 
 @pytest.mark.slow
@@ -410,9 +418,10 @@ LOGGING_CASES = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LOGGING_CASES))
-def test_examples_log_held_out_metrics_beside_the_training_rows(name, tmp_path):
+def test_examples_log_held_out_metrics_beside_the_training_rows(name, tmp_path, capsys):
     """Every --eval-every updates and at the end, in the run's metrics.jsonl, a resumed run's
-    after the first run's; the last is the value the report gives."""
+    after the first run's; the last is the value the report gives. Nothing is printed about
+    host syncs (the sync check is off)."""
     import json
 
     args, names, key = LOGGING_CASES[name]
@@ -427,19 +436,9 @@ def test_examples_log_held_out_metrics_beside_the_training_rows(name, tmp_path):
     # after updates 2 and 3 (the first run's end), 4 and 6: at the latest training row
     assert [(r["step"], sorted(r)) for r in logged] == [(s, ["step", *names]) for s in (2, 3, 4, 6)]
     assert round(logged[-1][names[0]], 4) == report[key]
-
-
-@pytest.mark.slow
-def test_examples_with_the_sync_check_off_print_nothing_about_it(tmp_path, capsys):
-    gpt = load_example("gpt")
-    gpt.main(["--text-bytes", "30000", "--batch-size", "8", "--seq-len", "32", "--dim", "32",
-              "--depth", "2", "--steps", "2", "--quiet", "--out", str(tmp_path / "gpt")])
-    images = load_example("classify_images")
-    images.main(["--steps", "2", "--size", "16", "--batch-size", "8", "--quiet",
-                 "--out", str(tmp_path / "images")])
-    printed = capsys.readouterr().out
-    assert printed.count("accelfn monitor report") == 2
-    assert "host_syncs" not in printed and "probed for host syncs" not in printed
+    # classify_images prints its monitor's report, the others only their own lines
+    assert_no_word_of_the_sync_check(capsys.readouterr().out,
+                                     reports=2 if name == "classify_images" else 0)
 
 
 BAD_ARGUMENTS = [  # (example, arguments, what its one-line error says)
