@@ -1,24 +1,31 @@
-"""Sharded Muon's optimizer step against AdamW's, under FSDP2 on 4 CPU processes (gloo).
+"""Sharded Muon's optimizer step against AdamW's under FSDP2 on 4 CPU processes (gloo),
+and against one-process Muon's: what Newton-Schulz costs, and what sharding adds.
 
-One ``torchrun --nproc_per_node=4`` launch (127.0.0.1, one thread per process). Each process
-builds the same GPT (``benchmarks/gpt2.py``'s) twice and shards each with
-``af.distributed(strategy="fsdp")``:
+One ``torchrun --nproc_per_node=4`` launch (127.0.0.1, one thread per process). The same GPT
+(``benchmarks/gpt2.py``'s), four ways:
 
-* ``adamw``: ``torch.optim.AdamW`` over every parameter (fp32, foreach);
+* ``adamw``: ``torch.optim.AdamW`` over every parameter (fp32, foreach), sharded with
+  ``af.distributed(strategy="fsdp")`` over the 4 processes;
 * ``muon``: ``torch.optim.Muon`` over the blocks' matrices and AdamW over the rest (the
-  embeddings, the head, biases and norms), the recipe Muon is meant for; its step is the
-  sharded one (each matrix's update gathered to its owner, orthogonalised there by torch's
-  Newton-Schulz, scattered back).
+  embeddings, the head, biases and norms), the recipe Muon is meant for, sharded the same
+  way; its step is the sharded one (each matrix's update gathered to its owner,
+  orthogonalised there, scattered back);
+* ``muon_one`` and ``adamw_one``: the same two recipes in one process (rank 0, the others
+  waiting at a barrier), no ``distributed``, on the global batch (the 4 processes' rows):
+  torch's own ``Muon.step``, what a user without sharding pays.
 
 Measured per update: the optimizer step (from the first optimizer's step pre-hook to the last
-one's post-hook: what Muon adds over AdamW, collectives included) and the whole update
-(``step(state, batch)``: forward, backward, reduction, clipping, optimizer). Every update
-starts after a barrier and counts as its slowest process' time. The sides alternate in
-rounds (``adamw`` then ``muon``, then the other way round), so load on the machine falls on
-both alike; each figure is the median over the rounds of a round's median. The ratios are
-``muon / adamw``; the target is at most 1.3 for the optimizer step.
+one's post-hook: collectives included) and the whole update (``step(state, batch)``), and,
+for the Muon sides, the time in Newton-Schulz (accelfn's on each owner, torch's in one
+process: wall time, the slowest process', and CPU time summed over the processes). A
+sharded update starts after a barrier and counts as its slowest process' time. The sides
+alternate in rounds (the order reversed every other round), so load on the machine falls
+on all alike; each figure is the median over the rounds of a round's median. The ratios:
+``muon / adamw`` (the target is at most 1.3 for the optimizer step), ``muon_one / adamw``,
+``muon / muon_one``, and the sharded step less its slowest Newton-Schulz (the sharding's own
+cost: the exchange, the momentum and the update on the shards, waiting for the owners).
 
-    python benchmarks/sharded_muon.py [--out FILE] [--rounds 5] [--steps 3] [--tiny]
+    python benchmarks/sharded_muon.py [--out FILE] [--rounds 3] [--steps 2] [--tiny]
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from gpt2 import GPT, GPTConfig, lm_loss, token_batches
 import accelfn as af
 from accelfn.core import compat
 from accelfn.observe.timing import environment
+from accelfn.transforms.distributed import muon as sharded_muon
 
 WORLD = 4
 MODEL = GPTConfig(vocab=2048, seq=128, layers=4, dim=256, heads=4)
@@ -91,63 +99,131 @@ def _slowest(seconds: float) -> float:
     return float(t[0])
 
 
+def _total(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t[0])
+
+
+class _NSTimer:
+    """Newton-Schulz's wall and CPU (this thread's) seconds since ``reset``: wraps accelfn's
+    (the sharded step's) and torch's (one-process Muon's) by their module names."""
+
+    def __init__(self) -> None:
+        import torch.optim._muon as private
+
+        self.wall = self.cpu = 0.0
+        for module, name in ((sharded_muon, "newton_schulz"),
+                             (private, "_zeropower_via_newtonschulz")):
+            setattr(module, name, self._wrap(getattr(module, name)))
+
+    def _wrap(self, inner: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.wall += time.perf_counter() - wall
+                self.cpu += time.thread_time() - cpu
+        return timed
+
+    def reset(self) -> None:
+        self.wall = self.cpu = 0.0
+
+
+SHARDED = ("adamw", "muon")
+ONE = ("adamw_one", "muon_one")
+
+
 def worker(out: str, config: GPTConfig, rounds: int, steps: int) -> None:
     from datetime import timedelta
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=1800))
     af.init_distributed()
-    rank = dist.get_rank()
-    batches = token_batches(config, BATCH, steps * rounds * 2 + 2, torch.device("cpu"),
-                            seed=rank)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    count = steps * rounds * 2 + 2
+    batches = token_batches(config, BATCH, count, torch.device("cpu"), seed=rank)
+    # one process' batch: every process' rows (the same global batch)
+    everyone = [token_batches(config, BATCH, count, torch.device("cpu"), seed=r)
+                for r in range(world)]
+    whole = [torch.cat([b[i] for b in everyone]) for i in range(count)]
+    ns = _NSTimer()
     sides: dict[str, Any] = {}
-    for side in ("adamw", "muon"):
+    for side in SHARDED + (ONE if rank == 0 else ()):
         torch.manual_seed(0)
         model = GPT(config)
-        optimizers = _optimizers(model, side)
+        optimizers = _optimizers(model, side.removesuffix("_one"))
         state = af.TrainState(model, optimizers)
-        step = af.with_clipping(max_norm=1.0)(af.distributed(strategy="fsdp")(lm_loss))
+        inner = lm_loss if side in ONE else af.distributed(strategy="fsdp")(lm_loss)
+        step = af.with_clipping(max_norm=1.0)(inner)
         clock = _Clock(optimizers)
-        step(state, batches[0])  # warm-up: shards the model, makes the state and Muon's plan
+        step(state, (whole if side in ONE else batches)[0])  # warm-up: shards, states, plan
         sides[side] = (state, step, clock)
+    kinds = ("optimizer", "update", "ns_wall", "ns_cpu")
     times: dict[str, dict[str, list[float]]] = {
-        s: {"optimizer": [], "update": []} for s in sides}
+        s: {k: [] for k in kinds} for s in SHARDED + ONE}
     at = 1
     for r in range(rounds):
-        order = ["adamw", "muon"] if r % 2 == 0 else ["muon", "adamw"]
-        for side in order:
-            state, step, clock = sides[side]
-            optimizer, update = [], []
-            for _ in range(steps):
-                dist.barrier()
-                start = time.perf_counter()
-                step(state, batches[at % len(batches)])
-                update.append(_slowest(time.perf_counter() - start))
-                optimizer.append(_slowest(clock.seconds))
-                at += 1
-            times[side]["optimizer"].append(statistics.median(optimizer))
-            times[side]["update"].append(statistics.median(update))
+        order = ["adamw", "muon", "muon_one", "adamw_one"]
+        for side in order if r % 2 == 0 else order[::-1]:
+            got: dict[str, list[float]] = {k: [] for k in kinds}
+            for i in range(steps):
+                batch = at + i
+                if side in SHARDED:
+                    state, step, clock = sides[side]
+                    dist.barrier()
+                    ns.reset()
+                    start = time.perf_counter()
+                    step(state, batches[batch % count])
+                    got["update"].append(_slowest(time.perf_counter() - start))
+                    got["optimizer"].append(_slowest(clock.seconds))
+                    got["ns_wall"].append(_slowest(ns.wall))
+                    got["ns_cpu"].append(_total(ns.cpu))
+                elif rank == 0:  # one process; the others wait at the barrier below
+                    state, step, clock = sides[side]
+                    ns.reset()
+                    start = time.perf_counter()
+                    step(state, whole[batch % count])
+                    got["update"].append(time.perf_counter() - start)
+                    got["optimizer"].append(clock.seconds)
+                    got["ns_wall"].append(ns.wall)
+                    got["ns_cpu"].append(ns.cpu)
+            dist.barrier()
+            for k in kinds:
+                if got[k]:
+                    times[side][k].append(statistics.median(got[k]))
+        at += steps
     if rank == 0:
         model = sides["muon"][0].model
         matrices = [p for n, p in model.named_parameters() if _matrix(n, p)]
+        med = {side: {k: statistics.median(v) for k, v in ks.items()}
+               for side, ks in times.items()}
+        opt = {side: med[side]["optimizer"] for side in med}
         result = {
             "benchmark": "sharded_muon", "processes": WORLD, "backend": "gloo",
             "model": {"layers": config.layers, "dim": config.dim, "vocab": config.vocab,
                       "seq": config.seq, "batch_per_process": BATCH,
                       "parameters": sum(p.numel() for p in model.parameters()),
                       "muon_matrices": len(matrices),
-                      "muon_parameters": sum(p.numel() for p in matrices)},
+                      "muon_parameters": sum(p.numel() for p in matrices),
+                      "muon_shapes": sorted({tuple(p.shape) for p in matrices})},
             "rounds": rounds, "updates_per_round": steps,
             "cpu_bf16_native": compat.cpu_bf16_native(),
-            "seconds": {side: {kind: statistics.median(values)
-                               for kind, values in kinds.items()}
-                        for side, kinds in times.items()},
+            "seconds": med,
             "rounds_seconds": times,
-            "environment": environment("cpu"),
+            "ratio_optimizer_step": opt["muon"] / opt["adamw"],
+            "ratio_optimizer_step_one_process_muon_to_sharded_adamw":
+                opt["muon_one"] / opt["adamw"],
+            "ratio_optimizer_step_one_process_muon_to_one_process_adamw":
+                opt["muon_one"] / opt["adamw_one"],
+            "ratio_optimizer_step_sharded_to_one_process_muon": opt["muon"] / opt["muon_one"],
+            "ratio_update": med["muon"]["update"] / med["adamw"]["update"],
+            "sharded_step_less_newton_schulz_seconds": opt["muon"] - med["muon"]["ns_wall"],
+            "newton_schulz_share_of_sharded_step": med["muon"]["ns_wall"] / opt["muon"],
+            "target_optimizer_step_ratio": TARGET,
+            "environment": {**environment("cpu"), "load_average_start": load_start},
         }
-        s = result["seconds"]
-        result["ratio_optimizer_step"] = s["muon"]["optimizer"] / s["adamw"]["optimizer"]
-        result["ratio_update"] = s["muon"]["update"] / s["adamw"]["update"]
-        result["target_optimizer_step_ratio"] = TARGET
         result["meets_target"] = result["ratio_optimizer_step"] <= TARGET
         Path(out).write_text(json.dumps(result, indent=2))
     dist.barrier()
@@ -163,8 +239,8 @@ def _port() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="also write the JSON here")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3, help="timed updates per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="timed updates per round")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer toy (checks)")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--worker", nargs=1, help=argparse.SUPPRESS)
@@ -189,6 +265,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(text)
     print(text)
+    r = json.loads(text)
+    env = r["environment"]
+    print(f"{env['date']} {env['cpu']} ({env['cpu_cores']} cores), load "
+          f"{env['load_average_start']} -> {env['load_average']}: optimizer step sharded Muon / "
+          f"AdamW x{r['ratio_optimizer_step']:.2f}, one-process Muon / AdamW "
+          f"x{r['ratio_optimizer_step_one_process_muon_to_sharded_adamw']:.2f}, sharded / "
+          f"one-process Muon x{r['ratio_optimizer_step_sharded_to_one_process_muon']:.2f}; "
+          f"Newton-Schulz {r['newton_schulz_share_of_sharded_step']:.0%} of the sharded step",
+          file=sys.stderr)
     return 0
 
 

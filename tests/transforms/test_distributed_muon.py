@@ -3,7 +3,7 @@ in one TrainState, under FSDP2 over 2 and 4 processes, HSDP 2x2, FSDP2 x TP 2x2 
 (gloo, CPU), with accumulation, clipping and a scheduler on each optimizer, equal to one
 process running torch's Muon on every rank's rows together (each update's gradient within
 1e-5 of one process', and the optimizers then compared on the same gradients: see
-``reference``); each matrix orthogonalised once per replica, by owners taken round-robin;
+``reference``); each matrix orthogonalised once per replica, by owners balanced by its cost;
 checkpoints that load into one plain Muon (2 -> 1) and into HSDP over 4 (2 -> 4) and continue
 equal; a Muon over a 1-D parameter refused first. One process: Newton-Schulz is torch's
 bitwise, the replaced step keeps torch's hooks and a scheduler's check.
@@ -133,15 +133,17 @@ def record_grads(model: nn.Module, first: torch.optim.Optimizer) -> list[dict]:
 
 
 class Counting:
-    """Counts this process' Newton-Schulz calls (the matrices it orthogonalised)."""
+    """Records the shapes of the matrices this process orthogonalised (a stacked call
+    counts each matrix of its stack)."""
 
     def __init__(self) -> None:
-        self.calls = 0
+        self.shapes: list[tuple[int, int]] = []
         self.inner = sharded_muon.newton_schulz
 
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.inner(*args, **kwargs)
+    def __call__(self, update, *args, **kwargs):
+        stack = update if update.ndim == 3 else update[None]
+        self.shapes.extend([tuple(update.shape[-2:])] * len(stack))
+        return self.inner(update, *args, **kwargs)
 
 
 def _train(name: str, world: int, out_dir: str) -> dict:
@@ -169,9 +171,9 @@ def _train(name: str, world: int, out_dir: str) -> dict:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for i in range(STEPS):
-                before = counting.calls
+                before = len(counting.shapes)
                 metrics = step(state, {k: v[rows] for k, v in global_batch(i).items()})
-                calls.append(counting.calls - before)
+                calls.append(counting.shapes[before:])
                 norms.append(metrics["grad_norm"].clone())
                 rates.append({k: float(v) for k, v in metrics.items() if k.startswith("lr")})
     finally:
@@ -255,14 +257,19 @@ def worker(out_dir: str, checkpoints: str | None) -> None:
 # ------------------------------------------------------------------------------ one process
 
 
-@pytest.mark.parametrize("shape", [(30, 10), (10, 30), (12, 12)])
-def test_newton_schulz_is_torchs_bitwise(shape):
+@pytest.mark.parametrize("shape", [(30, 10), (10, 30), (12, 12), (3, 10)])
+def test_newton_schulz_is_torchs_bitwise_alone_and_stacked(shape):
     private = pytest.importorskip("torch.optim._muon")
-    g = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(0)
+    stack = [torch.randn(*shape, generator=gen) * scale for scale in (1.0, 1e-3, 50.0)]
     coefficients = (3.4445, -4.7750, 2.0315)
-    want = private._zeropower_via_newtonschulz(g, coefficients, 5, 1e-7)
-    got = sharded_muon.newton_schulz(g, coefficients, 5, 1e-7)
-    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    want = [private._zeropower_via_newtonschulz(g, coefficients, 5, 1e-7) for g in stack]
+    got = sharded_muon.newton_schulz(stack[0], coefficients, 5, 1e-7)
+    assert got.dtype == want[0].dtype == torch.bfloat16 and torch.equal(got, want[0])
+    # a stack of equal matrices (one batched iteration): each as if alone, bitwise
+    stacked = sharded_muon.newton_schulz(torch.stack(stack), coefficients, 5, 1e-7)
+    for got, expected in zip(stacked.unbind(0), want):
+        assert torch.equal(got, expected)
 
 
 def test_the_sharded_step_is_torchs_muon_step_with_its_hooks_and_scheduler():
@@ -401,13 +408,19 @@ def test_sharded_muon_and_adamw_equal_one_process_on_every_ranks_rows(two, four,
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", list(ALL))
-def test_each_matrix_is_orthogonalised_once_per_replica_by_owners_in_turn(two, four, case):
+def test_each_matrix_is_orthogonalised_once_per_replica_by_owners_balanced_by_cost(
+        two, four, case):
     got = results_of(case, two, four)
-    matrices = sum(1 for n, p in ALL[case][0]().named_parameters() if matrix(n, p))
+    shapes = sorted(tuple(p.shape) for n, p in ALL[case][0]().named_parameters()
+                    if matrix(n, p))
+    largest = max(sharded_muon._cost(s) for s in shapes)
     for i in range(STEPS):
-        calls = [r["calls"][i] for r in got]
-        assert sum(calls) == matrices * REPLICAS[case], (case, calls)
-        assert max(calls) - min(calls) <= 1, (case, calls)  # round-robin: balanced
+        done = [[tuple(s) for s in r["calls"][i]] for r in got]
+        assert sorted(s for mine in done for s in mine) == sorted(shapes * REPLICAS[case]), (
+            case, done)
+        # the largest first to the least loaded: no owner a whole matrix above another
+        loads = [sum(sharded_muon._cost(s) for s in mine) for mine in done]
+        assert max(loads) - min(loads) <= largest, (case, loads)
 
 
 @pytest.mark.distributed

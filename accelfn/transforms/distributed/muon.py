@@ -2,17 +2,21 @@
 whole, on one process (its owner), under FSDP2, HSDP and FSDP2 x tensor parallel.
 
 Newton-Schulz needs whole matrices, and under FSDP2 each process holds a shard of each. As
-torchtitan's and nanochat's distributed Muon do, every matrix gets an owner (round-robin over
-the processes that hold its shards, in the optimizer's order), and each update:
+torchtitan's and nanochat's distributed Muon do, every matrix gets an owner among the
+processes that hold its shards (here balanced by Newton-Schulz's cost rather than taken
+round-robin: the largest matrices first, each to the least loaded process), and each update:
 
 1. updates the momentum of this process' shards (``buf.lerp_(grad, 1 - momentum)``, then the
    Nesterov mix): element-wise, so torch's maths on the whole matrix, piece by piece;
 2. sends every shard of that update to its matrix's owner, one ``all_to_all`` per process
    group for all the matrices together, in bfloat16 (Newton-Schulz starts by casting to it:
-   the same numbers, half the bytes);
-3. orthogonalises, on each owner, its whole matrices with torch's Newton-Schulz;
-4. sends each process its shards of the results (one ``all_to_all`` again), which it applies
-   with torch's decoupled weight decay and shape-adjusted rate (the whole matrix's shape).
+   the same numbers, half the bytes), every group's started before any computation;
+3. orthogonalises, on each owner, its whole matrices with torch's Newton-Schulz, those of
+   one shape stacked into one batched iteration (as Dion's Muon and nanochat's batch them:
+   the same numbers per matrix, fewer and larger kernels);
+4. sends each process its shards of the results (one ``all_to_all`` again, started as soon
+   as the group's matrices are done), which it applies with torch's decoupled weight decay
+   and shape-adjusted rate (the whole matrix's shape).
 
 So the update is one-process Muon's (up to the order in which the gradients were reduced) and
 each process does 1/n of the Newton-Schulz work. A HSDP replica does its own exchange (its
@@ -81,23 +85,59 @@ def newton_schulz(update: Tensor, coefficients: tuple[float, float, float], step
     """``torch.optim._muon._zeropower_via_newtonschulz(update, coefficients, steps, eps)``:
     the quintic Newton-Schulz iteration in bfloat16, on the wider orientation of the matrix
     (returned in bfloat16, in ``update``'s orientation). A bfloat16 ``update`` is scaled in
-    place, as there."""
+    place, as there. A 3-D ``update`` is a stack of equal matrices, each orthogonalised as
+    alone (its own norm; ``baddbmm`` for ``addmm``): one batched iteration for the stack, the
+    same numbers as one call per matrix (bitwise on the CPU, which the tests check)."""
     if steps >= 100:
         raise ValueError("Number of steps must be less than 100 for computational efficiency")
-    if update.ndim != 2:
+    if update.ndim not in (2, 3):
         raise ValueError("Input tensor gradient must be a 2D matrix")
     if len(coefficients) != 3:
         raise ValueError("Coefficients must be a tuple of exactly 3 values")
     a, b, c = coefficients
     x = update.bfloat16()
-    tall = update.size(0) > update.size(1)
+    tall = update.size(-2) > update.size(-1)
     if tall:
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))  # spectral norm at most 1
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
+        x = x.mT
+    if x.ndim == 2:
+        x.div_(x.norm().clamp(min=eps))  # spectral norm at most 1
+        for _ in range(steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    else:
+        x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
+
+
+def _cost(shape: torch.Size | tuple[int, ...]) -> int:
+    """Newton-Schulz's multiply-adds per iteration for a matrix of ``shape`` (m <= n after
+    orienting: two m x m x n products and one m x m x m): what owners are balanced by."""
+    m, n = sorted(shape[:2])
+    return 2 * m * m * n + m ** 3
+
+
+def _orthogonalise(matrices: list[Tensor], settings: list[dict[str, Any]]) -> list[Tensor]:
+    """``newton_schulz`` of each of ``matrices`` (with its group's settings), those of one
+    shape and settings stacked into one batched iteration (as Dion's and nanochat's Muon
+    batch equal shapes): fewer, larger kernels, the same numbers per matrix."""
+    out: list[Tensor | None] = [None] * len(matrices)
+    stacks: dict[tuple[Any, ...], list[int]] = {}
+    for i, (x, s) in enumerate(zip(matrices, settings)):
+        key = (tuple(x.shape), x.device, tuple(s["ns_coefficients"]), s["ns_steps"], s["eps"])
+        stacks.setdefault(key, []).append(i)
+    for key, indices in stacks.items():
+        coefficients, steps, eps = key[2], key[3], key[4]
+        if len(indices) == 1:
+            out[indices[0]] = newton_schulz(matrices[indices[0]], coefficients, steps, eps)
+            continue
+        results = newton_schulz(torch.stack([matrices[i] for i in indices]), coefficients,
+                                steps, eps)
+        for i, result in zip(indices, results.unbind(0)):
+            out[i] = result
+    return [t for t in out if t is not None]
 
 
 def _adjust_lr(lr: Any, adjust_lr_fn: str | None, shape: torch.Size) -> Any:
@@ -195,18 +235,34 @@ def _comm_device(group: Any, t: Tensor) -> torch.device:
     return t.device
 
 
+class _AllToAll:
+    """One ``all_to_all_single`` over ``group``, started (``async_op``) when made:
+    ``send[k]`` (pieces, in order) to member ``k``; ``wait()`` returns ``received[j]``:
+    member ``j``'s pieces, of ``recv_sizes[j]`` elements."""
+
+    def __init__(self, group: Any, send: list[list[Tensor]], recv_sizes: list[list[int]],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        flat = [t.reshape(-1).to(device=device, dtype=dtype) for pieces in send for t in pieces]
+        data = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
+        out_splits = [sum(sizes) for sizes in recv_sizes]
+        self.received = torch.empty(sum(out_splits), dtype=dtype, device=device)
+        self.recv_sizes = recv_sizes
+        self.work = dist.all_to_all_single(
+            self.received, data, out_splits, [sum(t.numel() for t in pieces) for pieces in send],
+            group=group, async_op=True)
+
+    def wait(self) -> list[list[Tensor]]:
+        if self.work is not None:
+            self.work.wait()
+        sizes = self.recv_sizes
+        chunks = iter(torch.split(self.received, [n for row in sizes for n in row]))
+        return [[next(chunks) for _ in row] for row in sizes]
+
+
 def _all_to_all(group: Any, send: list[list[Tensor]], recv_sizes: list[list[int]],
                 dtype: torch.dtype, device: torch.device) -> list[list[Tensor]]:
-    """One ``all_to_all_single`` over ``group``: ``send[k]`` (pieces, in order) to member
-    ``k``; returns ``received[j]``: member ``j``'s pieces, of ``recv_sizes[j]`` elements."""
-    flat = [t.reshape(-1).to(device=device, dtype=dtype) for pieces in send for t in pieces]
-    data = torch.cat(flat) if flat else torch.empty(0, dtype=dtype, device=device)
-    out_splits = [sum(sizes) for sizes in recv_sizes]
-    received = torch.empty(sum(out_splits), dtype=dtype, device=device)
-    dist.all_to_all_single(received, data, out_splits,
-                           [sum(t.numel() for t in pieces) for pieces in send], group=group)
-    chunks = iter(torch.split(received, [n for sizes in recv_sizes for n in sizes]))
-    return [[next(chunks) for _ in sizes] for sizes in recv_sizes]
+    """:class:`_AllToAll`, waited for."""
+    return _AllToAll(group, send, recv_sizes, dtype, device).wait()
 
 
 def _plan(params: Sequence[Tensor], made: list[Any]) -> dict[int, _Matrix]:
@@ -217,9 +273,15 @@ def _plan(params: Sequence[Tensor], made: list[Any]) -> dict[int, _Matrix]:
     by_group: dict[int, list[_Matrix]] = {}
     for m in matrices:
         if m.group is not None:
-            members = by_group.setdefault(id(m.group), [])
-            m.owner = len(members) % dist.get_world_size(m.group)  # round-robin
-            members.append(m)
+            by_group.setdefault(id(m.group), []).append(m)
+    for ms in by_group.values():
+        # the largest first, each to the least loaded member (ties: the lowest rank, then
+        # the optimizer's order): the same on every process, the slowest owner within one
+        # matrix's work of the rest, and equal shapes spread evenly (a stack per owner)
+        load = [0] * dist.get_world_size(ms[0].group)
+        for m in sorted(ms, key=lambda m: -_cost(m.param.shape)):
+            m.owner = min(range(len(load)), key=lambda k: (load[k], k))
+            load[m.owner] += _cost(m.param.shape)
     for ms in by_group.values():
         group = ms[0].group
         n, me = dist.get_world_size(group), dist.get_rank(group)
@@ -253,53 +315,64 @@ class _Item:
     piece: Tensor
 
 
-def _orthogonalise_whole(item: _Item) -> Tensor:
-    s = item.settings
-    return newton_schulz(item.piece, s["ns_coefficients"], s["ns_steps"], s["eps"])
-
-
 def _exchange(items: list[_Item]) -> list[Tensor]:
-    """Each item's piece of its orthogonalised whole matrix: gathered to the owners, computed
-    there, sent back (two ``all_to_all`` per group)."""
+    """Each item's piece of its orthogonalised whole matrix: per process group, one
+    ``all_to_all`` gathers the pieces to the owners, each owner orthogonalises its matrices
+    (equal shapes stacked), one ``all_to_all`` sends the results back. Every group's gather
+    starts before any computation, and each group's return travels while the next group's
+    matrices (and the ones held whole) are computed."""
     out: list[Tensor | None] = [None] * len(items)
+    whole: list[int] = []
     by_group: dict[int, list[int]] = {}
     for i, item in enumerate(items):
         if item.matrix.group is None:
-            out[i] = _orthogonalise_whole(item)
+            whole.append(i)
         else:
             by_group.setdefault(id(item.matrix.group), []).append(i)
-    for indices in by_group.values():
+    gathers = []
+    for indices in by_group.values():  # start every gather
         group = items[indices[0]].matrix.group
         n, me = dist.get_world_size(group), dist.get_rank(group)
         mine = [i for i in indices if items[i].matrix.owner == me]
-        home = items[indices[0]].piece.device
         device = _comm_device(group, items[indices[0]].piece)
         sizes = [[items[i].matrix.sizes[j] for i in mine] for j in range(n)]  # type: ignore[index]
-        got = _all_to_all(group, [[items[i].piece for i in indices
-                                   if items[i].matrix.owner == k] for k in range(n)],
-                          sizes, torch.bfloat16, device)
-        back: list[list[Tensor]] = [[] for _ in range(n)]
+        send = [[items[i].piece for i in indices if items[i].matrix.owner == k]
+                for k in range(n)]
+        gathers.append((indices, mine, n, device,
+                        _AllToAll(group, send, sizes, torch.bfloat16, device)))
+    for i, result in zip(whole, _orthogonalise([items[i].piece for i in whole],
+                                               [items[i].settings for i in whole])):
+        out[i] = result
+    returns = []
+    for indices, mine, n, device, gather in gathers:
+        got = gather.wait()
+        matrices = []
         for t, i in enumerate(mine):
             m = items[i].matrix
             flat = torch.cat([got[j][t] for j in range(n)])
             if m.perm is not None:
-                whole = torch.empty_like(flat)
-                whole[m.perm] = flat
-                flat = whole
-            result = newton_schulz(flat.view(m.param.shape), items[i].settings["ns_coefficients"],
-                                   items[i].settings["ns_steps"], items[i].settings["eps"])
+                ordered = torch.empty_like(flat)
+                ordered[m.perm] = flat
+                flat = ordered
+            matrices.append(flat.view(m.param.shape))
+        back: list[list[Tensor]] = [[] for _ in range(n)]
+        for i, result in zip(mine, _orthogonalise(matrices, [items[i].settings for i in mine])):
+            m = items[i].matrix
             flat = result.reshape(-1)
             if m.perm is not None:
                 flat = flat[m.perm]
             for j, piece in enumerate(torch.split(flat, m.sizes or [])):
                 back[j].append(piece)
-        pieces = _all_to_all(group, back, [[items[i].piece.numel() for i in indices
-                                            if items[i].matrix.owner == k] for k in range(n)],
-                             torch.bfloat16, device)
+        group = items[indices[0]].matrix.group
+        sizes = [[items[i].piece.numel() for i in indices if items[i].matrix.owner == k]
+                 for k in range(n)]
+        returns.append((indices, _AllToAll(group, back, sizes, torch.bfloat16, device)))
+    for indices, scatter in returns:
+        pieces = scatter.wait()
         returned = {k: iter(p) for k, p in enumerate(pieces)}
         for i in indices:
             piece = next(returned[items[i].matrix.owner])
-            out[i] = piece.to(home).view(items[i].piece.shape)
+            out[i] = piece.to(items[i].piece.device).view(items[i].piece.shape)
     return [t for t in out if t is not None]
 
 
