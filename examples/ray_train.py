@@ -68,7 +68,7 @@ def split(dataset: TensorDictBase) -> tuple[TensorDictBase, TensorDictBase]:
     return dataset[~held_out], dataset[held_out]
 
 
-NORMALIZE = {"mean": [0.3], "std": [0.38]}
+MEAN, STD = [0.3], [0.38]  # the digits' pixel statistics
 
 
 def restart_point(out: str, start: str | None, before: str | None) -> str | None:
@@ -92,7 +92,7 @@ def train_loop(config: dict[str, Any]) -> None:
     train_set, held_out = split(digits())
     train = data.loader(train_set, batch_size=config["batch_size"], shuffle=True,
                         seed=config["seed"], device=device,
-                        transform=data.Normalize(**NORMALIZE))
+                        transform=data.Normalize(mean=MEAN, std=STD))
     total = config["steps"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=config["lr"],
@@ -111,11 +111,12 @@ def train_loop(config: dict[str, Any]) -> None:
     def report(metrics: TensorDictBase | None, *, final: bool) -> None:
         row: dict[str, float] = {"step": state.step}
         if metrics is not None:  # a collective: every worker reduces, at a checkpoint only
-            row.update({k: float(v) for k, v in af.reduce_metrics(metrics).items()})
+            reduced = af.reduce_metrics(metrics)
+            row.update({str(k): float(reduced[k]) for k in reduced.keys()})
             saved = run.save(state, loader=train, step=step)
         if final:
             row["resumed_from"] = 0 if info is None else info.step
-            images = data.Normalize(**NORMALIZE)(held_out.to(device))
+            images = data.Normalize(mean=MEAN, std=STD)(held_out.to(device))
             row["held_out_accuracy"] = float(step.evaluate(state, images)["accuracy"])
         if metrics is None:  # a resumed run with nothing left to train
             ray.train.report(row)
