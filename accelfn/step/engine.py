@@ -1,8 +1,9 @@
 """The step: a pure user function lifted into exactly one optimizer update, written once.
 
 Whatever order the transforms were stacked in, one call runs this sequence, and nothing
-else; each built-in fills its one place in it (``accelfn.step.spec``), the user's gradient
-transforms run in the order they were stacked:
+else; each built-in fills its one place in it (``accelfn.step.spec``) with its options, and
+the engine calls its functions by name (``accelfn.parts``: ``clipping.clip(options, ctx)``);
+the user's gradient transforms run in the order they were stacked:
 
     prepare once per TrainState: float8 -> fp32 islands -> activation checkpointing
                                  -> shard (DDP/FSDP) -> compile -> EMA copies
