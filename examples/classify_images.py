@@ -143,6 +143,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     parser.add_argument("--stop-at", type=run_options.positive_int, default=None,
                         help="save and stop after this many updates (continue with --resume)")
     parser.add_argument("--batch-size", type=run_options.positive_int, default=64)
+    parser.add_argument("--eval-batch-size", type=run_options.positive_int, default=256,
+                        help="images per evaluation batch (no gradients kept: larger than "
+                             "training's)")
     parser.add_argument("--accumulation", type=run_options.positive_int, default=2)
     parser.add_argument("--lr", type=run_options.positive_float, default=0.1)
     parser.add_argument("--ema-decay", type=ema_decay, default=0.99,
@@ -182,7 +185,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         data.ChannelsLast(),
     )
     train = data.loader(train_set, batch_size=args.batch_size, device=device, transform=augment)
-    val = data.loader(val_set, batch_size=args.batch_size, shuffle=False, drop_last=False,
+    val = data.loader(val_set, batch_size=args.eval_batch_size, shuffle=False, drop_last=False,
                       device=device, transform=data.Compose(data.Normalize(mean, std),
                                                             data.ChannelsLast()))
 
