@@ -405,20 +405,32 @@ def test_cache_file_makes_a_fresh_process_hit_instead_of_compile(cold_run, tmp_p
     assert copy_.read_bytes() == cache.read_bytes()  # nothing new compiled: not rewritten
 
 
-@pytest.mark.compile
-def test_cache_of_another_torch_version_recompiles_with_a_note(cold_run, tmp_path):
-    _, cache, cold = cold_run
-    contents, _ = read_cache(cache, {})
-    assert contents is not None
+def test_cache_of_another_torch_version_is_not_loaded_and_is_replaced(tmp_path, monkeypatch):
+    """A file written by another torch: nothing of it is loaded (torch compiles from
+    scratch), the note is given once, and the first update's save replaces it with this
+    run's code (the compile itself is the cold run's, in the test above)."""
+    from accelfn.parts import compile_cache
+
+    device = torch.device("cpu")
     forged = tmp_path / "compile-cache.bin"
-    write_cache(forged, {"torch": "1.0.0", "device": "cpu x86_64"}, contents)
-    run = run_cache_worker(tmp_path, forged, "forged")
-    assert run["inductor"].get("fxgraph_cache_hit", 0) == 0
-    assert run["inductor"]["fxgraph_cache_miss"] == cold["inductor"]["fxgraph_cache_miss"]
-    assert len(run["warnings"]) == 1  # once, though two updates ran
-    assert "torch '1.0.0'" in run["warnings"][0] and "compiling from scratch" in run["warnings"][0]
+    write_cache(forged, {**compile_cache._fingerprint(device), "torch": "1.0.0"},
+                CacheFile(b"old artifacts", b""))
+    loaded = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: loaded.append(data))
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compile_cache.load(forged, device, state)
+        compile_cache.load(forged, device, state)  # a second step's preparation: no new note
+    notes = [str(w.message) for w in caught if "compile cache" in str(w.message)]
+    assert loaded == [] and len(notes) == 1
+    assert "torch '1.0.0'" in notes[0] and "compiling from scratch" in notes[0]
+    # after the first update: this run's artifacts written over it, for this torch
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"new artifacts", None))
+    compile_cache.save(forged, device, state)
     again, problem = read_cache(forged, {"torch": str(torch.__version__)})
-    assert problem is None and again  # replaced by this run's, for this torch
+    assert problem is None and again is not None and again.artifacts == b"new artifacts"
 
 
 def test_cache_file_format_refuses_damage_and_other_devices(tmp_path):
