@@ -69,7 +69,7 @@ def one_process(halves: bool) -> dict[int, dict]:
     example = load_example()
     train_set, _ = example.split(data.datasets.digits())
     order = epoch_indices(len(train_set), shuffle=True, seed=0, epoch=0)
-    normalize = data.Normalize(**example.NORMALIZE)
+    normalize = data.Normalize(mean=example.MEAN, std=example.STD)
     torch.manual_seed(0)
     model = example.digit_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=1e-4)

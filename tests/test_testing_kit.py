@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from halving import halve, halved, loss_fn
 from torch import nn
 
 import accelfn as af
-from accelfn.step.spec import Averaging
 from accelfn.testing import check_transform, plain_update
 
 
@@ -54,14 +51,15 @@ def test_catches_a_transform_that_changes_the_parameters_itself():
         check_transform(broken, reference=plain, loss_fn=loss_fn, make_model=make_batchnorm_net)
 
 
-def test_catches_a_builtin_part_that_changes_the_optimizer_state():
-    def reset_momentum(ctx, skipped):
+def test_catches_a_builtin_part_that_changes_the_optimizer_state(monkeypatch):
+    def reset_momentum(options, ctx, skipped):
         for s in ctx.state.optimizer.state.values():
             s["momentum_buffer"].mul_(0.5)
 
-    part = Averaging(lambda prepared, state: prepared, reset_momentum,
-                     lambda ctx, options: contextlib.nullcontext())
-    broken = af.Transform("reset_momentum", part)
+    from accelfn.parts import averaging  # a broken EMA: its update halves the momentum
+
+    monkeypatch.setattr(averaging, "update", reset_momentum)
+    broken = af.with_ema(decay=0.9)
     with pytest.raises(AssertionError, match="against the reference"):
         check_transform(broken, reference=plain, loss_fn=loss_fn, steps=2)
 

@@ -189,8 +189,9 @@ def test_map_dataset_loads_in_worker_threads_that_persist_across_epochs():
     loader = ad.loader(MapDataset(), batch_size=8, num_workers=2)
     epochs = [list(loader) for _ in range(2)]
     tids = [set(torch.cat([b["tid"] for b in e]).tolist()) for e in epochs]
-    assert threading.get_ident() not in tids[0]
-    assert tids[1] <= tids[0] and len(tids[0]) <= 2
+    assert threading.get_ident() not in tids[0] | tids[1]
+    # the same two threads serve both epochs (which of them loads a sample varies with load)
+    assert len(tids[0] | tids[1]) <= 2
     assert set(torch.cat([b["pid"] for b in epochs[0]]).tolist()) == {os.getpid()}
 
 
