@@ -2,7 +2,7 @@
 
 Every figure on the page comes from the JSON files given, each written by ``accelfn bench``,
 ``benchmarks/transforms.py``, ``benchmarks/gpt2.py``, ``benchmarks/overhead.py``,
-``benchmarks/scale_out.py`` or
+``benchmarks/scale_out.py``, ``benchmarks/sharded_muon.py`` or
 ``benchmarks/gpu_suite.sh``; the page
 says which file, machine, date and command each table comes from.
 
@@ -664,10 +664,44 @@ def lm_training(tr: dict[str, Any] | None) -> list[str]:
 
 
 # each benchmark's JSON ("benchmark" or "suite" field) -> the section it renders
+def sharded_muon(r: dict[str, Any], name: str) -> str:
+    m, env, sec = r["model"], r["environment"], r["seconds"]
+    adamw = sec["adamw"]["optimizer"]
+    sides = [("`adamw`", f"AdamW under FSDP2 on {r['processes']} processes", "adamw"),
+             ("`muon`", "Muon (blocks' matrices, sharded) + AdamW, same layout", "muon"),
+             ("`adamw_one`", "AdamW in one process, the global batch", "adamw_one"),
+             ("`muon_one`", "Muon + AdamW in one process, the global batch", "muon_one")]
+    rows = [[label, what, _f(sec[key]["optimizer"], ",.3f"),
+             _x(sec[key]["optimizer"] / adamw), _f(sec[key]["ns_wall"], ",.3f"),
+             _f(sec[key]["update"], ",.3f")] for label, what, key in sides]
+    start = env.get("load_average_start") or [None]
+    end = env.get("load_average") or [None]
+    return "\n".join([
+        f"### Sharded Muon: its optimizer step against AdamW's, GPT of "
+        f"{m['parameters'] / 1e6:.1f}M parameters ({m['muon_matrices']} Muon matrices)",
+        "",
+        f"`python benchmarks/sharded_muon.py` -> `{name}`, {env['date'][:16]}, {env['cpu']}, "
+        f"{env['cpu_cores']} cores, torch {env['torch']}, {r['backend']}, load average "
+        f"{start[0]} at the start, {end[0]} at the end; {r['rounds']} interleaved rounds of "
+        f"{r['updates_per_round']} updates, medians; seconds per update.",
+        "",
+        _table(["side", "what", "optimizer step (s)", "/ `adamw`", "in Newton-Schulz (s)",
+                "whole update (s)"], rows),
+        "",
+        f"Target: the sharded step at most x{r['target_optimizer_step_ratio']} AdamW's "
+        f"(met: {'yes' if r['meets_target'] else 'no'}). Newton-Schulz is "
+        f"{r['newton_schulz_share_of_sharded_step']:.0%} of the sharded step"
+        + (" and runs in bfloat16, which this CPU emulates" if not r["cpu_bf16_native"]
+           else "") + f"; the sharding's own cost (the step less Newton-Schulz) is "
+        f"{r['sharded_step_less_newton_schulz_seconds']:.3f} s, and sharded Muon's step is "
+        f"x{r['ratio_optimizer_step_sharded_to_one_process_muon']:.2f} one-process Muon's.",
+    ])
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], str], str]] = {
     "accelfn bench": bench, "transforms": transforms, "gpt2": gpt2, "compile": compile_,
     "checkpoint": checkpoint, "overhead": overhead, "scale_out": scale_out, "memory": memory,
-    "lm_data": lm_data}
+    "lm_data": lm_data, "sharded_muon": sharded_muon}
 
 
 def render(paths: list[Path]) -> str:
