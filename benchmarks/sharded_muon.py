@@ -57,7 +57,7 @@ from gpt2 import GPT, GPTConfig, lm_loss, token_batches
 import accelfn as af
 from accelfn.core import compat
 from accelfn.observe.timing import environment
-from accelfn.transforms.distributed import muon as sharded_muon
+from accelfn.parts.distributed import muon as sharded_muon
 
 WORLD = 4
 MODEL = GPTConfig(vocab=2048, seq=128, layers=4, dim=256, heads=4)

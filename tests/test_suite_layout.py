@@ -20,7 +20,7 @@ PARTS = {"accumulation": "transforms/test_accumulation.py",
          "float8": "transforms/test_float8.py",
          "compile_cache": "transforms/test_compiled.py",
          "compile_regions": "transforms/test_compiled_steps.py",
-         "precision": "transforms/test_amp.py"}
+         "precision": "transforms/test_amp.py", "sharding": "transforms/test_distributed.py"}
 
 
 def test_the_steps_modules_have_test_modules_of_their_names():

@@ -12,20 +12,18 @@ Refused where the sharding cannot run its backward unsynced (FSDP2, DDP's static
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
 
 from ..core.contexts import CallContext
-from ..parts import accumulation
+from ..parts import accumulation, sharding
 from . import checks
-from .spec import Spec
 
 if TYPE_CHECKING:
     from .engine import Step
 
-__all__ = ["agree", "agreed", "needed", "unsynced"]
+__all__ = ["agree", "agreed", "needed"]
 
 _AGREED = "_accelfn_agreed"  # an error every process has raised after agreeing on it
 
@@ -39,12 +37,11 @@ def needed(step: Step, ctx: CallContext) -> bool:
     """Whether the processes agree on each call's outcome: adaptive accumulation in several
     processes (refused, before anything changes, where the sharding cannot skip the sync)."""
     spec = step.spec
-    options, sharding = spec.accumulation, spec.sharding
+    options, distributed = spec.accumulation, spec.sharding
     if ctx.distributed is None or options is None or not options.adaptive:
         return False
-    refusal = "a sharding that cannot run its backward unsynced" \
-        if sharding is None or sharding.unsynced_refusal is None \
-        else sharding.unsynced_refusal(ctx)
+    refusal = "a sharding that cannot run its backward unsynced" if distributed is None \
+        else sharding.unsynced_refusal(distributed, ctx)
     if refusal is not None:
         raise ValueError(
             f"with_accumulation(adaptive=True) in several processes needs distributed() "
@@ -70,8 +67,8 @@ def agree(step: Step, ctx: CallContext, error: Exception | None) -> bool:
     torch.distributed.all_reduce(flags, torch.distributed.ReduceOp.MAX, ctx.distributed)
     failed, stuck, other, count = flags.tolist()
     if not failed:
-        if spec.sharding is not None and spec.sharding.agreed is not None:
-            spec.sharding.agreed(ctx)
+        if spec.sharding is not None:
+            sharding.agreed(spec.sharding, ctx)
         return True
     if other or stuck:
         if error is not None:
@@ -91,14 +88,3 @@ def agree(step: Step, ctx: CallContext, error: Exception | None) -> bool:
         raise failure
     accumulation.count(options, ctx, count)
     return False
-
-
-def unsynced(spec: Spec) -> Spec:
-    """``spec`` with no micro-batch's backward synchronising gradients: the update's
-    reduction all-reduces them once instead."""
-    sharding = spec.sharding
-    if sharding is None:
-        return spec
-    skip = sharding.micro
-    return dataclasses.replace(spec, sharding=dataclasses.replace(
-        sharding, micro=lambda ctx, index, sync: skip(ctx, index, False)))

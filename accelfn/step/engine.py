@@ -47,12 +47,14 @@ from ..parts import (
     float8,
     nonfinite,
     precision,
+    sharding,
 )
 from ..parts.clipping import Clipping
 from ..parts.nonfinite import Decision, NonFinite, NonFiniteError
+from ..parts.sharding import Sharding
 from . import agreement, chain, checks, micro
 from .extension import Chained, GradientTransform, Transform
-from .spec import Sharding, Spec, spec_of
+from .spec import Spec, spec_of
 
 __all__ = ["LossFn", "NonFiniteError", "Step", "apply_transform", "describe", "lift"]
 
@@ -151,7 +153,7 @@ class Step:
         if spec.checkpointing is not None:
             prepared = activation_checkpointing.wrap(spec.checkpointing, prepared, state)
         if spec.sharding is not None:
-            prepared = _made("sharding", spec.sharding.shard(prepared, state))
+            prepared = sharding.shard(spec.sharding, prepared, state)
         if spec.compilation is not None:
             prepared = compilation.compile(spec.compilation, prepared, state)
         if spec.averaging is not None:
@@ -203,10 +205,9 @@ class Step:
             if sums.empty:  # a new window: gradients left by anything else are not this one's
                 optimizers_.clear_grads(state.optimizers)
             carried: dict[int, Any] = {}
-            spec = agreement.unsynced(self.spec) if agrees else self.spec
-            absolute = micro.forward_and_backward(
-                spec, self.fn, self._carry, ctx, plan, sums,
-                plan.absolute or ctx.distributed is not None, carried)
+            absolute = micro.forward_and_backward(  # adaptive in several processes: unsynced
+                self.spec, self.fn, self._carry, ctx, plan, sums,
+                plan.absolute or ctx.distributed is not None, carried, unsynced=agrees)
             if agrees and not agreement.agree(self, ctx, None):  # another ran out of memory
                 self._abort(ctx)
                 return None
@@ -229,8 +230,9 @@ class Step:
                     return None  # leaves the handler: the failed pass's tensors can go
                 raise checks.out_of_memory(describe(self), self.transforms, self.spec,
                                            error) from error
-            sharding = self.spec.sharding
-            explained = sharding.explain(ctx, error) if sharding and sharding.explain else None
+            distributed = self.spec.sharding
+            explained = None if distributed is None else sharding.explain(distributed, ctx,
+                                                                          error)
             if explained is not None:
                 raise explained from error
             raise
@@ -265,7 +267,7 @@ class Step:
         scales = spec.precision is not None and spec.precision.scales
         overflow = precision.unscale(uctx) if scales else None  # fp16's flag
         if spec.sharding is not None:
-            spec.sharding.reduce(uctx)
+            sharding.reduce(spec.sharding, uctx)
         if uctx.divisor is not None:
             grads = uctx.local_grads()
             if grads:
@@ -273,8 +275,8 @@ class Step:
         states = chain.run(spec.gradients, uctx) if spec.gradients else None  # checked
         norm = clipping.clip(spec.clipping, uctx) if spec.clipping is not None else None
         # the decision, then the optimizer steps
-        sharding = spec.sharding  # fault tolerance: every replica group committed the update
-        committed = sharding is None or sharding.commit is None or sharding.commit(uctx)
+        # fault tolerance: every replica group committed the update
+        committed = spec.sharding is None or sharding.commit(spec.sharding, uctx)
         decision = progress.decision = nonfinite.decide(
             self._guard, uctx, overflow, norm, not spec.gradients) if committed else _UNCOMMITTED
         optimizers_.rate_metrics(metrics, optimizers, prepared.device)  # what it uses
@@ -360,8 +362,8 @@ class Step:
             accumulation.abort(spec.accumulation, ctx)
         if spec.precision is not None:
             precision.forget(ctx)
-        if spec.sharding is not None and spec.sharding.abort is not None:
-            spec.sharding.abort(ctx)
+        if spec.sharding is not None:
+            sharding.abort(spec.sharding, ctx)
 
     def flush(self, state: TrainState) -> TensorDict | None:
         """Apply the update of an open call-counting window (``with_accumulation(n,
@@ -426,14 +428,6 @@ class _Progress:
         self.decision: Decision | None = None
         self.applied = False
         self.counted = False
-
-
-def _made(place: str, result: object) -> Prepared:
-    """What the ``place`` part's preparation returned, which must be a ``Prepared``."""
-    if not isinstance(result, Prepared):
-        raise TypeError(f"the {place} part returned {result!r}; return a Prepared "
-                        "(dataclasses.replace(prepared, ...))")
-    return result
 
 
 def _release_memory(device: torch.device) -> None:

@@ -23,7 +23,7 @@ from ..core.carry import Carries, detached
 from ..core.contexts import CallContext, entered
 from ..core.outputs import unpack
 from ..core.plan import Plan, Sums
-from ..parts import activation_checkpointing, float8, precision
+from ..parts import activation_checkpointing, float8, precision, sharding
 from .spec import Spec
 
 __all__ = ["forward", "forward_and_backward", "without_empty"]
@@ -109,17 +109,18 @@ def _coefficients(plan: Plan, absolute: bool) -> Sequence[float | None]:
 
 def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext,
                          plan: Plan, sums: Sums, absolute: bool,
-                         carried: dict[int, Any]) -> bool:
+                         carried: dict[int, Any], unsynced: bool = False) -> bool:
     """Forward and backward of every micro-batch of ``plan``, each loss weighted by its share
-    (gradients synchronised across processes on the update's last one only); returns whether
-    the micro-batches were weighted absolutely (gradients and metrics to be divided by the
-    total weight at the update)."""
+    (gradients synchronised across processes on the update's last one only; on none when
+    ``unsynced``: the update's reduction all-reduces them once); returns whether the
+    micro-batches were weighted absolutely (gradients and metrics to be divided by the total
+    weight at the update)."""
     micros = plan.micros
     n = len(micros)
     fixed = _coefficients(plan, absolute)
-    sharding, amp, float8 = spec.sharding, spec.precision, spec.float8
+    distributed, amp, float8 = spec.sharding, spec.precision, spec.float8
     scale = precision.scale if amp is not None and amp.scales else None
-    plain = not carries and sharding is None and spec.checkpointing is None
+    plain = not carries and distributed is None and spec.checkpointing is None
     # autocast and nothing else: entered here, without a call
     autocast = amp if plain and float8 is None else None
     direct = plain and amp is None and float8 is None
@@ -139,9 +140,9 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
             out = fn(model, micro)
         elif autocast is not None:
             with precision.autocast(autocast, ctx): out = fn(model, micro)  # noqa: E701
-        elif sharding is not None:
-            sync = plan.update and i == n - 1
-            with sharding.micro(ctx, i, sync): out = forward(  # noqa: E701
+        elif distributed is not None:
+            sync = plan.update and i == n - 1 and not unsynced
+            with sharding.micro(distributed, ctx, i, sync): out = forward(  # noqa: E701
                 spec, fn, carries, ctx, micro, i, carried)
         else:
             out = forward(spec, fn, carries, ctx, micro, i, carried)

@@ -2,28 +2,23 @@
 gradient transforms in the order they were stacked.
 
 The engine ([`accelfn.step.engine`][]) writes the update once, in order, and calls each
-built-in by name at its place: the options of ``accelfn.parts`` (``Clipping``,
-``Precision``, ``Accumulation``, ``NonFinite``) are handed to their module's functions
-(``clipping.clip(options, ctx)``). The built-ins that prepare the model (float8, activation
-checkpointing, sharding, compile, EMA) still fill their place with a record of functions,
-defined below. A place holds one transform at most (the same built-in twice is refused), so
-the order the built-ins were stacked in cannot change what runs.
-
-Every function is handed the call's context (``CallContext`` or ``UpdateContext``) or, when
-preparing, the [`Prepared`][accelfn.core.contexts.Prepared] so far and the state.
+built-in by name at its place: a place holds the built-in's options (a frozen dataclass of
+``accelfn.parts``), which the engine hands to that module's functions
+(``clipping.clip(options, ctx)``, ``sharding.reduce(options, ctx)``). A place holds one
+transform at most (the same built-in twice is refused), so the order the built-ins were
+stacked in cannot change what runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
-from ..core.contexts import CallContext, Prepared, UpdateContext
+from ..core.contexts import UpdateContext
 from ..core.state import TrainState
 from ..parts import activation_checkpointing, averaging, compilation, float8, precision
 from ..parts.accumulation import Accumulation
@@ -34,36 +29,13 @@ from ..parts.compilation import Compilation
 from ..parts.float8 import Float8
 from ..parts.nonfinite import NonFinite
 from ..parts.precision import Precision
+from ..parts.sharding import Sharding
 from .extension import Chained, GradientTransform, Transform
 
-__all__ = ["Sharding", "Spec",
-           "spec_of"]
+__all__ = ["Spec", "spec_of"]
 
-Context = contextlib.AbstractContextManager[Any]
-Prepare = Callable[[Prepared, TrainState], Prepared]
 Check = Callable[[TrainState], object]
 AfterUpdate = Callable[[UpdateContext, Tensor], None]
-
-
-@dataclass(frozen=True, slots=True)
-class Sharding:
-    """``distributed``: DDP/FSDP wrapping, no sync but on an update's last micro-batch, the
-    cross-process weight, and dropping unreduced gradients after a failed call."""
-
-    shard: Prepare
-    micro: Callable[[CallContext, int, bool], Context]
-    reduce: Callable[[UpdateContext], None]
-    abort: Callable[[CallContext], None] | None = None
-    # a failed forward or backward's error in the strategy's terms (None: as it is)
-    explain: Callable[[CallContext, BaseException], BaseException | None] | None = None
-    # adaptive accumulation: why the backward cannot run without collectives until the
-    # processes agree (None: it can); and what a synced backward would leave, set after
-    # an agreed pass whose gradients the reduction all-reduces once
-    unsynced_refusal: Callable[[CallContext], str | None] | None = None
-    agreed: Callable[[CallContext], None] | None = None
-    # whether the update is applied, asked once after the reduction (fault tolerance: every
-    # replica group agreed); False skips it as a skipped update is skipped (None: applied)
-    commit: Callable[[UpdateContext], bool] | None = None
 
 
 _PLACES: dict[type, str] = {
@@ -99,10 +71,7 @@ class Spec:
                                                           blocks),
             "compilation": compiling and functools.partial(compilation.check, compiling),
         }
-        checks = [found[f.name] if f.name in found else getattr(getattr(self, f.name), "check",
-                                                                None)
-                  for f in fields(self) if f.name != "gradients"]
-        return [check for check in checks if check]
+        return [check for check in found.values() if check]
 
     @property
     def after_update(self) -> list[AfterUpdate]:

@@ -81,3 +81,17 @@ def test_defaults_and_normalised_values():
 def test_bad_options_are_refused_when_built_naming_the_option(build, match):
     with pytest.raises((ValueError, TypeError), match=match):
         build()
+
+
+def test_sharding_options_compare_by_value_and_are_refused_when_built():
+    from accelfn.parts.sharding import Sharding
+
+    a, b = af.distributed(strategy="hsdp", replicate=2), af.distributed(strategy="hsdp",
+                                                                         replicate=2)
+    assert isinstance(a.part, Sharding) and a.part is not b.part
+    assert a == b and repr(a) == repr(a.part) == "distributed(hsdp, replicate=2)"
+    assert dict(a.options)["replicate"] == 2 and a != af.distributed(strategy="hsdp")
+    with pytest.raises(ValueError, match="ZeRO-3 is strategy='fsdp'"):
+        Sharding(strategy="zero3")
+    with pytest.raises(ValueError, match="pass strategy='hsdp' with it"):
+        Sharding(replicate=2)

@@ -8,7 +8,6 @@ guard not being replaceable, erased types, no public contract kit).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import itertools
@@ -93,10 +92,8 @@ def test_stacks_sharing_a_state_share_equal_preparations_and_refuse_other_shardi
     af.with_clipping(counted(classify))(state, make_batch())  # equal preparation: shared
     assert log == [1]
     af.lift(classify)(state, make_batch())  # prepares nothing: its own, raw preparation
-    fsdp = af.Transform("fake_fsdp", af.step.spec.Sharding(
-        count, lambda ctx, i, sync: contextlib.nullcontext(), lambda ctx: None))
     with pytest.raises(ValueError, match="shards the model differently"):
-        fsdp(classify)(state, make_batch())
+        af.distributed(strategy="fsdp")(classify)(state, make_batch())
 
 
 # ------------------------------------------------- 2. extensions are checked when built

@@ -312,18 +312,15 @@ def test_the_update_reports_the_weight_the_step_function_returned(n):
     assert "weight" not in af.lift(classify)(state, batch).keys()
 
 
-def test_an_update_the_sharding_does_not_commit_is_skipped_whole():
-    """Fault tolerance's vote (``Sharding.commit``): an update the replica groups do not
+def test_an_update_the_sharding_does_not_commit_is_skipped_whole(monkeypatch):
+    """Fault tolerance's vote (``sharding.commit``): an update the replica groups do not
     commit changes no parameter, optimizer state nor schedule, reports ``skipped`` and is
     counted, as a skipped non-finite update; a committed one is the plain update."""
-    import contextlib
-
-    from accelfn.step.spec import Sharding
+    from accelfn.parts import sharding  # the replica groups' vote, pretended
 
     votes = iter([True, False, True])
-    fake = af.Transform("fake_sharding", Sharding(
-        lambda prepared, state: prepared, lambda ctx, i, sync: contextlib.nullcontext(),
-        lambda ctx: None, commit=lambda ctx: next(votes)))
+    monkeypatch.setattr(sharding, "commit", lambda options, ctx: next(votes))
+    fake = af.distributed()
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

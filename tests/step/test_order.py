@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import itertools
@@ -95,23 +94,21 @@ def test_stack_equals_hand_written_amp_accumulation_clipping_loop():
 
 def spy(name, place, log, monkeypatch):
     """A transform filling a preparing place, recording when its preparation runs."""
-    from accelfn.parts import activation_checkpointing, compilation
-    from accelfn.step import spec as places
+    from accelfn.parts import activation_checkpointing, compilation, sharding
 
     def hook(prepared, state):
         log.append(name)
         return prepared
 
-    if place == "sharding":
-        return af.Transform(name, places.Sharding(
-            hook, lambda ctx, i, sync: contextlib.nullcontext(), lambda ctx: None))
     # a built-in, its preparation spied on where the engine calls it by name
     module, function, transform = {
         "compilation": (compilation, "compile", af.compiled()),
         "checkpointing": (activation_checkpointing, "wrap", af.checkpointed()),
+        "sharding": (sharding, "shard", af.distributed()),
     }[place]
     monkeypatch.setattr(module, function, lambda options, prepared, state: hook(prepared, state))
-    monkeypatch.setattr(module, "check", lambda options, state: None)
+    if hasattr(module, "check"):
+        monkeypatch.setattr(module, "check", lambda options, state: None)
     return transform
 
 

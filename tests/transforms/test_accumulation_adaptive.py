@@ -144,18 +144,17 @@ def test_cross_entropy_of_a_limited_net_is_the_plain_one():
     assert F.cross_entropy(model(x), make_batch(n=4)["y"]).isfinite()
 
 
-def test_a_wrapping_that_cannot_skip_the_sync_is_refused_before_anything_changes():
+def test_a_wrapping_that_cannot_skip_the_sync_is_refused_before_anything_changes(monkeypatch):
     """In several processes the backward must run without collectives until the processes
     agree: a sharding part that reports a process group but wraps nothing in DDP (as FSDP)
     is refused at the first call (the DDP and FSDP cases run in the 2-process test)."""
-    import contextlib
     import dataclasses
 
-    from accelfn.step.spec import Sharding
+    from accelfn.parts import sharding  # a static graph's refusal, a process group pretended
 
-    grouped = af.Transform("distributed", Sharding(
-        lambda prepared, state: dataclasses.replace(prepared, process_group="group"),
-        lambda ctx, i, sync: contextlib.nullcontext(), lambda ctx: None))
+    monkeypatch.setattr(sharding, "shard", lambda options, prepared, state: dataclasses.replace(
+        prepared, process_group="group"))
+    grouped = af.distributed(static_graph=True)
     model = Limited(limit=100)
     state = _state(model)
     before = copy.deepcopy(state.state_dict())

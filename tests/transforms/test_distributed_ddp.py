@@ -34,7 +34,7 @@ if TESTS not in sys.path:  # under torchrun: helpers sit in tests/
 from helpers import save_rank_results, torchrun_results  # noqa: E402
 
 import accelfn as af  # noqa: E402
-from accelfn.transforms.distributed.ddp import match_gradient_strides  # noqa: E402
+from accelfn.parts.distributed.ddp import match_gradient_strides  # noqa: E402
 
 
 class ConvNet(nn.Module):

@@ -28,8 +28,8 @@ if TESTS not in sys.path:  # under torchrun: conftest sits in tests/
 
 from helpers import torchrun  # noqa: E402
 
+from accelfn.parts.distributed.errors import translate  # noqa: E402
 from accelfn.transforms.distributed import DistributedError  # noqa: E402
-from accelfn.transforms.distributed.errors import translate  # noqa: E402
 
 CASES = ["unused", "shapes"]  # one launch each; a failure breaks the process group
 TIMEOUT_S = 2.0

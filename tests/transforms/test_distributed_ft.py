@@ -22,8 +22,8 @@ import torch.distributed as dist
 from helpers import Net, classify, free_port, make_batch
 
 import accelfn as af
+from accelfn.parts.distributed.ft import Record
 from accelfn.transforms.distributed import FaultTolerance, fault_tolerance_report
-from accelfn.transforms.distributed.ft import Record
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "ft_worker.py")
@@ -97,7 +97,7 @@ def test_an_unreachable_lighthouse_is_named_within_the_timeout_and_changes_nothi
 
 
 def test_a_second_fault_tolerant_state_in_a_process_is_refused(monkeypatch):
-    from accelfn.transforms.distributed import ft
+    from accelfn.parts.distributed import ft
 
     other = torch.nn.Linear(1, 1)  # a state already trained with fault tolerance here
     monkeypatch.setattr(ft, "RUNTIMES", weakref.WeakKeyDictionary({other: object()}))

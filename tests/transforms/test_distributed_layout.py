@@ -1,7 +1,7 @@
 """distributed's layouts, plans and refusals in one process (no process group needed).
 
 The mesh's shape is a function of the strategy and the world size
-(``accelfn.transforms.distributed.mesh.layout``), and a tensor-parallel plan is resolved
+(``accelfn.parts.distributed.mesh.layout``), and a tensor-parallel plan is resolved
 against the model alone (``plans.resolve_plan``): both are checked here with made-up world
 sizes. tests/transforms/test_distributed_scale_out.py runs them in 4 processes.
 """
@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
 import accelfn as af
-from accelfn.transforms.distributed.fsdp import check_optimizers
-from accelfn.transforms.distributed.mesh import layout
-from accelfn.transforms.distributed.plans import resolve_plan
+from accelfn.parts.distributed.fsdp import check_optimizers
+from accelfn.parts.distributed.mesh import layout
+from accelfn.parts.distributed.plans import resolve_plan
 
 
 # ------------------------------------------------------------------------------ layouts

@@ -1,4 +1,4 @@
-"""torch.optim.Muon over sharded parameters (accelfn.transforms.distributed.muon): with AdamW
+"""torch.optim.Muon over sharded parameters (accelfn.parts.distributed.muon): with AdamW
 in one TrainState, under FSDP2 over 2 and 4 processes, HSDP 2x2, FSDP2 x TP 2x2 and HSDP x TP
 (gloo, CPU), with accumulation, clipping and a scheduler on each optimizer, equal to one
 process running torch's Muon on every rank's rows together (each update's gradient within
@@ -34,7 +34,7 @@ from dist_worker import RANK_ROWS, STEPS, global_batch  # noqa: E402
 from helpers import MLPNet, Net, classify, save_rank_results, torchrun_results  # noqa: E402
 
 import accelfn as af  # noqa: E402
-from accelfn.transforms.distributed import muon as sharded_muon  # noqa: E402
+from accelfn.parts.distributed import muon as sharded_muon  # noqa: E402
 
 MAX_NORM = 0.05  # below the gradients' norm: every update is clipped
 # the rows of each data shard of the global batch (12 rows): four shards, or two
@@ -308,7 +308,7 @@ def test_the_sharded_step_is_torchs_muon_step_with_its_hooks_and_scheduler():
 
 
 def test_a_muon_over_a_vector_is_refused_by_every_strategy_naming_it():
-    from accelfn.transforms.distributed.fsdp import check_optimizers, parameter_names
+    from accelfn.parts.distributed.fsdp import check_optimizers, parameter_names
 
     model = OddNet()
     opts = optimizers(model)

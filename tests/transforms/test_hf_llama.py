@@ -172,7 +172,7 @@ def test_export_in_transformers_format_reloads_with_equal_logits(tmp_path):
 def test_the_llama_plan_names_every_projection_of_every_layer():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    from accelfn.transforms.distributed.plans import resolve_plan
+    from accelfn.parts.distributed.plans import resolve_plan
 
     model = tiny_llama()
     resolved = resolve_plan(model, plans.llama(), tp=2)

@@ -1,14 +1,16 @@
 """distributed: DDP, FSDP2, HSDP, or FSDP2 with tensor parallelism under torchrun; a no-op in a
 single process.
 
-Modules: ``transform`` (the transform and its place in the update), ``mesh`` (the process
-layout and its checks), ``plans`` (tensor-parallel plans), ``ddp`` and ``fsdp`` (wrapping),
-``errors`` (torch.distributed's failures said in accelfn's terms: ``DistributedError``),
-``ft`` (replica groups made fault tolerant by torchft: ``FaultTolerance``).
+``transform`` holds the public constructor; the mechanism is ``accelfn.parts.sharding`` over
+``accelfn.parts.distributed`` (wrapping, the process layout, errors, fault tolerance, sharded
+Muon). ``plans`` (tensor-parallel plans, ``plans.llama()``) is re-exported here for users:
+``from accelfn.transforms.distributed import plans``.
 """
 
-from .errors import DistributedError
-from .ft import FaultTolerance, fault_tolerance_report
+from ...parts.distributed import plans
+from ...parts.distributed.errors import DistributedError
+from ...parts.distributed.ft import FaultTolerance, fault_tolerance_report
 from .transform import distributed
 
-__all__ = ["DistributedError", "FaultTolerance", "distributed", "fault_tolerance_report"]
+__all__ = ["DistributedError", "FaultTolerance", "distributed", "fault_tolerance_report",
+           "plans"]

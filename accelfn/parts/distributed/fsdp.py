@@ -83,7 +83,7 @@ def check_optimizers(optimizers: tuple[torch.optim.Optimizer, ...], strategy: st
     tensor parallel), ZeRO's ``overlap_with_ddp`` (its step runs inside a DDP hook that
     ``distributed`` does not register), and a Muon holding anything but 2-D matrices
     (``names``: the parameters' names by id, for the message). Muon over sharded parameters
-    is trained by [`shard_muon`][accelfn.transforms.distributed.muon.shard_muon]."""
+    is trained by [`shard_muon`][accelfn.parts.distributed.muon.shard_muon]."""
     # looked up, not imported: importing it after the process group exists would bind the
     # group into a default argument for the process' life (see accelfn.core.processes)
     zero = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
