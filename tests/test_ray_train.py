@@ -157,7 +157,7 @@ def test_a_ray_train_cpu_worker_trains_on_the_cpu_on_a_machine_with_gpus(monkeyp
     import ray.train
     import ray.train.torch
 
-    from accelfn.transforms.distributed.transform import _check_device
+    from accelfn.parts.sharding import _check_device
 
     monkeypatch.setattr(ray.train, "get_context", lambda: Context(1))
     monkeypatch.setattr(ray.train.torch, "get_device", lambda: torch.device("cpu"))

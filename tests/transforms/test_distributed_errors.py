@@ -211,12 +211,14 @@ if __name__ == "__main__":
 
 def test_a_failure_in_a_micro_batchs_backward_is_explained_too():
     """DDP's gradient all-reduce runs inside the backward: the engine hands its error to the
-    strategy's place (``Sharding.explain``), which names where it happened."""
+    strategy (``sharding.explain``), which names where it happened."""
+    import functools
     from types import SimpleNamespace
 
     import accelfn as af
+    from accelfn.parts import sharding
 
-    explain = af.distributed()(squared).spec.sharding.explain
+    explain = functools.partial(sharding.explain, af.distributed()(squared).spec.sharding)
     ctx = SimpleNamespace(distributed=object(), model=nn.Linear(2, 2))
     got = explain(ctx, RuntimeError("Timed out waiting 3000ms for recv operation to complete"))
     assert isinstance(got, af.DistributedError) and got.kind == "timeout"
