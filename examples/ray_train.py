@@ -5,9 +5,9 @@
     python examples/ray_train.py --crash-at 25            # rank 1 dies at update 25, once
     python examples/ray_train.py --resume runs/ray_digits  # continue its newest run
 
-Time: 83 s on a 2-core CPU shared with other work (load average 5 to 8), 60 updates, of
-which the training takes 4 s: the rest is Ray starting its processes (importing Ray 12 s,
-``ray.init`` 10 s, the worker group 39 s). Needs ``pip install 'accelfn[ray]'``.
+Time: 38 s on the idle 2-core CPU (83 s at load average 5 to 8), 60 updates, of which the
+training takes a few seconds: the rest is Ray starting its processes (importing Ray,
+``ray.init``, the worker group). Needs ``pip install 'accelfn[ray]'``.
 
 ``train_loop`` is the accelfn loop as a torchrun script has it: ``af.init_distributed()``
 takes the process group Ray's TorchTrainer set up (gloo on CPUs, nccl with ``--gpu``),
