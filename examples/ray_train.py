@@ -5,7 +5,7 @@
     python examples/ray_train.py --crash-at 25            # rank 1 dies at update 25, once
     python examples/ray_train.py --resume runs/ray_digits  # continue its newest run
 
-Time: 38 s on the idle 2-core CPU (83 s at load average 5 to 8), 60 updates, of which the
+Time: 38 s on a 2-core CPU (idle; 83 s at load average 5 to 8), 60 updates, of which the
 training takes a few seconds: the rest is Ray starting its processes (importing Ray,
 ``ray.init``, the worker group). Needs ``pip install 'accelfn[ray]'``.
 
