@@ -128,6 +128,7 @@ def shard(o: Sharding, prepared: Prepared, state: TrainState) -> Prepared:
     # the model) or of the FSDP2 root (the model itself, sharded in place)
     return dataclasses.replace(prepared, call=call, process_group=dist.group.WORLD)
 
+
 def _shard_fault_tolerant(o: Sharding, prepared: Prepared, state: TrainState,
                          options: ft.FaultTolerance) -> Prepared:
     fsdp = o.fsdp
@@ -162,6 +163,7 @@ def _shard_fault_tolerant(o: Sharding, prepared: Prepared, state: TrainState,
     ft.RUNTIMES[model] = runtime
     return dataclasses.replace(prepared, call=call, process_group=dist.group.WORLD)
 
+
 def _micro_context(o: Sharding, ctx: CallContext,
                    sync: bool) -> contextlib.AbstractContextManager[Any] | None:
     fsdp = o.fsdp
@@ -184,6 +186,7 @@ def _micro_context(o: Sharding, ctx: CallContext,
         _fsdp(model).set_requires_gradient_sync(False)
     return None
 
+
 def micro(o: Sharding, ctx: CallContext, index: int,
           sync: bool) -> contextlib.AbstractContextManager[Any]:
     """A micro-batch's context: no gradient sync unless ``sync`` (the update's last one);
@@ -196,6 +199,7 @@ def micro(o: Sharding, ctx: CallContext, index: int,
     # next forward, FSDP's all-gathers, a timeout) are explained (errors.translate)
     return Translating(_micro_context(o, ctx, sync), model=ctx.model,
                        where=" in a micro-batch's forward")
+
 
 def reduce(o: Sharding, ctx: UpdateContext) -> None:
     """The update's reduction: the divisor made global (and the live replica groups'
@@ -235,6 +239,7 @@ def reduce(o: Sharding, ctx: UpdateContext) -> None:
         divisor = divisor.cpu()  # the gradients are on the host, where the step runs
     ctx.divisor = divisor
 
+
 def abort(o: Sharding, ctx: CallContext) -> None:
     """After a failed call: what the strategy keeps of it dropped (DDP keeps nothing the
     engine's zero_grad does not clear)."""
@@ -256,6 +261,7 @@ def abort(o: Sharding, ctx: CallContext) -> None:
     compat.fsdp_drop_unreduced_grads(root)
     root.set_requires_gradient_sync(True)
 
+
 def explain(o: Sharding, ctx: CallContext, error: BaseException) -> BaseException | None:
     """A failed forward or backward's error in the strategy's terms (None: as it is)."""
     # a failure in a micro-batch's backward (DDP's gradient all-reduce, FSDP's
@@ -263,6 +269,7 @@ def explain(o: Sharding, ctx: CallContext, error: BaseException) -> BaseExceptio
     if ctx.distributed is None:
         return None
     return translate(error, model=ctx.model, where=" in a micro-batch's backward")
+
 
 def unsynced_refusal(o: Sharding, ctx: CallContext) -> str | None:
     """Adaptive accumulation: why the backward cannot run without collectives until the
@@ -273,11 +280,11 @@ def unsynced_refusal(o: Sharding, ctx: CallContext) -> str | None:
         return what
     return None
 
+
 def agreed(o: Sharding, ctx: CallContext) -> None:
     """After an agreed pass whose gradients the reduction all-reduces once."""
     # as after DDP's synced backward: the next call's first forward broadcasts buffers
     _ddp(ctx).require_forward_param_sync = True
-
 
 
 def commit(o: Sharding, ctx: UpdateContext) -> bool:
