@@ -355,3 +355,16 @@ def test_the_readme_test_command_is_what_ci_runs() -> None:
     readme = (ROOT / "README.md").read_text()
     assert re.search(r"^make test +# ", readme, re.M)
 
+
+
+def test_every_page_is_in_the_grouped_navigation_and_linked_from_the_home_page() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    home = (DOCS / "index.md").read_text()
+    pages = [str(p.relative_to(DOCS)) for p in PAGES
+             if p.name not in ("README.md", "index.md") and "theme" not in p.parts]
+    assert [p for p in pages if f": {p}" not in nav and f"- {p}" not in nav] == []
+    assert [p for p in pages if f"]({p})" not in home] == []
+    block = nav.split("\nnav:\n")[1]
+    block = block[:next(m.start() for m in re.finditer(r"^\S", block, re.M))]
+    top = [line for line in block.split("\n") if line.startswith("  - ")]
+    assert len(top) <= 10, f"{len(top)} top-level items: group them"
