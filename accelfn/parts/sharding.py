@@ -90,7 +90,6 @@ class Sharding:
 def shard(o: Sharding, prepared: Prepared, state: TrainState) -> Prepared:
     """Prepare: the model wrapped in DDP or sharded in place by FSDP2 (tensor parallel
     first), the optimizers pointed at the shards; nothing in one process."""
-    fsdp = o.fsdp
     if o.fault_tolerance is not None:
         return _shard_fault_tolerant(o, prepared, state, o.fault_tolerance)
     init_distributed()
@@ -109,29 +108,37 @@ def shard(o: Sharding, prepared: Prepared, state: TrainState) -> Prepared:
     if o.sync_batchnorm:
         _sync_batchnorm(model, device)
     with Translating(where=" while the first step wrapped the model"):
-        if not fsdp:
-            call: Any = wrap_ddp(model, device, o.static_graph, o.compression,
-                                 o.bucket_cap_mb, o.find_unused_parameters)
-        else:  # the islands phase (with_amp) set the compute dtype: FSDP's parameter dtype
-            before = parameter_names(model)
-            mesh = build_mesh(grid, device.type) \
-                if o.strategy == "hsdp" or o.tp > 1 else None
-            if resolved is not None:  # tensor parallel first, then FSDP2 over the rest
-                assert mesh is not None
-                apply_plan(model, mesh["tp"], resolved)
-            shard_fsdp(model, None if mesh is None else data_mesh(mesh, grid),
-                       prepared.compute_dtype, o.offload, o.reshard_after_forward)
-            repoint_optimizers(state, model, before)
-            shard_muon(state.optimizers)  # Newton-Schulz on whole matrices, one owner each
-            call = root_call(model)
+        call = _wrap(o, prepared, state, grid, resolved)
     # the model stays the user's: the step function runs as the forward of DDP (over
     # the model) or of the FSDP2 root (the model itself, sharded in place)
     return dataclasses.replace(prepared, call=call, process_group=dist.group.WORLD)
 
 
+def _wrap(o: Sharding, prepared: Prepared, state: TrainState, grid: Any = None,
+          resolved: dict[str, Any] | None = None) -> Any:
+    """What runs the step function: DDP over the model, or the model sharded in place by
+    FSDP2 (over ``grid``'s data mesh, tensor parallel first with the ``resolved`` plan) and
+    run as its root's forward, the optimizers pointed at the shards."""
+    model, device = prepared.model, prepared.device
+    if not o.fsdp:
+        return wrap_ddp(model, device, o.static_graph, o.compression, o.bucket_cap_mb,
+                        o.find_unused_parameters)
+    # the islands phase (with_amp) set the compute dtype: FSDP's parameter dtype
+    before = parameter_names(model)
+    mesh = build_mesh(grid, device.type) \
+        if grid is not None and (o.strategy == "hsdp" or o.tp > 1) else None
+    if resolved is not None:  # tensor parallel first, then FSDP2 over the rest
+        assert mesh is not None
+        apply_plan(model, mesh["tp"], resolved)
+    shard_fsdp(model, None if mesh is None else data_mesh(mesh, grid),
+               prepared.compute_dtype, o.offload, o.reshard_after_forward)
+    repoint_optimizers(state, model, before)
+    shard_muon(state.optimizers)  # Newton-Schulz on whole matrices, one owner each
+    return root_call(model)
+
+
 def _shard_fault_tolerant(o: Sharding, prepared: Prepared, state: TrainState,
                          options: ft.FaultTolerance) -> Prepared:
-    fsdp = o.fsdp
     # a replica group of torchft: DDP or FSDP2 over this torchrun job's processes (one
     # process included), the gradients (each process' shards) then summed with the same
     # rank of the live groups (ft.Runtime.reduce): HSDP whose replicate dimension is
@@ -149,16 +156,7 @@ def _shard_fault_tolerant(o: Sharding, prepared: Prepared, state: TrainState,
     if o.sync_batchnorm:
         _sync_batchnorm(model, device)
     with Translating(where=" while the first step wrapped the model"):
-        if not fsdp:
-            call: Any = wrap_ddp(model, device, o.static_graph, o.compression,
-                                 o.bucket_cap_mb, o.find_unused_parameters)
-        else:
-            before = parameter_names(model)
-            shard_fsdp(model, None, prepared.compute_dtype, o.offload,
-                       o.reshard_after_forward)
-            repoint_optimizers(state, model, before)
-            shard_muon(state.optimizers)
-            call = root_call(model)
+        call = _wrap(o, prepared, state)
         runtime = ft.Runtime(options, state, dist.group.WORLD, device)
     ft.RUNTIMES[model] = runtime
     return dataclasses.replace(prepared, call=call, process_group=dist.group.WORLD)
