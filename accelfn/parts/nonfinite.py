@@ -293,15 +293,6 @@ def decide(options: NonFinite, ctx: UpdateContext, overflow: Tensor | None,
     if policy == "off" and overflow is None and skip_if is None:
         return _UNCHECKED
     on_device = ctx.prepared.skips_on_device and policy != "raise"
-    if (policy != "off" and skip_if is None and overflow is None and norm is not None
-            and ctx.distributed is None and not on_device):
-        # the common case in one read: a sum is finite when both are (a non-finite sum,
-        # or an overflow of the sum alone, is looked at value by value below)
-        with labelled_read(GUARD_READ):
-            finite = math.isfinite((ctx.loss + norm).item())
-        if finite:
-            guard.consecutive = 0
-            return _PROCEED
     if overflow is None and policy == "off":  # only skip_if decides
         overflow = torch.zeros((), dtype=torch.bool, device=ctx.device)
     evidence = _evidence(ctx, overflow, norm, current, check=policy != "off")
