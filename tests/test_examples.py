@@ -536,7 +536,7 @@ def planned_resume_is_refused_before_saying_it_resumed(example, out, capsys) -> 
 
 @pytest.mark.slow
 def test_a_resumed_run_plots_its_whole_history(tmp_path, monkeypatch, capsys):
-    from accelfn.observe import plots
+    from accelfn.observe.monitor import plots
 
     drawn: list[list[int]] = []
     plot = plots.plot_report

@@ -10,7 +10,11 @@ TESTS = Path(__file__).resolve().parent
 PACKAGE = TESTS.parent / "accelfn"
 # the modules named by the engine's sequence: each has a test module of its own name
 MIRRORED = {"core": ("compat", "optimizers", "plan", "state"),
-            "step": ("agreement", "chain", "checks", "engine", "micro", "spec")}
+            "step": ("agreement", "chain", "checks", "engine", "micro", "spec"),
+            # the monitor's wing: the modules with a test module of their own (records,
+            # report, verdict... are tested through the monitor's)
+            "observe/monitor": ("aggregates", "monitor", "outputs", "plots", "progress_bars",
+                                "sinks", "stragglers", "trackers")}
 # a built-in's mechanism (accelfn/parts/<module>.py) is tested through its public transform
 PARTS = {"accumulation": "transforms/test_accumulation.py",
          "activation_checkpointing": "transforms/test_activation_checkpointing.py",

@@ -19,13 +19,13 @@ Per step it keeps, without ever making the host wait for the device:
 * the step's metrics: scalar tensors copied to pinned host memory (``non_blocking=True``)
   after the step, read when their boundary event completed;
 * GPU utilisation, memory and power sampled by pynvml in a background thread;
-* under a process group, stragglers (`accelfn.observe.stragglers`).
+* under a process group, stragglers (`accelfn.observe.monitor.stragglers`).
 
 Every ``log_every`` steps the completed records go to a progress bar and the sinks (JSONL,
-CSV, TensorBoard, any [`Sink`][]; W&B and MLflow in `accelfn.observe.trackers`), with the
+CSV, TensorBoard, any [`Sink`][]; W&B and MLflow in `accelfn.observe.monitor.trackers`), with the
 values of [`Monitor.log`][]; rows are numbered as the [`TrainState`][]'s ``step`` counts.
-Memory stays bounded however long the run (`accelfn.observe.aggregates`). The report
-ends with a verdict against the checklist (`accelfn.observe.verdict`): data loading under
+Memory stays bounded however long the run (`accelfn.observe.monitor.aggregates`). The report
+ends with a verdict against the checklist (`accelfn.observe.monitor.verdict`): data loading under
 20% of an iteration, GPU busy over 85%, no unnecessary host syncs (one step probed with
 [`SyncProbe`][]), a CPU not oversubscribed, and each fix. With ``memory_snapshot``, an
 out-of-memory error leaving the loop dumps what filled the memory ([`MemorySnapshot`][]).
@@ -45,26 +45,24 @@ from typing import IO, Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from ..core.processes import is_main_process
-from ..core.state import TrainState
+from ...core.processes import is_main_process
+from ...core.state import TrainState
+from ..diagnostics import Diagnostics
+from ..flops import _dtype_key, training_flops
+from ..memory_snapshots import MemorySnapshot, snapshot_option
+from ..profiling import Profiler
+from ..sync_probe import SyncPoint, SyncProbe
 from . import records
 from .aggregates import RunBook
-from .diagnostics import Diagnostics
-from .flops import _dtype_key, peak_flops, training_flops
 from .gpu_sampler import GPUSampler, check_interval
-from .memory_snapshots import MemorySnapshot, snapshot_option
 from .outputs import Outputs
-from .profiling import Profiler
 from .records import PendingLog, PendingStep, StepRecord
 from .report import MonitorReport, Thresholds
 from .reporting import build_report
 from .sinks import Sink
 from .stragglers import Stragglers
-from .sync_probe import SyncPoint, SyncProbe
 
-# peak_flops and training_flops: re-exported where accelfn, cli.bench, benchmarks and examples
-# import them from; their home is accelfn.observe.flops
-__all__ = ["Monitor", "peak_flops", "training_flops"]
+__all__ = ["Monitor"]
 
 T = TypeVar("T")
 
@@ -98,8 +96,8 @@ class Monitor:
         csv: the same rows in a CSV file, kept the same way.
         tensorboard: a log dir for ``SummaryWriter`` (needs the ``tensorboard`` extra).
         sinks: more destinations for the rows: any [`Sink`][],
-            e.g. [`WandbSink`][accelfn.observe.trackers.WandbSink],
-            [`MlflowSink`][accelfn.observe.trackers.MlflowSink] (rank 0 only).
+            e.g. [`WandbSink`][accelfn.observe.monitor.trackers.WandbSink],
+            [`MlflowSink`][accelfn.observe.monitor.trackers.MlflowSink] (rank 0 only).
         plot: write [`MonitorReport.plot`][] here when the monitor closes (its path is
             then `plot_file`); with ``state`` and ``jsonl``, of the whole file (resumes too).
         samples_per_step: samples in one step, when a step does not say.
@@ -441,7 +439,7 @@ class Monitor:
         give ``"outer.inner"``), copied off without a sync and written once the device has
         passed this call. ``step``: default, that of the latest training row (before any, the
         first step). The report's ``logged`` holds each name's last value and the plot draws
-        them; see `accelfn.observe.sinks` for what each sink writes. Called between steps
+        them; see `accelfn.observe.monitor.sinks` for what each sink writes. Called between steps
         (after ``step()``, as after an evaluation), it restarts the step clock: the
         evaluation's time is not the next step's iteration or data wait.
         """

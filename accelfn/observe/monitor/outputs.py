@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from .logs import get_logger
+from ..logs import get_logger
 from .progress_bars import Bar, make_bar, row_postfix
 from .report import MonitorReport
 from .sinks import CsvSink, JsonlSink, Sink, TensorBoardSink, close_sinks, open_sinks, write_sinks
@@ -38,7 +38,7 @@ class Outputs:
                 raise TypeError(
                     f"Monitor(sinks=[...]): {type(sink).__name__} is not a sink: it needs "
                     "open(start_step), write(rows) and close(report) methods (see "
-                    "accelfn.observe.sinks.Sink)")
+                    "accelfn.observe.monitor.sinks.Sink)")
         self.main, self.paths, self.plot_path = main, paths, plot
         self._want_progress, self._desc, self._file = progress, desc, file
         self._total, self._initial = total, initial

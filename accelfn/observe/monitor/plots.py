@@ -1,20 +1,55 @@
 """The monitor's picture of a run: loss, learning rate, throughput, iteration time against
-data wait, memory and GPU busy per step, in one PNG (matplotlib, drawn off-screen)."""
+data wait, memory and GPU busy per step, in one PNG (matplotlib, drawn off-screen).
+
+It draws any report with the fields of [`Drawn`][] (a
+[`MonitorReport`][accelfn.observe.monitor.report.MonitorReport] has them) and imports nothing
+of the report's module: ``MonitorReport.plot`` calls it, not the other way round."""
 
 from __future__ import annotations
 
 import itertools
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .report import MonitorReport
-
-__all__ = ["figure", "plot_report"]
+__all__ = ["Drawn", "figure", "plot_report"]
 
 Panel = Callable[[Any], None]
+
+
+class Limits(Protocol):
+    """The checklist's limits the plot draws as targets (a ``Thresholds``)."""
+
+    @property
+    def data_wait_share(self) -> float: ...
+    @property
+    def gpu_busy(self) -> float: ...
+
+
+class Drawn(Protocol):
+    """What the plot reads of a report (a ``MonitorReport``)."""
+
+    @property
+    def rows(self) -> list[dict[str, Any]]: ...
+    @property
+    def logged_rows(self) -> list[dict[str, Any]]: ...
+    @property
+    def rows_per_point(self) -> int: ...
+    @property
+    def warmup(self) -> int: ...
+    @property
+    def verdict(self) -> str: ...
+    @property
+    def device(self) -> str: ...
+    @property
+    def tokens_per_s(self) -> float | None: ...
+    @property
+    def data_wait_share(self) -> float | None: ...
+    @property
+    def gpu_samples(self) -> Sequence[tuple[float, float, float, float | None]]: ...
+    @property
+    def thresholds(self) -> Limits: ...
 
 
 def _smooth(values: list[float | None], window: int) -> list[float | None]:
@@ -46,11 +81,9 @@ def _interp(t: float, pairs: list[tuple[float, int]]) -> float:
     return float(pairs[-1][1])
 
 
-def _panels(report: MonitorReport, steps: list[int]) -> list[Panel]:
+def _panels(report: Drawn, steps: list[int]) -> list[Panel]:
     """One drawing function per panel, in the order users read them."""
-    from .report import Thresholds
-
-    rows, th = report.rows, Thresholds()
+    rows, th = report.rows, report.thresholds
     panels: list[Panel] = []
 
     def metric(key: str) -> list[float | None]:
@@ -147,7 +180,7 @@ def _panels(report: MonitorReport, steps: list[int]) -> list[Panel]:
     return panels
 
 
-def figure(report: MonitorReport, *, title: str | None = None) -> Any:
+def figure(report: Drawn, *, title: str | None = None) -> Any:
     """The ``matplotlib.figure.Figure`` of ``report`` (two panels a row, drawn off-screen)."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -184,9 +217,9 @@ def figure(report: MonitorReport, *, title: str | None = None) -> Any:
     return fig
 
 
-def plot_report(report: MonitorReport, path: str | Path, *, title: str | None = None) -> Path:
+def plot_report(report: Drawn, path: str | Path, *, title: str | None = None) -> Path:
     """Write [`figure`][] of ``report`` as a PNG to ``path`` (see
-    [`MonitorReport.plot`][accelfn.observe.report.MonitorReport.plot]); return the path."""
+    [`MonitorReport.plot`][accelfn.observe.monitor.report.MonitorReport.plot]); return the path."""
     fig = figure(report, title=title)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterable, Iterator, Sized
 from typing import IO, Any, Protocol, TypeVar
 
-from ..core.processes import is_main_process
+from ...core.processes import is_main_process
 
 __all__ = ["Bar", "is_terminal", "make_bar", "progress", "row_postfix"]
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.syncs import deferred_read
+from ...core.syncs import deferred_read
 
 __all__ = ["COUNT_KEYS", "ROW_KEYS", "PendingLog", "PendingStep", "StepRecord",
            "batch_samples", "boundary_event", "check_logged", "completed", "make_log_row",

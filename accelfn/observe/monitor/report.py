@@ -8,9 +8,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .findings import Finding, format_findings
+from ..findings import Finding, format_findings
+from ..sync_probe import SyncPoint
 from .gpu_sampler import GPUSample
-from .sync_probe import SyncPoint
 
 __all__ = ["MonitorReport", "Thresholds"]
 
@@ -91,11 +91,14 @@ class MonitorReport:
     #: samples/s and tokens/s of all processes together: this process's times ``processes``
     global_samples_per_s: float | None = None
     global_tokens_per_s: float | None = None
+    #: the checklist's limits the verdict (and the plot's target lines) used
+    thresholds: Thresholds = field(default_factory=Thresholds, repr=False)
 
     def to_dict(self, *, rows: bool = False) -> dict[str, Any]:
         """A JSON-ready dict (per-step rows and GPU samples only with ``rows=True``)."""
         out = {k: getattr(self, k) for k in self.__dataclass_fields__
-               if k not in ("rows", "gpu_samples", "findings", "syncs", "logged_rows")}
+               if k not in ("rows", "gpu_samples", "findings", "syncs", "logged_rows",
+                            "thresholds")}
         out["findings"] = [f.to_dict() for f in self.findings]
         out["syncs"] = None if self.syncs is None else [
             {"op": s.op, "location": s.location, "code": s.code, "via": s.via,

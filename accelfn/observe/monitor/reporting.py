@@ -9,17 +9,17 @@ import resource
 import torch
 from torch import nn
 
-from ..core.processes import world_size
+from ...core.processes import world_size
+from ..diagnostics import Diagnostics
+from ..findings import Finding
+from ..flops import peak_flops
+from ..initialisation import check_model
+from ..memory_snapshots import MemorySnapshot
+from ..sync_probe import SyncPoint
+from ..threads import cpu_load, oversubscription
 from .aggregates import RunBook
-from .diagnostics import Diagnostics
-from .findings import Finding
-from .flops import peak_flops
 from .gpu_sampler import GPUSampler
-from .initialisation import check_model
-from .memory_snapshots import MemorySnapshot
 from .report import MonitorReport, Thresholds
-from .sync_probe import SyncPoint
-from .threads import cpu_load, oversubscription
 from .verdict import summarise
 
 __all__ = ["build_report", "device_name"]

@@ -1,5 +1,5 @@
 """Where the monitor writes its per-step rows: the [`Sink`][] protocol, and JSONL, CSV and
-TensorBoard sinks on it (Weights & Biases and MLflow are in `accelfn.observe.trackers`).
+TensorBoard sinks on it (Weights & Biases and MLflow are in `accelfn.observe.monitor.trackers`).
 
 A row is one step's record, ``{field: value}``: ``step``, ``time_s``, ``iter_s``, ``step_s``,
 ``data_wait_s``, ``data_share``, ``samples``, ``tokens``, ``samples_per_s``,

@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core import compat_distributed, hangs
-from ..core.processes import is_main_process, world_size
-from .findings import Finding
+from ...core import compat_distributed, hangs
+from ...core.processes import is_main_process, world_size
+from ..findings import Finding
 
 __all__ = ["Stragglers", "judge"]
 
@@ -58,7 +58,7 @@ def judge(own_s: list[float], *, slower: float = 0.2) -> dict[int, float]:
 
 
 class Stragglers:
-    """The monitor's straggler check (see [`accelfn.observe.stragglers`][]).
+    """The monitor's straggler check (see [`accelfn.observe.monitor.stragglers`][]).
 
     ``enabled``: ``None`` turns it on under a process group of several processes (as it is
     at each check: a monitor made before ``init_distributed`` checks too).

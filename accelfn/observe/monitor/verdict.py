@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
+from ..findings import Finding
+from ..sync_probe import SyncPoint
 from .aggregates import History, RunningSummary
-from .findings import Finding
 from .gpu_sampler import GPUSample
 from .records import ROW_KEYS
 from .report import MonitorReport, Thresholds
-from .sync_probe import SyncPoint
 
 __all__ = ["summarise", "verdict"]
 
@@ -108,7 +108,7 @@ def summarise(rows: Sequence[dict[str, Any]] | RunningSummary, *, warmup: int,
         logged=dict(last_logged or {}),
         logged_rows=logged.rows() if logged is not None else [], processes=processes,
         global_samples_per_s=None if sps is None else sps * processes,
-        global_tokens_per_s=None if tps is None else tps * processes)
+        global_tokens_per_s=None if tps is None else tps * processes, thresholds=th)
 
 
 def _nonfinite(summary: RunningSummary) -> list[Finding]:

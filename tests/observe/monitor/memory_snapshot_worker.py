@@ -1,4 +1,4 @@
-"""Run under torchrun by tests/observe/test_monitor_memory.py: every rank runs out of memory
+"""Run under torchrun by tests/observe/monitor/test_monitor_memory.py: every rank runs out of memory
 at its second update under ``Monitor(memory_snapshot=OUT/oom.json)``; each saves the notes
 its error got (``OUT/notes<rank>.txt``)."""
 

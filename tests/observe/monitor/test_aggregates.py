@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from machine import idle_machine  # noqa: F401  (autouse: an idle machine)
 
-from accelfn.observe.aggregates import History, Quantiles, read_history
 from accelfn.observe.monitor import Monitor
+from accelfn.observe.monitor.aggregates import History, Quantiles, read_history
 
 TRAINING = ("step_s", "iter_s", "data_wait_s", "loss", "mem_gib", "samples_per_s")
 
@@ -127,7 +127,7 @@ def test_history_points_are_block_means_of_whole_powers_of_two() -> None:
 
 def test_a_plot_can_be_drawn_from_the_whole_metrics_file(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from accelfn.observe.plots import figure
+    from accelfn.observe.monitor.plots import figure
 
     path = tmp_path / "metrics.jsonl"
     earlier = [{"step": s, "time_s": 0.1 * s, "iter_s": 0.1, "step_s": 0.1,

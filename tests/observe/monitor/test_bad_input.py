@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from accelfn.observe.gpu_sampler import GPUSampler
 from accelfn.observe.monitor import Monitor
-from accelfn.observe.report import Thresholds
-from accelfn.observe.sinks import JsonlSink
+from accelfn.observe.monitor.gpu_sampler import GPUSampler
+from accelfn.observe.monitor.report import Thresholds
+from accelfn.observe.monitor.sinks import JsonlSink
+from accelfn.observe.monitor.verdict import summarise
 from accelfn.observe.sync_probe import SyncProbe
-from accelfn.observe.verdict import summarise
 
 
 def quiet(**kw: Any) -> Monitor:
@@ -146,7 +146,7 @@ def test_mlflow_gets_metric_names_it_refuses_under_a_name_it_takes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mlflow.tracking import MlflowClient
 
-    from accelfn.observe.trackers import MlflowSink
+    from accelfn.observe.monitor.trackers import MlflowSink
 
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     uri = (tmp_path / "mlruns").as_uri()

@@ -12,7 +12,7 @@ import torch
 from machine import idle_machine  # noqa: F401  (autouse: an idle machine)
 
 from accelfn.observe.monitor import Monitor
-from accelfn.observe.progress_bars import LineBar, is_terminal, make_bar, progress
+from accelfn.observe.monitor.progress_bars import LineBar, is_terminal, make_bar, progress
 
 
 class Terminal(io.StringIO):

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from accelfn.observe.report import Thresholds
-from accelfn.observe.verdict import summarise
+from accelfn.observe.monitor.report import Thresholds
+from accelfn.observe.monitor.verdict import summarise
 
 
 def _rows(times: list[float]) -> list[dict[str, Any]]:

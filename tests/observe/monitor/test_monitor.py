@@ -20,8 +20,8 @@ from torch import nn
 from accelfn.observe.diagnostics import Diagnostics
 from accelfn.observe.flops import count_flops, peak_flops, training_flops
 from accelfn.observe.monitor import Monitor
-from accelfn.observe.progress_bars import progress
-from accelfn.observe.report import Thresholds
+from accelfn.observe.monitor.progress_bars import progress
+from accelfn.observe.monitor.report import Thresholds
 from accelfn.observe.sync_probe import SyncProbe
 
 

@@ -16,8 +16,8 @@ from test_trackers import mlflow_store, wandb_offline, wandb_runs  # noqa: F401 
 from torch import nn
 
 from accelfn.observe.monitor import Monitor
+from accelfn.observe.monitor.trackers import MlflowSink, WandbSink
 from accelfn.observe.sync_probe import SyncProbe
-from accelfn.observe.trackers import MlflowSink, WandbSink
 
 STEPS, EVERY = 9, 3
 
@@ -212,7 +212,7 @@ class _Clock:
 
 def test_an_evaluation_logged_between_steps_is_not_the_next_steps_time(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from accelfn.observe import monitor as monitor_module
+    from accelfn.observe.monitor import monitor as monitor_module
     clock = _Clock()
     monkeypatch.setattr(monitor_module.time, "perf_counter", clock)
     mon = Monitor(progress=False, log_every=1, warmup=0, sync_check_step=None)

@@ -11,8 +11,7 @@ import pytest
 import torch
 from monitor_runs import crash_and_resume, expected_losses
 
-from accelfn.observe import plots
-from accelfn.observe.monitor import Monitor
+from accelfn.observe.monitor import Monitor, plots
 
 pytest.importorskip("matplotlib")  # the plot extra; installed by the test extra
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from accelfn.observe.monitor import Monitor
-from accelfn.observe.outputs import Outputs
+from accelfn.observe.monitor.outputs import Outputs
 
 
 class Listed:

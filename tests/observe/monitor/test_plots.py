@@ -10,7 +10,7 @@ from helpers import Net, classify, make_batch
 
 import accelfn as af
 from accelfn.observe.monitor import Monitor
-from accelfn.observe.plots import figure
+from accelfn.observe.monitor.plots import figure
 
 pytest.importorskip("matplotlib")  # the plot extra; installed by the test extra
 

@@ -11,9 +11,8 @@ import pytest
 import torch
 from machine import idle_machine  # noqa: F401  (autouse: an idle machine)
 
-from accelfn.observe import progress_bars
-from accelfn.observe.monitor import Monitor
-from accelfn.observe.progress_bars import LineBar, make_bar
+from accelfn.observe.monitor import Monitor, progress_bars
+from accelfn.observe.monitor.progress_bars import LineBar, make_bar
 
 
 class Terminal(io.StringIO):

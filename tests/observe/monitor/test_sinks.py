@@ -15,7 +15,7 @@ from monitor_runs import crash_and_resume, expected_losses, train
 
 import accelfn as af
 from accelfn.observe.monitor import Monitor
-from accelfn.observe.sinks import CsvSink, JsonlSink, Row, Sink, TensorBoardSink
+from accelfn.observe.monitor.sinks import CsvSink, JsonlSink, Row, Sink, TensorBoardSink
 
 
 class Recorder:

@@ -22,13 +22,13 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-TESTS = os.path.dirname(HERE)
+TESTS = os.path.dirname(os.path.dirname(HERE))
 if TESTS not in sys.path:  # under torchrun: helpers sit in tests/
     sys.path.insert(0, TESTS)
 
 from helpers import save_rank_results, torchrun_results  # noqa: E402
 
-from accelfn.observe.stragglers import Stragglers, judge  # noqa: E402
+from accelfn.observe.monitor.stragglers import Stragglers, judge  # noqa: E402
 
 UPDATES = 50
 SLOW_S = 0.03  # rank 1's extra time per step, several times the step itself

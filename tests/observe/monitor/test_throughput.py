@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from accelfn.observe import reporting
-from accelfn.observe.monitor import Monitor
+from accelfn.observe.monitor import Monitor, reporting
 
 
 def quiet(**kw) -> Monitor:

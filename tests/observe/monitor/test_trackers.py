@@ -18,9 +18,9 @@ from monitor_runs import crash_and_resume, expected_losses, train
 
 import accelfn as af
 from accelfn.observe.monitor import Monitor
-from accelfn.observe.trackers import MlflowSink, WandbSink
+from accelfn.observe.monitor.trackers import MlflowSink, WandbSink
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 # -- W&B: the offline run directory ------------------------------------------------------------
@@ -289,7 +289,7 @@ def test_accelfn_works_without_wandb_and_mlflow(tmp_path: Path) -> None:
         "import sys\n"
         "sys.modules['wandb'] = sys.modules['mlflow'] = None  # as if not installed\n"
         "import accelfn, torch\n"
-        "from accelfn.observe import trackers\n"
+        "from accelfn.observe.monitor import trackers\n"
         "from accelfn.observe.monitor import Monitor\n"
         f"mon = Monitor(progress=False, jsonl={str(tmp_path / 'm.jsonl')!r})\n"
         "with mon:\n"
