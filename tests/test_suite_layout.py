@@ -8,9 +8,11 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 PACKAGE = TESTS.parent / "accelfn"
-# the modules named by the engine's sequence: each has a test module of its own name
+# the modules named by the engine's sequence, and data's protocols and language-model data:
+# each has a test module of its own name
 MIRRORED = {"core": ("compat", "optimizers", "plan", "state"),
             "step": ("agreement", "chain", "checks", "engine", "micro", "spec"),
+            "data": ("document_masks", "epochs", "packing", "token_batches", "tokens"),
             # the monitor's wing: the modules with a test module of their own (records,
             # report, verdict... are tested through the monitor's)
             "observe/monitor": ("aggregates", "monitor", "outputs", "plots", "progress_bars",

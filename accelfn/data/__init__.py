@@ -10,8 +10,9 @@ Modules, in the order a batch passes them: ``sampling`` (indices per batch, epoc
 ``gather`` (TensorDict sources), ``collate`` (per-sample sources, their draws seeded per
 sample by ``rng``), ``workers`` (persistent
 thread / process pools), ``stages`` (device copy, seeded batch transform), ``gpu`` (the batch
-transforms), ``batch_loader`` (iteration, position, data wait), ``pipeline`` (``loader()``,
-which wires them); ``adapter`` (``from_dataloader()``: an existing DataLoader's batches as
+transforms), ``batch_loader`` (iteration, position, data wait), ``epochs`` (the epoch and
+position protocol the nodes and the loader share), ``pipeline`` (``loader()``, which wires
+them); ``adapter`` (``from_dataloader()``: an existing DataLoader's batches as
 TensorDicts on the device, timed and checkpointable); ``preloading`` (memory-mapped datasets,
 image files) and ``datasets`` (small bundled datasets) stand apart.
 

@@ -19,8 +19,9 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchdata.nodes import BaseNode
 
-from .batch_loader import BatchLoader, is_reading_state
+from .batch_loader import BatchLoader
 from .collate import DEFAULT_PAIR_KEYS
+from .epochs import is_reading_state
 from .sharding import Epochs, process_shard, shard_dataloader
 from .stages import ToDevice, resolve_device
 

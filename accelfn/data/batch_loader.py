@@ -12,7 +12,6 @@ after an error is whole, never silently short, and never skipped for the next.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 import weakref
@@ -24,33 +23,14 @@ from torchdata.nodes import BaseNode
 
 from ..core import compat
 from ..core.schedulers import LAST_BATCH
+from .epochs import reading_state
 from .positions import core_node, core_position, staged_position
 
-__all__ = ["STATE_FORMAT", "BatchLoader", "is_reading_state", "reading_state"]
+__all__ = ["STATE_FORMAT", "BatchLoader"]
 
 STATE_FORMAT = "accelfn.data.loader/1"
 # no longer part of the checked configuration: the batches do not depend on them
 _UNCHECKED = frozenset({"num_workers", "worker_type"})
-
-_reading = threading.local()
-
-
-@contextlib.contextmanager
-def reading_state() -> Iterator[None]:
-    """Mark a start of the nodes made only to read their state (``state_dict()`` before the
-    first ``iter()``): nodes that draw random numbers at a start (``DataLoaderRNG``, a wrapped
-    DataLoader) put every generator back as it was and record that the real start must draw.
-    """
-    _reading.active = True
-    try:
-        yield
-    finally:
-        _reading.active = False
-
-
-def is_reading_state() -> bool:
-    """Whether the calling thread is inside :func:`reading_state`."""
-    return bool(getattr(_reading, "active", False))
 
 
 class _Iterator(Iterator[TensorDictBase]):

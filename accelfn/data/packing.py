@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from .sampling import mix_seed
 from .tokens import TokenFiles
 
 __all__ = [
@@ -343,8 +344,6 @@ def feistel_permute(indices: np.ndarray, n: int, key: int, rounds: int = 6) -> n
     until the value falls in ``range(n)`` (cycle walking). O(1) memory whatever ``n``: the
     permutation is never stored. ``key`` picks the permutation (e.g. ``mix_seed(seed,
     epoch)``)."""
-    from .sampling import mix_seed
-
     bits = max(2, (n - 1).bit_length())
     half = (bits + 1) // 2
     mask = np.uint64((1 << half) - 1)

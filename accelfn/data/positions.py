@@ -19,6 +19,9 @@ from typing import Any, NamedTuple
 
 from torchdata.nodes import BaseNode, ParallelMapper, PinMemory, Prefetcher
 
+from .stages import ApplyTransform, ToDevice
+from .workers import PoolMapper
+
 __all__ = ["CorePosition", "core_node", "core_position", "staged_position"]
 
 _IT_STATE: str = ParallelMapper.IT_STATE_KEY
@@ -72,9 +75,6 @@ def core_position(state: Any) -> CorePosition:
 
 
 def _is_stage(node: BaseNode[Any]) -> bool:
-    from .stages import ApplyTransform, ToDevice
-    from .workers import PoolMapper
-
     return isinstance(node, (Prefetcher, PinMemory, ToDevice, ApplyTransform, ParallelMapper,
                              PoolMapper))
 
@@ -101,8 +101,6 @@ def staged_position(root: BaseNode[Any], position: CorePosition) -> Any:
         ValueError: the position has a batch transform's counters and ``root`` no transform,
             or the other way round.
     """
-    from .stages import ApplyTransform, ToDevice
-
     layers = _stages(root)[0]
     has_transform = any(isinstance(n, ApplyTransform) for n in layers)
     if has_transform != (position.transform is not None):

@@ -18,8 +18,7 @@ from typing import Any, NamedTuple
 import torch
 from torchdata.nodes import BaseNode
 
-from .batch_loader import is_reading_state
-from .epoch_sources import EpochSource
+from .epochs import EpochSource, is_reading_state
 from .sharding import process_shard
 
 __all__ = [
@@ -178,7 +177,7 @@ class DataLoaderDraws:
     shuffles); ``state()`` and ``restore(state)`` carry them through a checkpoint, so a
     resumed loader continues the epoch without drawing again and leaves ``generator`` in the
     state the uninterrupted run had. A start made only to read the position
-    (``reading_state()`` of ``accelfn.data.batch_loader``) puts the generators back and records
+    (``reading_state()`` of ``accelfn.data.epochs``) puts the generators back and records
     ``"redraw": True``: restoring that position makes the draws then.
     """
 

@@ -36,7 +36,7 @@ from tensordict import TensorDict
 from torchdata.nodes import BaseNode, PinMemory, Prefetcher
 
 from .batch_loader import BatchLoader
-from .epoch_sources import EpochSource
+from .epochs import EpochSource
 from .packing import (
     BestFitPacker,
     DocumentScanner,
