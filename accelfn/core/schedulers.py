@@ -13,11 +13,8 @@ epoch) do not count. Tested in tests/core/test_timm_schedulers.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .state import TrainState
+from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = ["LAST_BATCH", "EpochCheck", "mark", "per_update"]
 
@@ -59,16 +56,17 @@ class EpochCheck:
         self.active = any(_per_epoch(s, every) for s in schedulers)
         self.first: tuple[int, int] | None = None  # LAST_BATCH at the epoch's first update
 
-    def after_update(self, state: TrainState) -> None:
-        """After each real update: warn if its batch came from a later epoch of the loader
-        that gave the first update since ``end_epoch()``."""
+    def after_update(self, warn_once: Callable[[str, str], None]) -> None:
+        """After each real update: warn (``warn_once(key, message)``, the state's) if its
+        batch came from a later epoch of the loader that gave the first update since
+        ``end_epoch()``."""
         if not self.active:
             return
         seen, first = LAST_BATCH[0], self.first
         if seen is None or first is None or first[0] != seen[0]:
             self.first = seen  # the first update since end_epoch(), or another loader
         elif seen[1] != first[1]:
-            state.warn_once(
+            warn_once(
                 "end_epoch",
                 "the loader began another epoch but state.end_epoch() was not called since "
                 "the last: this TrainState's scheduler moves once per epoch (a timm scheduler "

@@ -190,7 +190,7 @@ class TrainState:
         if not self._has_scheduler:
             return
         self._updates += 1
-        self._epoch_check.after_update(self)
+        self._epoch_check.after_update(self.warn_once)
         for scheduler in self._schedulers:  # timm's: told the count of updates, each update
             if scheduler is not None and _per_update(scheduler):
                 scheduler.step_update(num_updates=self._updates)

@@ -96,6 +96,74 @@ def test_imports_point_inward(path: Path) -> None:
                 "imports another transform")
 
 
+def _module_name(path: Path) -> str:
+    """``path``'s dotted name below accelfn (a package's ``__init__.py`` is the package)."""
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_module(name: str) -> bool:
+    base = ROOT.joinpath(*name.split("."))
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The accelfn modules ``path`` imports (``from .x import name`` resolved to the module
+    ``x.name`` where that is one), wherever the import stands: at the top, under
+    ``TYPE_CHECKING`` or in a function, so none of these can hide a circle."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = path.relative_to(ROOT).with_suffix("").parts[:-1]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name.removeprefix("accelfn.") for a in node.names
+                    if a.name.startswith("accelfn.")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1],
+                                 *(node.module.split(".") if node.module else [])])
+            elif node.module and node.module.startswith("accelfn."):
+                base = node.module.removeprefix("accelfn.")
+            else:
+                continue
+            for alias in node.names:
+                name = f"{base}.{alias.name}" if base else alias.name
+                out.add(name if _is_module(name) else base)
+    return {name for name in out if name and _is_module(name)}
+
+
+def _cycles(packages: tuple[str, ...]) -> list[list[str]]:
+    """The import circles among the modules of ``packages`` (one path per circle found)."""
+    graph = {_module_name(p): _imported_modules(p) for package in packages
+             for p in (ROOT / package).rglob("*.py")}
+    found: list[list[str]] = []
+    done: set[str] = set()
+    path: list[str] = []
+
+    def visit(name: str) -> None:
+        path.append(name)
+        for target in sorted(graph.get(name, ())):
+            if target in path:
+                found.append([*path[path.index(target):], target])
+            elif target not in done and target in graph:
+                visit(target)
+        path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        if name not in done:
+            visit(name)
+    return found
+
+
+def test_data_and_core_have_no_import_circle() -> None:
+    # a module imports only modules below it: a piece two modules need lives in a leaf
+    # (data/epochs.py: the epoch protocol and reading_state) or with its owner
+    cycles = _cycles(("core", "data"))
+    assert not cycles, "import circles: " + "; ".join(" -> ".join(c) for c in cycles) + (
+        ": move what both modules need into a leaf module, or to the module that owns it")
+
+
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_modules_stay_small(path: Path) -> None:
     lines = len(path.read_text().splitlines())
