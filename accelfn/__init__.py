@@ -49,6 +49,7 @@ from .observe.sync_probe import SyncProbe
 from .parts.nonfinite import NonFiniteError
 
 # recipes
+from .recipes.batch_norm import untracked_batchnorm
 from .recipes.early_stopping import EarlyStopping
 from .recipes.hyperparameters import Schedule, schedule
 from .recipes.losses import linear_cross_entropy
@@ -78,6 +79,7 @@ from .step.extension import GradientTransform, Transform
 # transforms
 from .transforms.accumulation import with_accumulation
 from .transforms.activation_checkpointing import checkpointed
+from .transforms.adaptive_clipping import adaptive_clipping
 from .transforms.amp import with_amp
 from .transforms.clipping import with_clipping
 from .transforms.compile import compiled
@@ -117,6 +119,7 @@ __all__ = [
     "TrainState",
     "Transform",
     "WarmupPlateau",
+    "adaptive_clipping",
     "apply_transform",
     "chain",
     "channels_last",
@@ -153,6 +156,7 @@ __all__ = [
     "schedule",
     "training_flops",
     "unfreeze",
+    "untracked_batchnorm",
     "warmup_cosine",
     "warmup_linear",
     "warmup_plateau",
