@@ -24,6 +24,8 @@
 #                   the warm cache on a restart (on a GPU; AMP, accumulation and
 #                   checkpointing too in a dry run)
 #   data            benchmarks/data.py: accelfn.data against DataLoader, to the GPU
+#   sharded_muon    benchmarks/sharded_muon.py --device cuda: sharded Muon's optimizer step
+#                   against AdamW's under FSDP2 (NCCL, one process per GPU, up to 4)
 #
 # Usage:
 #   benchmarks/gpu_suite.sh                    # on a GPU: benchmarks/results/gpu-<date>.json
@@ -58,7 +60,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-PARTS=(environment float8 compile memory gpu_tests bench_resnet50 gpt2 transforms data)
+PARTS=(environment float8 compile memory gpu_tests bench_resnet50 gpt2 transforms data
+       sharded_muon)
 ORDER=("${PARTS[@]}")
 if [[ -n "$ONLY" ]]; then
   IFS=, read -ra ORDER <<< "$ONLY"
@@ -135,7 +138,8 @@ if [[ $DRY_RUN -eq 1 ]]; then
   COMPILE=(--quick --backend eager --steps 3)
   FLOAT8=(--dry-run)
   MEMORY=(--tiny --rounds 2 --device cpu)
-  T_FLOAT8=240; T_COMPILE=240; T_MEMORY=120
+  MUON=(--tiny --rounds 1 --steps 1 --nproc 2 --device cpu)
+  T_FLOAT8=240; T_COMPILE=240; T_MEMORY=120; T_MUON=180
   T_TESTS=180; T_BENCH=240; T_GPT=240; T_TRANSFORMS=240; T_DATA=120  # a loaded CI machine
 else
   if ! "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
@@ -152,7 +156,8 @@ else
   COMPILE=(--steps 20)  # three cold compiles and six interleaved sides: keep it in budget
   FLOAT8=()
   MEMORY=(--rounds 5 --device cuda)
-  T_FLOAT8=240; T_COMPILE=180; T_MEMORY=90
+  MUON=(--rounds 3 --steps 2 --device cuda)
+  T_FLOAT8=240; T_COMPILE=180; T_MEMORY=90; T_MUON=90
   T_TESTS=90; T_BENCH=200; T_GPT=150; T_TRANSFORMS=120; T_DATA=60
 fi
 
@@ -207,6 +212,11 @@ part_transforms() {
 
 part_data() {
   run_part data "$T_DATA" --stdout-json "$PYTHON" benchmarks/data.py "${DATA[@]}" "${DEV[@]}"
+}
+
+part_sharded_muon() {
+  run_part sharded_muon "$T_MUON" "$PYTHON" benchmarks/sharded_muon.py "${MUON[@]}" \
+    --out "$WORK/sharded_muon.json"
 }
 
 for name in "${ORDER[@]}"; do "part_$name"; done

@@ -1,7 +1,8 @@
-"""Sharded Muon's optimizer step against AdamW's under FSDP2 on 4 CPU processes (gloo),
-and against one-process Muon's: what Newton-Schulz costs, and what sharding adds.
+"""Sharded Muon's optimizer step against AdamW's under FSDP2 on 4 CPU processes (gloo) or
+on the GPUs (NCCL, one process per GPU, up to 4), and against one-process Muon's: what
+Newton-Schulz costs, and what sharding adds.
 
-One ``torchrun --nproc_per_node=4`` launch (127.0.0.1, one thread per process). The same GPT
+One ``torchrun`` launch (127.0.0.1, one thread per process). The same GPT
 (``benchmarks/gpt2.py``'s), four ways:
 
 * ``adamw``: ``torch.optim.AdamW`` over every parameter (fp32, foreach), sharded with
@@ -28,7 +29,14 @@ exchange, the momentum and the update on the shards, AdamW over the other parame
 Muon's own step (``first_optimizer``: its pre-hook to its post-hook) less it: what sharding
 adds to Muon.
 
+On GPUs (``--device cuda``) every clock reading waits for the device first
+(``torch.cuda.synchronize``), the model and batches live on each process' GPU, and the CPU
+times count the host's side only (launches and waits). With one GPU the
+"sharded" sides run one process: the ratio is then Muon's step against AdamW's on that GPU
+with no exchange, and the JSON says so (``processes``).
+
     python benchmarks/sharded_muon.py [--out FILE] [--rounds 3] [--steps 2] [--tiny]
+                                      [--device cpu|cuda] [--nproc N]
 """
 
 from __future__ import annotations
@@ -79,6 +87,13 @@ def _optimizers(model: nn.Module, side: str) -> list[torch.optim.Optimizer]:
                               weight_decay=0.1)]
 
 
+def _now() -> float:
+    """``time.perf_counter()`` once the device has finished what it was given (on a GPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
 class _Clock:
     """The optimizer step's time: from the first optimizer's pre-hook to the last's
     post-hook."""
@@ -90,20 +105,23 @@ class _Clock:
         optimizers[-1].register_step_post_hook(self._end)
 
     def _begin(self, *_: Any) -> None:
-        self.start = time.perf_counter()
+        self.start = _now()
 
     def _end(self, *_: Any) -> None:
-        self.seconds = time.perf_counter() - self.start
+        self.seconds = _now() - self.start
+
+
+_DEVICE = torch.device("cpu")  # where the collectives' tensors live (the worker sets it)
 
 
 def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor([seconds], dtype=torch.float64, device=_DEVICE)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t[0])
 
 
 def _total(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
+    t = torch.tensor([seconds], dtype=torch.float64, device=_DEVICE)
     dist.all_reduce(t)
     return float(t[0])
 
@@ -122,11 +140,11 @@ class _NSTimer:
 
     def _wrap(self, inner: Any) -> Any:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            wall, cpu = time.perf_counter(), time.thread_time()
+            wall, cpu = _now(), time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.wall += time.perf_counter() - wall
+                self.wall += _now() - wall
                 self.cpu += time.thread_time() - cpu
         return timed
 
@@ -138,24 +156,24 @@ SHARDED = ("adamw", "muon")
 ONE = ("adamw_one", "muon_one")
 
 
-def worker(out: str, config: GPTConfig, rounds: int, steps: int) -> None:
+def worker(out: str, config: GPTConfig, rounds: int, steps: int, cuda: bool) -> None:
+    global _DEVICE
     from datetime import timedelta
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=1800))
-    af.init_distributed()
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=1800))
+    device = _DEVICE = af.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     load_start = [round(x, 2) for x in os.getloadavg()]
     count = steps * rounds * 2 + 2
-    batches = token_batches(config, BATCH, count, torch.device("cpu"), seed=rank)
+    batches = token_batches(config, BATCH, count, device, seed=rank)
     # one process' batch: every process' rows (the same global batch)
-    everyone = [token_batches(config, BATCH, count, torch.device("cpu"), seed=r)
-                for r in range(world)]
+    everyone = [token_batches(config, BATCH, count, device, seed=r) for r in range(world)]
     whole = [torch.cat([b[i] for b in everyone]) for i in range(count)]
     ns = _NSTimer()
     sides: dict[str, Any] = {}
     for side in SHARDED + (ONE if rank == 0 else ()):
         torch.manual_seed(0)
-        model = GPT(config)
+        model = GPT(config).to(device)
         optimizers = _optimizers(model, side.removesuffix("_one"))
         state = af.TrainState(model, optimizers)
         inner = lm_loss if side in ONE else af.distributed(strategy="fsdp")(lm_loss)
@@ -177,9 +195,9 @@ def worker(out: str, config: GPTConfig, rounds: int, steps: int) -> None:
                     state, step, clock = sides[side]
                     dist.barrier()
                     ns.reset()
-                    start = time.perf_counter()
+                    start = _now()
                     step(state, batches[batch % count])
-                    got["update"].append(_slowest(time.perf_counter() - start))
+                    got["update"].append(_slowest(_now() - start))
                     got["optimizer"].append(_slowest(clock[0].seconds))
                     got["first_optimizer"].append(_slowest(clock[1].seconds))
                     got["ns_wall"].append(_slowest(ns.wall))
@@ -188,9 +206,9 @@ def worker(out: str, config: GPTConfig, rounds: int, steps: int) -> None:
                 elif rank == 0:  # one process; the others wait at the barrier below
                     state, step, clock = sides[side]
                     ns.reset()
-                    start = time.perf_counter()
+                    start = _now()
                     step(state, whole[batch % count])
-                    got["update"].append(time.perf_counter() - start)
+                    got["update"].append(_now() - start)
                     got["optimizer"].append(clock[0].seconds)
                     got["first_optimizer"].append(clock[1].seconds)
                     got["ns_wall"].append(ns.wall)
@@ -208,7 +226,8 @@ def worker(out: str, config: GPTConfig, rounds: int, steps: int) -> None:
                for side, ks in times.items()}
         opt = {side: med[side]["optimizer"] for side in med}
         result = {
-            "benchmark": "sharded_muon", "processes": WORLD, "backend": "gloo",
+            "benchmark": "sharded_muon", "processes": world,
+            "backend": "nccl" if cuda else "gloo", "device": device.type,
             "model": {"layers": config.layers, "dim": config.dim, "vocab": config.vocab,
                       "seq": config.seq, "batch_per_process": BATCH,
                       "parameters": sum(p.numel() for p in model.parameters()),
@@ -216,7 +235,7 @@ def worker(out: str, config: GPTConfig, rounds: int, steps: int) -> None:
                       "muon_parameters": sum(p.numel() for p in matrices),
                       "muon_shapes": sorted({tuple(p.shape) for p in matrices})},
             "rounds": rounds, "updates_per_round": steps,
-            "cpu_bf16_native": compat.cpu_bf16_native(),
+            "cpu_bf16_native": None if cuda else compat.cpu_bf16_native(),
             "seconds": med,
             "rounds_seconds": times,
             "ratio_optimizer_step": opt["muon"] / opt["adamw"],
@@ -231,7 +250,7 @@ def worker(out: str, config: GPTConfig, rounds: int, steps: int) -> None:
                 med["muon"]["first_optimizer"] - med["muon"]["ns_wall"],
             "newton_schulz_share_of_sharded_step": med["muon"]["ns_wall"] / opt["muon"],
             "target_optimizer_step_ratio": TARGET,
-            "environment": {**environment("cpu"), "load_average_start": load_start},
+            "environment": {**environment(device.type), "load_average_start": load_start},
         }
         result["meets_target"] = result["ratio_optimizer_step"] <= TARGET
         Path(out).write_text(json.dumps(result, indent=2))
@@ -252,18 +271,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2, help="timed updates per round")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer toy (checks)")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: NCCL, one process per GPU")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help=f"processes (default {WORLD} on the CPU, one per GPU up to "
+                             f"{WORLD} on cuda)")
     parser.add_argument("--worker", nargs=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     config = TINY if args.tiny else MODEL
+    cuda = args.device == "cuda"
     if args.worker:
-        worker(args.worker[0], config, args.rounds, args.steps)
+        worker(args.worker[0], config, args.rounds, args.steps, cuda)
         return 0
+    if cuda and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU here; run on the CPU (the default)")
+    gpus = torch.cuda.device_count() if cuda else 0
+    nproc = args.nproc or (min(WORLD, gpus) if cuda else WORLD)
+    if nproc < 1 or (cuda and nproc > gpus):
+        parser.error(f"--nproc {nproc}: give 1 to {gpus if cuda else 'the cores'} processes "
+                     "(NCCL runs one process per GPU)")
     with tempfile.TemporaryDirectory() as tmp:
         result_file = os.path.join(tmp, "result.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={WORLD}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={_port()}", __file__,
                "--worker", result_file, "--rounds", str(args.rounds), "--steps",
-               str(args.steps), *(["--tiny"] if args.tiny else [])]
+               str(args.steps), "--device", args.device, *(["--tiny"] if args.tiny else [])]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=args.timeout)

@@ -102,6 +102,10 @@ def summary(parts: dict[str, Any]) -> dict[str, Any]:
     memory = (parts.get("memory", {}).get("result") or {}).get("estimate")
     if memory:
         out["memory_estimate"] = {k: memory.get(k) for k in ("ratio", "target", "meets_target")}
+    muon = parts.get("sharded_muon", {}).get("result")
+    if muon:
+        out["sharded_muon"] = {k: muon.get(k) for k in (
+            "processes", "ratio_optimizer_step", "target_optimizer_step_ratio", "meets_target")}
     tests = parts.get("gpu_tests", {}).get("result")
     if tests:
         out["gpu_tests"] = {k: tests[k] for k in ("passed", "failures", "errors", "skipped")}

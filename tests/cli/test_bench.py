@@ -258,7 +258,7 @@ def test_gpu_suite_parses_and_its_cheap_parts_dry_run(tmp_path: Path) -> None:
     listed = [m.group(1) for m in re.finditer(r"^#   (\w+) {2,}\S", header, re.M)]
     run = list(dict.fromkeys(re.findall(r"^\s*run_part (\w+) ", script, re.M)))
     assert listed == run == ["environment", "float8", "compile", "memory", "gpu_tests",
-                             "bench_resnet50", "gpt2", "transforms", "data"]
+                             "bench_resnet50", "gpt2", "transforms", "data", "sharded_muon"]
     out = tmp_path / "gpu.json"
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
