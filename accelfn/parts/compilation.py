@@ -1,29 +1,36 @@
 """torch.compile of the model (whole, or its repeated blocks: ``compile_regions``) and, on
 request, of the optimizer step; its compiled code kept in a file that survives restarts
 (``compile_cache``): ``compiled``'s options and its calls (the compile when preparing, the
-refusal of a second compile with other options, the cache written after an update)."""
+refusal of a second compile with other options, the check that the first call ran the
+compiled code, the cache written after an update)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import sys
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..core import compat
 from ..core.contexts import Prepared, UpdateContext
 from ..core.state import TrainState
 from . import compile_cache, compile_regions
 
-__all__ = ["Compilation", "after_update", "check", "compile"]
+__all__ = ["Compilation", "after_update", "check", "compile", "watching"]
 
 Regional = bool | Literal["nested"]
 
 _COMPILED = "_accelfn_compiled_with"  # on a model compiled in place: (options, label)
+_WATCHED = "_accelfn_compiled_call_seen"  # on it too: a step's first call was looked at
+_NOTHING = contextlib.nullcontext()
 
 
 def _check_in_place(state: TrainState, kwargs: dict[str, Any], label: str) -> None:
@@ -177,6 +184,50 @@ def compile(options: Compilation, prepared: Prepared, state: TrainState) -> Prep
         compiled_step()
 
     return dataclasses.replace(prepared, optimizer_step=optimizer_step)
+
+
+def watching(options: Compilation, state: TrainState) -> AbstractContextManager[None]:
+    """Around the first training call of a model compiled whole: whether the step function
+    called ``model(...)``, the call that runs the compiled code. One that reaches the model
+    only through submodules or methods (``model.trunk(...)``, the loss outside ``forward``)
+    runs eager: said once, with the fix, rather than left a silent difference.
+
+    Looked at with a profile function (``sys.setprofile``) that sees the model's own
+    ``__call__`` start and removes itself there, before torch.compile traces anything: no
+    hook on the model, whose compiled code would guard on it and recompile once it is gone.
+    Not looked at under a profiler already installed (cProfile)."""
+    model = state.model
+    call = getattr(type(model).__call__, "__code__", None)
+    if (options.regional is not False or call is None or model.__dict__.get(_WATCHED)
+            or sys.getprofile() is not None):
+        return _NOTHING
+    return _watch(model, call, repr(options), state)
+
+
+@contextlib.contextmanager
+def _watch(model: nn.Module, call: Any, label: str, state: TrainState) -> Iterator[None]:
+    seen = False
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal seen
+        if event == "call" and frame.f_code is call and frame.f_locals.get("self") is model:
+            seen = True
+            sys.setprofile(None)
+
+    sys.setprofile(profile)
+    try:
+        yield
+    finally:
+        if not seen:
+            sys.setprofile(None)
+    model.__dict__[_WATCHED] = True  # a call that raised is looked at again next time
+    if not seen:
+        state.warn_once("compiled.call", (
+            f"{label} compiled the model's call, model(...), but the step function did not "
+            "call it: it reached the model through submodules or methods (such as "
+            "model.trunk(...)), which ran eager, uncompiled. Call model(...) in the step, or "
+            "use compiled(regional=True), which compiles the repeated blocks in place, "
+            "wherever they are called"))
 
 
 def after_update(options: Compilation, ctx: UpdateContext, skipped: Tensor) -> None:

@@ -20,6 +20,7 @@ A call that fails at any line leaves no gradients and no half-applied state (``_
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 from collections.abc import Callable, Mapping
@@ -62,6 +63,7 @@ LossFn = Callable[..., "Tensor | Mapping[str, Tensor]"]  # fn(model, batch[, car
 _DEFAULT_GUARD = NonFinite()  # every update decides
 _UNCOMMITTED = Decision(True)  # an update the replica groups did not commit: skipped
 _SCALAR = torch.Size([])
+_NOTHING = contextlib.nullcontext()
 _FIXED = frozenset({"fn", "transforms", "spec", "_key", "_after", "_guard", "_carry"})
 _PREPARING = ("float8", "precision", "checkpointing", "sharding", "compilation", "averaging")
 
@@ -205,9 +207,11 @@ class Step:
             if sums.empty:  # a new window: gradients left by anything else are not this one's
                 optimizers_.clear_grads(state.optimizers)
             carried: dict[int, Any] = {}
-            absolute = micro.forward_and_backward(  # adaptive in several processes: unsynced
-                self.spec, self.fn, self._carry, ctx, plan, sums,
-                plan.absolute or ctx.distributed is not None, carried, unsynced=agrees)
+            compiling = self.spec.compilation
+            with (_NOTHING if compiling is None else compilation.watching(compiling, state)):
+                absolute = micro.forward_and_backward(  # adaptive, several processes: unsynced
+                    self.spec, self.fn, self._carry, ctx, plan, sums,
+                    plan.absolute or ctx.distributed is not None, carried, unsynced=agrees)
             if agrees and not agreement.agree(self, ctx, None):  # another ran out of memory
                 self._abort(ctx)
                 return None

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers import Net, as_dict, classify, make_batch, torchrun
 from reference import reference_update
 
@@ -209,6 +210,29 @@ def test_regional_on_blocks_with_running_statistics_matches_eager(fresh_dynamo):
         assert list(got) == list(want)
         for name in want:  # parameters and running statistics (updated once per forward)
             torch.testing.assert_close(got[name], want[name], **TOL, msg=name)
+
+
+@pytest.mark.compile
+def test_a_step_reaching_the_model_only_through_submodules_is_told_it_ran_eager(fresh_dynamo):
+    """compiled() compiles the model's call in place; a step that never calls model(...)
+    (the loss outside forward) runs eager: said once, with the fix. A step that calls it is
+    told nothing and the check leaves no trace (no recompile at the next call)."""
+    def outside(model, batch):  # the model's own layers, called one by one
+        h = model.inp(batch["x"])
+        for block in model.blocks:
+            h = block(h)
+        return F.cross_entropy(model.head(h), batch["y"])
+
+    with pytest.warns(RuntimeWarning, match=r"did not call it.*regional=True"):
+        train(af.compiled(backend="eager")(outside), Net(), steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = train(af.compiled(backend="eager")(classify), Net(), steps=1)
+        before = graphs()
+        step = af.compiled(backend="eager")(classify)
+        for i in range(2):
+            step(state, make_batch(n=10, seed=i))
+    assert graphs() == before  # the profile function left nothing to guard on
 
 
 def test_regional_without_repeated_blocks_says_how_to_fix():
