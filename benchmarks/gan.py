@@ -80,7 +80,7 @@ def forward_side(netG: nn.Module, real: torch.Tensor) -> Callable[[], None]:
     noise = torch.randn(len(real), gan.NZ, 1, 1)
 
     def forward() -> None:
-        with torch.no_grad(), gan.untracked(netG):
+        with torch.no_grad(), af.untracked_batchnorm(netG):
             netG(noise)
 
     return forward

@@ -26,27 +26,28 @@ then the generator: ``d_step(state_d, batch)``, then ``g_step(state_g, batch)``.
   sizes (batch 64, one thread of a 2-core CPU) that forward takes 2.7 ms, 11 to 12% of an
   iteration, and the iteration x1.11 to x1.16 the time of ``main.py``'s
   (``python benchmarks/gan.py``, three runs).
-- BatchNorm: the discriminator's step draws its samples with the generator's BatchNorm
-  layers ``untracked`` (batch statistics, running statistics left alone), so the running
-  statistics count each iteration's batch once, as ``main.py``'s single forward does.
+- BatchNorm: the discriminator's step draws its samples inside
+  ``af.untracked_batchnorm(netG)`` (batch statistics, running statistics left alone), so the
+  generator's running statistics count each iteration's batch once, as ``main.py``'s single
+  forward does.
 
 ``tests/test_example_gan.py`` shows the two steps bitwise equal to ``main.py``'s loop
 (parameters and buffers of both models) when both loops draw the noise alike: from torch's
 global generator, seeded the same, once per iteration (``main.py`` between its two
 discriminator forwards, this loop before its steps), nothing else drawing. Each run writes into
 ``runs/gan/<date>-<time>`` (``--out``, ``--resume``, ``--overwrite``, ``--allow-resharding``
-as in classify_digits.py) with a grid of generated digits, ``samples.png``. The checkpoint is
-the discriminator's state, with the generator's state in its extra data.
+as in classify_digits.py) with a grid of generated digits, ``samples.png``. One checkpoint
+holds both states by name (``{"discriminator": state_d, "generator": state_g}``), each with
+its step's transform stack, and resumes both.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import run_options  # examples/run_options.py: --out, --resume, --overwrite, --allow-resharding
 import torch
@@ -113,19 +114,6 @@ def weights_init(m: nn.Module) -> None:
         nn.init.zeros_(m.bias)
 
 
-@contextlib.contextmanager
-def untracked(model: nn.Module) -> Iterator[None]:
-    """BatchNorm in training mode without updating its running statistics."""
-    norms = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
-    for m in norms:
-        m.track_running_stats = False
-    try:
-        yield
-    finally:
-        for m in norms:
-            m.track_running_stats = True
-
-
 def gan_losses(netG: nn.Module, netD: nn.Module) -> tuple[Callable[..., dict[str, torch.Tensor]],
                                                           Callable[..., dict[str, torch.Tensor]]]:
     """The two step functions: the discriminator's (closing over the generator) and the
@@ -133,7 +121,7 @@ def gan_losses(netG: nn.Module, netD: nn.Module) -> tuple[Callable[..., dict[str
     criterion = nn.BCELoss()
 
     def discriminator_loss(model: nn.Module, batch: TensorDictBase) -> dict[str, torch.Tensor]:
-        with torch.no_grad(), untracked(netG):
+        with torch.no_grad(), af.untracked_batchnorm(netG):  # running statistics left alone
             fake = netG(batch["noise"])
         out_real, out_fake = model(batch["image"]), model(fake)
         err_real = criterion(out_real, torch.full_like(out_real, REAL))
@@ -185,9 +173,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     discriminator_loss, generator_loss = gan_losses(netG, netD)
     d_step, g_step = af.distributed(discriminator_loss), af.distributed(generator_loss)
 
-    info = run_options.resume(args, state_d, loader=train, step=d_step)
-    if info is not None:  # the generator's state rides in the discriminator's checkpoint
-        state_g.load_state_dict(info.extra["generator"])
+    states = {"discriminator": state_d, "generator": state_g}  # one checkpoint holds both
+    steps = {"discriminator": d_step, "generator": g_step}
+    run_options.resume(args, states, loader=train, step=steps)
     if main_process:
         print(f"D: {af.describe(d_step)}\nG: {af.describe(g_step)}")
         print(f"data: {len(train_set)} digits as 16x16 images on {device}, "
@@ -224,10 +212,10 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                    "train_seconds": round(elapsed, 2), "processes": af.world_size(),
                    "device": str(device), "out": out})
     if trained:
-        state_g.sync()
-        run.save(state_d, loader=train, step=d_step, extra={"generator": state_g.state_dict()})
+        run.save(states, loader=train, step=steps)
     if main_process:
-        with torch.no_grad(), untracked(netG):  # main.py draws samples in training mode too
+        # main.py draws samples in training mode too; the running statistics stay as trained
+        with torch.no_grad(), af.untracked_batchnorm(netG):
             samples = netG(fixed_noise)
         grid = torchvision.utils.make_grid(samples, nrow=8, normalize=True, value_range=(-1, 1))
         report["samples"] = os.path.join(out, "samples.png")

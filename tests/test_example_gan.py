@@ -84,7 +84,7 @@ def dcgan_main_loop(netG, netD, reals):
 def accelfn_loop(netG, netD, reals, *, untracked=True):
     state_d, state_g = af.TrainState(netD, adam(netD)), af.TrainState(netG, adam(netG))
     discriminator_loss, generator_loss = gan.gan_losses(netG, netD)
-    if not untracked:  # the example's step without untracked(): the extra forward tracks
+    if not untracked:  # the example's step without untracked_batchnorm(): the forward tracks
         def discriminator_loss(model, batch):
             with torch.no_grad():
                 fake = netG(batch["noise"])
@@ -109,6 +109,17 @@ def assert_models_equal(a: nn.Module, b: nn.Module, what: str) -> None:
         assert torch.equal(x, y), f"{what}.{name}"
 
 
+def assert_nested_equal(x, y, where: str) -> None:
+    if isinstance(x, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            assert_nested_equal(x[k], y[k], f"{where}.{k}")
+    elif isinstance(x, torch.Tensor):
+        assert torch.equal(x, y), where
+    else:
+        assert x == y, where
+
+
 def test_two_steps_equal_dcgan_main_loop_bitwise():
     netG, netD = models()
     plainG, plainD = copy.deepcopy(netG), copy.deepcopy(netD)
@@ -124,9 +135,9 @@ def test_two_steps_equal_dcgan_main_loop_bitwise():
 
 
 def test_the_extra_generator_forward_is_untracked_or_it_counts_each_batch_twice():
-    """Without ``untracked``, the discriminator step's generator forward updates the
-    generator's BatchNorm statistics a second time per iteration: parameters still equal,
-    running statistics not (which is what ``untracked`` is for)."""
+    """Without ``af.untracked_batchnorm``, the discriminator step's generator forward
+    updates the generator's BatchNorm statistics a second time per iteration: parameters
+    still equal, running statistics not (which is what ``untracked_batchnorm`` is for)."""
     netG, netD = models()
     plainG, plainD = copy.deepcopy(netG), copy.deepcopy(netD)
     reals = real_batches()
@@ -173,10 +184,12 @@ def test_gan_example_trains_and_resumes_exactly(tmp_path, capsys):
     assert resumed["updates"] == 6
     a = torch.load(checkpointing.latest(straight) / "state.pt", weights_only=True)
     b = torch.load(checkpointing.latest(split) / "state.pt", weights_only=True)
-    for key in a["state"]["model"]:  # the discriminator
-        assert torch.equal(a["state"]["model"][key], b["state"]["model"][key]), key
-    g_a, g_b = a["extra"]["generator"]["model"], b["extra"]["generator"]["model"]
-    assert g_a.keys() == g_b.keys() and all(torch.equal(g_a[k], g_b[k]) for k in g_a)
+    assert sorted(a["states"]) == ["discriminator", "generator"]  # one checkpoint, both states
+    for name in a["states"]:  # parameters and BatchNorm statistics; Adam's moments
+        for part in ("model", "optimizer"):
+            x, y = a["states"][name][part], b["states"][name][part]
+            assert_nested_equal(x, y, f"{name}.{part}")
+        assert a["states"][name]["step"] == b["states"][name]["step"] == 6
 
 
 @pytest.mark.slow
