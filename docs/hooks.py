@@ -4,6 +4,11 @@ A Python block opened with `` ```python fragment `` is shown like any other but 
 ``tests/test_docs.py``; Markdown does not know the word, so it is dropped here before the page
 is rendered. Any other word after ``python`` is refused, so that a misspelt marker cannot
 silently leave a block unchecked.
+
+In a table cell, each word of a code span is put in a ``<span class="word">``, which
+docs/css/accelfn.css keeps on one line: the cell wraps at the span's spaces only, never inside
+a word, where a browser would otherwise break after a hyphen or before a bracket
+(``"max-`` ``autotune"``, ``--`` ``nproc_per_node``, ``device_ids=`` ``[rank]``).
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+CELL = re.compile(r"<(t[dh])\b[^>]*>.*?</\1>", re.S)
+CODE = re.compile(r"<code>([^<]*)</code>")  # a code span of text only (no link inside)
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})python(?P<rest>[^\n`]*)$", re.M)
 
 
@@ -26,3 +33,13 @@ def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
         return f"{m['indent']}{m['fence']}python"
 
     return FENCE.sub(fix, markdown)
+
+
+def on_page_content(html: str, **_: Any) -> str:
+    """The page with each word of a table cell's code span in a ``<span class="word">``."""
+
+    def words(code: re.Match[str]) -> str:
+        inner = re.sub(r"[^ \t\n]+", lambda w: f'<span class="word">{w[0]}</span>', code[1])
+        return f"<code>{inner}</code>"
+
+    return CELL.sub(lambda cell: CODE.sub(words, cell[0]), html)
