@@ -4,14 +4,14 @@
 # Parts, in order, each with its own timeout inside one time budget (default 540 s, so the
 # whole suite stays under 10 minutes on one H200); a part that fails or times out is recorded
 # in the JSON with the tail of its log, and the suite goes on; a part the budget no longer
-# fits is recorded as skipped. The figures that only a GPU can give come first (float8,
-# regional compilation, the memory estimate against the allocator); --only runs the parts it
-# names in the order it names them:
+# fits is recorded as skipped. The figures that only a GPU can give come first (GPT-2's
+# stack and its levers, float8, the memory estimate against the allocator); --only runs the
+# parts it names in the order it names them:
 #
 #   environment     accelfn doctor (versions, driver, GPU, settings)
+#   gpt2            benchmarks/gpt2.py: GPT-2 small tokens/s, MFU, memory, stage ratios,
+#                   the levers of the recommended stack and its hand-written twin
 #   float8          benchmarks/float8.py: float8 against bf16 tokens/s on a 507M GPT
-#   compile         benchmarks/compile.py --only regional: regional (in place) and nested
-#                   against whole-model cold compile and steady step on GPT-2 small
 #   memory          benchmarks/memory.py --device cuda: estimate_memory's peak against
 #                   torch.cuda.max_memory_allocated for a 58.8M GPT (within 10%), the
 #                   logits' peak with linear_cross_entropy, adaptive accumulation's count
@@ -19,13 +19,15 @@
 #   bench_resnet50  accelfn bench --model resnet50: images/s, MFU and ratio of the stages
 #                   (DataLoader baseline, accelfn data, AMP, compile with channels_last;
 #                   every stage in a dry run)
-#   gpt2            benchmarks/gpt2.py: GPT-2 small tokens/s, MFU, memory, stage ratios
 #   transforms      benchmarks/transforms.py: compiled against eager, the cold compile and
 #                   the warm cache on a restart (on a GPU; AMP, accumulation and
 #                   checkpointing too in a dry run)
 #   data            benchmarks/data.py: accelfn.data against DataLoader, to the GPU
 #   sharded_muon    benchmarks/sharded_muon.py --device cuda: sharded Muon's optimizer step
 #                   against AdamW's under FSDP2 (NCCL, one process per GPU, up to 4)
+#   compile         benchmarks/compile.py --only regional: regional (in place) and nested
+#                   against whole-model cold compile and steady step on GPT-2 small (last:
+#                   measured before, its figures do not move with the others)
 #
 # Usage:
 #   benchmarks/gpu_suite.sh                    # on a GPU: benchmarks/results/gpu-<date>.json
@@ -37,7 +39,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,34p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,38p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -60,8 +62,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-PARTS=(environment float8 compile memory gpu_tests bench_resnet50 gpt2 transforms data
-       sharded_muon)
+PARTS=(environment gpt2 float8 memory gpu_tests bench_resnet50 transforms data sharded_muon
+       compile)
 ORDER=("${PARTS[@]}")
 if [[ -n "$ONLY" ]]; then
   IFS=, read -ra ORDER <<< "$ONLY"
@@ -132,7 +134,7 @@ if [[ $DRY_RUN -eq 1 ]]; then
   # backend, which traces without generating code: the suite's paths in seconds.
   BENCH=(--quick --model cnn --batch-size 8 --steps 2 --warmup 1 --overhead-steps 3
          --compile --compile-backend eager)
-  GPT=(--tiny --compile --compile-backend eager)
+  GPT=(--tiny --compile --compile-backend eager --batches 8,4)
   TRANSFORMS=(--quick --steps 2 --compile --compile-backend eager)
   DATA=(--samples 1024 --batch-size 128 --repeats 1 --workers 1)
   COMPILE=(--quick --backend eager --steps 3)
@@ -150,7 +152,9 @@ else
   # budget; the DDP stage needs several GPUs.
   BENCH=(--model resnet50 --steps 20 --warmup 3 --overhead-steps 20
          --stages baseline,dataloader_tuned,accelfn_data,amp,channels_last)
-  GPT=()
+  # the levers of the recommended stack, each against the stage before, and its hand-written
+  # twin (checkpointed's memory against time does not change with them: left out)
+  GPT=(--stages baseline,accelfn_fp32,amp,compiled,chunked_ce,sdpa,batch,hand)
   TRANSFORMS=(--only compile)
   DATA=(--samples 20000 --repeats 2)
   COMPILE=(--steps 20)  # three cold compiles and six interleaved sides: keep it in budget
@@ -158,7 +162,7 @@ else
   MEMORY=(--rounds 5 --device cuda)
   MUON=(--rounds 3 --steps 2 --device cuda)
   T_FLOAT8=240; T_COMPILE=180; T_MEMORY=90; T_MUON=90
-  T_TESTS=90; T_BENCH=200; T_GPT=150; T_TRANSFORMS=120; T_DATA=60
+  T_TESTS=90; T_BENCH=200; T_GPT=300; T_TRANSFORMS=120; T_DATA=60
 fi
 
 part_environment() {
@@ -167,13 +171,13 @@ part_environment() {
     "$WORK/environment.json"
 }
 
-part_float8() {
-  run_part float8 "$T_FLOAT8" --stdout-json "$PYTHON" benchmarks/float8.py "${FLOAT8[@]}"
+part_gpt2() {
+  run_part gpt2 "$T_GPT" "$PYTHON" benchmarks/gpt2.py "${GPT[@]}" "${DEV[@]}" \
+    --json "$WORK/gpt2.json"
 }
 
-part_compile() {
-  run_part compile "$T_COMPILE" "$PYTHON" benchmarks/compile.py --only regional "${COMPILE[@]}" \
-    "${DEV[@]}" --json "$WORK/compile.json"
+part_float8() {
+  run_part float8 "$T_FLOAT8" --stdout-json "$PYTHON" benchmarks/float8.py "${FLOAT8[@]}"
 }
 
 part_memory() {
@@ -200,11 +204,6 @@ part_bench_resnet50() {
     --json "$WORK/bench_resnet50.json"
 }
 
-part_gpt2() {
-  run_part gpt2 "$T_GPT" "$PYTHON" benchmarks/gpt2.py "${GPT[@]}" "${DEV[@]}" \
-    --json "$WORK/gpt2.json"
-}
-
 part_transforms() {
   run_part transforms "$T_TRANSFORMS" "$PYTHON" benchmarks/transforms.py "${TRANSFORMS[@]}" \
     "${DEV[@]}" --json "$WORK/transforms.json"
@@ -217,6 +216,11 @@ part_data() {
 part_sharded_muon() {
   run_part sharded_muon "$T_MUON" "$PYTHON" benchmarks/sharded_muon.py "${MUON[@]}" \
     --out "$WORK/sharded_muon.json"
+}
+
+part_compile() {
+  run_part compile "$T_COMPILE" "$PYTHON" benchmarks/compile.py --only regional "${COMPILE[@]}" \
+    "${DEV[@]}" --json "$WORK/compile.json"
 }
 
 for name in "${ORDER[@]}"; do "part_$name"; done

@@ -89,6 +89,7 @@ def summary(parts: dict[str, Any]) -> dict[str, Any]:
     gpt = parts.get("gpt2", {}).get("result")
     if gpt:
         out["gpt2_small"] = {"tokens_per_s_by_stage": _stages(gpt, "tokens_per_s"),
+                             "levers": gpt.get("levers"),
                              "parameters": gpt.get("model", {}).get("parameters")}
     float8 = parts.get("float8", {}).get("result")
     if float8:

@@ -257,8 +257,8 @@ def test_gpu_suite_parses_and_its_cheap_parts_dry_run(tmp_path: Path) -> None:
     header = script.split("# Usage:")[0]
     listed = [m.group(1) for m in re.finditer(r"^#   (\w+) {2,}\S", header, re.M)]
     run = list(dict.fromkeys(re.findall(r"^\s*run_part (\w+) ", script, re.M)))
-    assert listed == run == ["environment", "float8", "compile", "memory", "gpu_tests",
-                             "bench_resnet50", "gpt2", "transforms", "data", "sharded_muon"]
+    assert listed == run == ["environment", "gpt2", "float8", "memory", "gpu_tests",
+                             "bench_resnet50", "transforms", "data", "sharded_muon", "compile"]
     out = tmp_path / "gpu.json"
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
@@ -286,8 +286,8 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     assert result["dry_run"] is True
     assert result["date"] and result["device"]
     parts = result["parts"]
-    names = ["environment", "float8", "compile", "memory", "gpu_tests", "bench_resnet50",
-             "gpt2", "transforms", "data"]
+    names = ["environment", "gpt2", "float8", "memory", "gpu_tests", "bench_resnet50",
+             "transforms", "data", "sharded_muon", "compile"]
     assert list(parts) == names  # the figures only a GPU gives come first
     for name in names:
         assert parts[name]["status"] == "ok", (name, parts[name])
@@ -302,8 +302,12 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     # every stage ran (compile with the 'eager' backend), DDP skipped with its reason
     stages = {s["name"]: s for s in parts["bench_resnet50"]["result"]["stages"]}
     assert all(s["status"] == "ok" for n, s in stages.items() if n != "ddp"), stages
-    assert {s["name"]: s["status"] for s in parts["gpt2"]["result"]["stages"]} == dict.fromkeys(
-        ("baseline", "accelfn_fp32", "amp", "compiled", "checkpointed"), "ok")
+    assert {s["name"]: s["status"] for s in parts["gpt2"]["result"]["stages"]} == {
+        **dict.fromkeys(("baseline", "accelfn_fp32", "amp", "compiled", "checkpointed",
+                         "chunked_ce", "batch", "hand"), "ok"),
+        "sdpa": "skipped"}  # no attention backend to choose on the CPU
+    assert parts["gpt2"]["result"]["levers"]["batch_size"] == 8
+    assert parts["sharded_muon"]["result"]["processes"] == 2
     transforms = parts["transforms"]["result"]
     for section in ("amp", "accumulation", "checkpoint"):
         assert transforms[section]["sides"], section
