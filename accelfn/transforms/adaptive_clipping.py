@@ -51,8 +51,9 @@ Skip = nn.Module | Iterable[nn.Module] | Callable[[Tensor], bool] | None
 def adaptive_clipping(clip_factor: float = 0.01, *, eps: float = 1e-3, norm_type: float = 2.0,
                       skip: Skip = None) -> Transform:
     """Equivalent to timm's ``adaptive_clip_grad(params, clip_factor, eps, norm_type)``
-    before ``optimizer.step()``, bitwise on one process: each output unit's gradient (a row
-    of a weight along its first dimension; a whole bias or gain) is scaled down to
+    before ``optimizer.step()`` (bitwise on the CPU; on a GPU the fused norm of the biases
+    and gains may round differently from timm's one at a time): each output unit's gradient
+    (a row of a weight along its first dimension; a whole bias or gain) is scaled down to
     ``clip_factor * max(its weight's norm, eps)`` where it is longer.
 
     Every parameter the optimizers update is clipped but those ``skip`` leaves out: the
