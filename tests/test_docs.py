@@ -155,33 +155,8 @@ def test_every_transform_page_links_to_its_signature(site: Path) -> None:
 
 
 # ------------------------------------------------------------------ tables at 1280 px
-# A table is never narrower than the sum of its columns' widest unbreakable words: cells wrap at
-# spaces only (docs/css/accelfn.css keeps a word, and each word of a code span, whole). Where that
-# sum fits the content column, the page does not scroll sideways and no identifier is broken.
-# The numbers, from the MkDocs theme's CSS (bootstrap.min.css, base.css, base.js) and ours:
-#
-# - content column: a 1280 px window is past Bootstrap's 1200 px breakpoint (a 15 px scroll bar
-#   leaves 1265, still past 1140), so `.container` is 1140 px wide; `.row`'s negative margins
-#   cancel its 12 px padding, `.col-md-9` (the content beside the table of contents) is 75% of
-#   1140 = 855 px less its 12 px gutter on each side: CONTENT_PX = 831.
-# - a cell: base.js gives every table Bootstrap's `.table`, whose cells have 0.5rem (8 px) of
-#   padding on each side: CELL_PX = 16 per column. A list (`ul`, `ol`) indents by 2rem, a
-#   blockquote by 14 px, an admonition by 32 px.
-# - text: tables are 0.875rem (14 px, our CSS). Prose: the advances of DejaVu Sans (headers: Bold)
-#   below, read from the fonts with fontTools; it is what Chromium uses for the theme's
-#   `system-ui, ...` list on a Linux machine without the listed families, and wider than Arial's
-#   metrics (26 lowercase letters at 16 px: 234 px against Liberation Sans' 204), so it bounds
-#   what other readers see; characters past ASCII count 1 em. Prose also breaks after a hyphen
-#   followed by a letter (as browsers do: "micro-" "batches").
-# - code: 0.875em of 14 px = 12.25 px (Bootstrap's `code`); the theme's monospace families are
-#   0.55 em (Consolas) to 0.602 em (DejaVu Sans Mono, Menlo) per character: MONO_PX = 0.61 em;
-#   each edge of a code span adds its 5 px padding and 1 px border (base.css): CODE_EDGE_PX = 6.
-#   A code span breaks at its spaces only (docs/hooks.py keeps each word on one line).
-#
-# Checked once against headless Chromium 156 (Debian's chromium-headless-shell, with Liberation
-# Mono and DejaVu Sans) on all 144 tables of the built site: this model's width was from 0.02%
-# under to 17% over Chromium's min-content width (over where Chromium finds more places to break
-# prose than spaces and hyphens), and no code word broke; FIT_PX keeps a 1% margin.
+# The numbers below are derived in the docstring of
+# test_every_table_fits_the_content_column_of_a_1280_px_window.
 # Advances of printable ASCII (" " to "~") in 1/1000 em: DejaVu Sans, then DejaVu Sans Bold.
 _SANS_EM = """318 401 460 838 636 950 780 275 390 390 500 838 318 361 318 337 636 636 636 636 636
 636 636 636 636 636 337 337 838 838 838 531 1000 684 686 698 770 632 575 775 752 295 295 656 557
@@ -369,7 +344,37 @@ _RENDERED_WIDE = ("results", "(side | what | step | vs | peak | training | state
 @pytest.mark.slow
 def test_every_table_fits_the_content_column_of_a_1280_px_window(site: Path) -> None:
     """No page scrolls sideways at 1280 px and no table cell breaks a word: every table's
-    columns' widest words fit the content column (the measure above)."""
+    columns' widest words fit the content column.
+
+    A table is never narrower than the sum of its columns' widest unbreakable words: cells wrap
+    at spaces only (docs/css/accelfn.css keeps a word whole, and docs/hooks.py with the CSS each
+    word of a code span). Where that sum fits the content column, the page does not scroll
+    sideways and no identifier is broken. The numbers, from the MkDocs theme's CSS
+    (bootstrap.min.css, base.css, base.js) and ours:
+
+    - content column: a 1280 px window is past Bootstrap's 1200 px breakpoint (a 15 px scroll
+      bar leaves 1265, still past 1140), so ``.container`` is 1140 px wide; ``.row``'s negative
+      margins cancel its 12 px padding; ``.col-md-9`` (the content beside the table of
+      contents) is 75% of 1140 = 855 px less its 12 px gutter on each side: CONTENT_PX = 831.
+    - a cell: base.js gives every table Bootstrap's ``.table``, whose cells have 0.5rem (8 px)
+      of padding on each side: CELL_PX = 16 per column. A list (``ul``, ``ol``) indents a table
+      by 2rem, a blockquote by 14 px, an admonition by 32 px.
+    - prose: tables are 0.875rem (14 px, our CSS); the advances are DejaVu Sans' (headers: its
+      Bold), read from the fonts with fontTools. Chromium on a Linux machine without the
+      theme's ``system-ui, ...`` families uses it, and it is wider than the listed families
+      measured here (26 lowercase letters at 16 px: 234 px, Liberation Sans with Arial's
+      metrics 204 px). Past ASCII a character counts 1 em. Prose also breaks after a hyphen
+      followed by a letter, as browsers do ("micro-" "batches").
+    - code: 0.875em of 14 px = 12.25 px (Bootstrap's ``code``); the theme's monospace families
+      advance 0.55 em (Consolas) to 0.602 em (DejaVu Sans Mono, Menlo) per character, so
+      MONO_PX = 0.61 em; each edge of a code span adds its 5 px padding and 1 px border
+      (base.css): CODE_EDGE_PX = 6. A code span breaks at its spaces only.
+
+    Checked once against headless Chromium 156 (Debian's chromium-headless-shell, with
+    Liberation Mono and DejaVu Sans) on all 144 tables of the built site: this measure was from
+    0.02% under to 17% over Chromium's min-content width (over where Chromium finds more places
+    to break prose than spaces and hyphens), and no code word broke; FIT_PX keeps a 1% margin.
+    """
     too_wide = {str(page.parent.relative_to(site)): wide for page in sorted(site.rglob("*.html"))
                 if (wide := _too_wide(page.read_text()))}
     page, header = _RENDERED_WIDE
