@@ -23,6 +23,9 @@ Then the stack accelfn recommends, one lever at a time, each against the stage b
   the same model, batch, attention backend and fused AdamW; nothing of accelfn's in the
   step), against ``batch``: accelfn's stack over it is ``1 / speedup_vs_previous``.
 
+The last two also count the host syncs of one update (``af.SyncProbe``: CUDA's sync debug
+mode on a GPU; emulated on the CPU), the target being 0 with a fused optimizer.
+
 ``--stages`` runs some of them (the GPU suite leaves ``checkpointed`` out: its figures do not
 change with the levers).
 
@@ -308,12 +311,20 @@ def run_stage(name: str, c: GPTConfig, batches: list[TensorDict], device: torch.
     sync(device)
     if name not in ("baseline", "hand"):
         state.sync()
+    syncs = None
+    if name in ("batch", "hand"):  # the recommended stack and its twin: host syncs, counted
+        with af.SyncProbe() as probe:  # CUDA's sync debug mode on a GPU, emulated elsewhere
+            one()
+            sync(device)
+        syncs = [str(point) for point in probe.syncs]
     tokens = args.steps * len(batches[0]) * c.seq
     rate = tokens / elapsed
     log(f"  {name}: {rate:,.0f} tokens/s ({elapsed / args.steps * 1e3:.1f} ms/step)")
     return {"tokens_per_s": rate, "step_ms": elapsed / args.steps * 1e3, "first_step_s": first,
             "peak_memory_mib": timing.peak_mib, "activation_mib": acts.mib, "stack": stack,
-            "batch_size": len(batches[0]), "attention_backend": backend}
+            "batch_size": len(batches[0]), "attention_backend": backend,
+            "host_syncs_per_update": None if syncs is None else len(syncs),
+            "host_syncs": syncs}
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
