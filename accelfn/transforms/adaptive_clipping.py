@@ -61,7 +61,7 @@ def adaptive_clipping(clip_factor: float = 0.01, *, eps: float = 1e-3, norm_type
     ``--clip-mode agc`` (``model_parameters(model, exclude_head=True)``: all but the last two
     parameters). ``skip`` is a module or several (``skip=model.head``, ``skip=[model.fc]``:
     their parameters, read at each update, so FSDP2's sharded parameters are followed), or a
-    rule on a parameter (``skip=lambda p: p.shape[0] == classes``: a property the host knows;
+    rule on a parameter (``skip=lambda p: p.shape[:1] == (classes,)``: what the host knows;
     no device value may be read). A transform that skips modules belongs to their model: a
     state whose parameters include none of theirs is refused.
 
@@ -118,7 +118,7 @@ def _chooser(skip: Skip) -> Callable[[list[Tensor]], list[bool]] | None:
     if isinstance(skip, (str, Tensor)) or not isinstance(skip, Iterable):
         raise TypeError(f"adaptive_clipping(skip={skip!r}): give the modules to leave "
                         "unclipped (skip=model.head, skip=[model.fc]) or a rule on a parameter "
-                        f"(skip=lambda p: p.shape[0] == classes); {names}")
+                        f"(skip=lambda p: p.shape[:1] == (classes,)); {names}")
     modules = list(skip)
     wrong = [m for m in modules if not isinstance(m, nn.Module)]
     if wrong or not modules:
