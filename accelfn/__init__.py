@@ -41,7 +41,18 @@ from .observe.flops import training_flops
 from .observe.logs import configure_logging
 from .observe.memory import MemoryEstimate, estimate_memory, estimate_script, format_estimate
 from .observe.memory_snapshots import MemorySnapshot, memory_snapshot
-from .observe.monitor import Monitor
+from .observe.monitor import (
+    CsvSink,
+    GPUSampling,
+    JsonlSink,
+    MlflowSink,
+    Monitor,
+    Sink,
+    SyncCheck,
+    TensorBoardSink,
+    Throughput,
+    WandbSink,
+)
 from .observe.profiling import Profiler, profiled
 from .observe.sync_probe import SyncProbe
 
@@ -101,23 +112,32 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointLockedError",
+    "CsvSink",
     "Diagnostics",
     "DistributedError",
     "EarlyStopping",
     "FaultTolerance",
+    "GPUSampling",
     "GradientTransform",
     "HangError",
+    "JsonlSink",
     "MemoryEstimate",
     "MemorySnapshot",
+    "MlflowSink",
     "Monitor",
     "NonFiniteError",
     "PreemptionGuard",
     "Profiler",
     "Schedule",
+    "Sink",
     "Step",
+    "SyncCheck",
     "SyncProbe",
+    "TensorBoardSink",
+    "Throughput",
     "TrainState",
     "Transform",
+    "WandbSink",
     "WarmupPlateau",
     "adaptive_clipping",
     "apply_transform",

@@ -176,11 +176,13 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     else:
         monitor = af.Monitor(total=stop, initial=state.step,  # a resumed run's bar goes on
                              progress=not args.quiet, desc="digits",
-                             samples_per_step=args.batch_size * af.world_size(), log_every=10,
-                             sync_check_step=3,  # one step runs under the host-sync probe
+                             throughput=af.Throughput(
+                                 samples_per_step=args.batch_size * af.world_size()),
+                             log_every=10,  # one step runs under the host-sync probe:
+                             sync_check=af.SyncCheck(step=3),
                              state=state,  # rows numbered by state.step: a resume continues
-                             jsonl=run.metrics_file,  # and the plot draws the whole file
-                             plot=run.plot_file)
+                             # and the plot draws the whole file
+                             sinks=[af.JsonlSink(run.metrics_file)], plot=run.plot_file)
         start = time.perf_counter()
         with monitor, af.PreemptionGuard() as guard:  # SIGTERM: checkpoint, exit 75
             while state.step < stop:

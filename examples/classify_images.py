@@ -233,9 +233,11 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     else:
         monitor = af.Monitor(total=stop, initial=state.step,  # a resumed run's bar goes on
                              progress=not args.quiet, desc=args.model,
-                             log_every=10, sync_check_step=None,
-                             samples_per_step=args.batch_size * af.world_size(),
-                             state=state, jsonl=run.metrics_file, plot=run.plot_file)
+                             log_every=10, sync_check=None,
+                             throughput=af.Throughput(
+                                 samples_per_step=args.batch_size * af.world_size()),
+                             state=state, sinks=[af.JsonlSink(run.metrics_file)],
+                             plot=run.plot_file)
         start = time.perf_counter()
         with monitor, af.PreemptionGuard() as guard:
             while state.step < stop:

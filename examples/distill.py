@@ -166,8 +166,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     if trained:  # the student's rows and its held-out loss go to the run's metrics.jsonl
         monitor = af.Monitor(total=args.steps, initial=state.step,  # a resume's bar goes on
                              progress=not args.quiet, desc="student", log_every=50,
-                             sync_check_step=None, samples_per_step=64 * af.world_size(),
-                             state=state, jsonl=run.metrics_file)
+                             sync_check=None,
+                             throughput=af.Throughput(samples_per_step=64 * af.world_size()),
+                             state=state, sinks=[af.JsonlSink(run.metrics_file)])
         with monitor:
             while state.step < args.steps:
                 for batch in monitor.iterate(train_loader):

@@ -254,10 +254,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         monitor = af.Monitor(total=stop, initial=state.step,  # a resumed run's bar goes on
                              progress=not args.quiet, desc="hf", log_every=10,
-                             samples_per_step=args.batch_size * af.world_size() // tp,
-                             tokens_per_step=args.batch_size * args.seq_len
-                             * af.world_size() // tp,
-                             sync_check_step=None, state=state, jsonl=run.metrics_file)
+                             throughput=af.Throughput(
+                                 samples_per_step=args.batch_size * af.world_size() // tp,
+                                 tokens_per_step=args.batch_size * args.seq_len
+                                 * af.world_size() // tp),
+                             sync_check=None, state=state,
+                             sinks=[af.JsonlSink(run.metrics_file)])
         start = time.perf_counter()
         with monitor, af.PreemptionGuard() as guard:  # SIGTERM: checkpoint, exit 75
             while state.step < stop:

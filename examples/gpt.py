@@ -435,9 +435,11 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     else:
         monitor = af.Monitor(total=stop, initial=state.step,  # a resumed run's bar goes on
                              progress=not args.quiet, desc="gpt",
-                             samples_per_step=args.batch_size * af.world_size() // tp,
-                             flops_per_step=flops * af.world_size() // tp, log_every=10,
-                             sync_check_step=None, state=state, jsonl=run.metrics_file)
+                             throughput=af.Throughput(
+                                 samples_per_step=args.batch_size * af.world_size() // tp,
+                                 flops_per_step=flops * af.world_size() // tp),
+                             log_every=10, sync_check=None, state=state,
+                             sinks=[af.JsonlSink(run.metrics_file)])
         start = time.perf_counter()
         with monitor, af.PreemptionGuard() as guard:
             while state.step < stop:

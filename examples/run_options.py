@@ -14,8 +14,9 @@ checks made before anything is loaded) is ``accelfn.checkpointing.RunFolder``; t
 turns its errors into usage errors (exit status 2, the message after ``<script>: error:``),
 prints what a resumed run left behind, and holds the argparse types and messages the
 examples share. A resumed run's picture needs nothing here: ``af.Monitor(state=state,
-jsonl=run.metrics_file, plot=run.plot_file, total=..., initial=state.step)`` continues the
-progress bar from the resumed step and draws ``run.png`` from the whole ``metrics.jsonl``.
+sinks=[af.JsonlSink(run.metrics_file)], plot=run.plot_file, total=..., initial=state.step)``
+continues the progress bar from the resumed step and draws ``run.png`` from the whole
+``metrics.jsonl``.
 """
 
 from __future__ import annotations

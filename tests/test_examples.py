@@ -150,7 +150,7 @@ def test_hand_written_loop_example(tmp_path):
 
 
 def assert_no_word_of_the_sync_check(printed: str, reports: int) -> None:
-    """The examples run with the monitor's sync check off (sync_check_step=None): ``reports``
+    """The examples run with the monitor's sync check off (sync_check=None): ``reports``
     monitor reports are printed, and nothing about host syncs."""
     assert printed.count("accelfn monitor report") == reports
     assert "host_syncs" not in printed and "probed for host syncs" not in printed

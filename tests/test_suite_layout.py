@@ -15,8 +15,8 @@ MIRRORED = {"core": ("compat", "optimizers", "plan", "state"),
             "data": ("document_masks", "epochs", "packing", "token_batches", "tokens"),
             # the monitor's wing: the modules with a test module of their own (records,
             # report, verdict... are tested through the monitor's)
-            "observe/monitor": ("aggregates", "monitor", "outputs", "plots", "progress_bars",
-                                "sinks", "stragglers", "trackers")}
+            "observe/monitor": ("aggregates", "monitor", "options", "outputs", "plots",
+                                "progress_bars", "sinks", "stragglers", "trackers")}
 # a built-in's mechanism (accelfn/parts/<module>.py) is tested through its public transform
 PARTS = {"accumulation": "transforms/test_accumulation.py",
          "activation_checkpointing": "transforms/test_activation_checkpointing.py",

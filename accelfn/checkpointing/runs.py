@@ -8,7 +8,7 @@ script starts it, refuses to mix two runs in it, and continues it on ``--resume`
     run = RunFolder.from_args(args, "digits")  # every process gets the same folder
     ...                                        # build state, loader and step
     run.resume(state, loader=train, step=step, plan={"total_steps": total})
-    monitor = af.Monitor(state=state, jsonl=run.metrics_file, plot=run.plot_file)
+    monitor = af.Monitor(state=state, sinks=[af.JsonlSink(run.metrics_file)], plot=run.plot_file)
     with monitor, PreemptionGuard() as guard:
         for batch in monitor.iterate(train):
             monitor.step(step(state, batch))
@@ -264,8 +264,9 @@ class RunFolder:
 
     @property
     def metrics_file(self) -> Path:
-        """``path/metrics.jsonl``: one JSON row per update (give it to the monitor's
-        ``jsonl=``, with its ``state=``, and a resumed run continues it)."""
+        """``path/metrics.jsonl``: one JSON row per update (give the monitor
+        ``sinks=[af.JsonlSink(run.metrics_file)]`` and its ``state=``, and a resumed run
+        continues it)."""
         return self.path / METRICS_FILE
 
     @property

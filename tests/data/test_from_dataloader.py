@@ -259,7 +259,7 @@ def test_data_wait_is_reported_like_accelfn_loaders():
 
 def test_the_monitor_reads_its_data_wait():
     train = ad.from_dataloader(DataLoader(Slow(0.005), batch_size=4), keys=("x", "y"))
-    mon = af.Monitor(progress=False, warmup=0, sync_check_step=None, log_every=100)
+    mon = af.Monitor(progress=False, warmup=0, sync_check=None, log_every=100)
     with mon:
         for _ in range(2):
             for _ in train:

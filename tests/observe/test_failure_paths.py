@@ -59,7 +59,7 @@ def test_a_sink_failing_to_write_at_close_still_closes_everything(tmp_path: Path
     bad, good = _FailingSink(), _Sink()
     prof = Profiler(tmp_path, wait=0, warmup=0, active=100)
     mon = Monitor(progress=False, log_every=100, sinks=[bad, good], profiler=prof,
-                  sync_check_step=None)
+                  sync_check=None)
     with pytest.raises(OSError, match="disk full"):
         with mon:
             for _ in range(3):
@@ -71,7 +71,7 @@ def test_a_sink_failing_to_write_at_close_still_closes_everything(tmp_path: Path
 
 def test_an_error_in_the_loop_is_not_hidden_by_a_failing_sink(tmp_path: Path) -> None:
     bad = _FailingSink()
-    mon = Monitor(progress=False, log_every=100, sinks=[bad], sync_check_step=None)
+    mon = Monitor(progress=False, log_every=100, sinks=[bad], sync_check=None)
     with pytest.raises(ValueError, match="the step failed"), \
             pytest.warns(UserWarning, match="disk full"):
         with mon:

@@ -34,7 +34,7 @@ def restore_logging() -> Iterator[None]:
 
 
 def run(**kw: object) -> Monitor:
-    mon = Monitor(sync_check_step=None, warmup=0, log_every=2, **kw)  # type: ignore[arg-type]
+    mon = Monitor(sync_check=None, warmup=0, log_every=2, **kw)  # type: ignore[arg-type]
     with mon:
         for i in range(3):
             mon.step({"loss": torch.tensor(float(i))}, samples=4)
@@ -59,7 +59,7 @@ def test_nothing_is_printed_unless_logging_is_configured() -> None:
         "import logging, sys, torch\n"
         "from accelfn.observe.monitor import Monitor\n"
         "def run():\n"
-        "    mon = Monitor(progress=False, sync_check_step=None)\n"
+        "    mon = Monitor(progress=False, sync_check=None)\n"
         "    with mon:\n"
         "        mon.step({'loss': torch.tensor(1.0)})\n"
         "    logging.getLogger('accelfn.observe').warning('a warning record')\n"

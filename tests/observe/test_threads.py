@@ -72,7 +72,7 @@ def test_doctor_names_oversubscription_on_a_loaded_machine(
 
 
 def run_cpu_monitor() -> Monitor:
-    mon = Monitor(progress=False, sync_check_step=None, warmup=0, device="cpu")
+    mon = Monitor(progress=False, sync_check=None, warmup=0, device="cpu")
     with mon:
         for i in range(3):
             mon.step({"loss": torch.tensor(float(i))}, samples=4, data_wait=0.0)

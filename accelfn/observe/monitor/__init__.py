@@ -7,5 +7,9 @@ timing, the doctor) stands on its own and never imports this package; the monito
 """
 
 from .monitor import Monitor
+from .options import GPUSampling, SyncCheck, Throughput
+from .sinks import CsvSink, JsonlSink, Sink, TensorBoardSink
+from .trackers import MlflowSink, WandbSink
 
-__all__ = ["Monitor"]
+__all__ = ["CsvSink", "GPUSampling", "JsonlSink", "MlflowSink", "Monitor", "Sink", "SyncCheck",
+           "TensorBoardSink", "Throughput", "WandbSink"]

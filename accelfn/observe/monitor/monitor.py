@@ -1,6 +1,7 @@
 """A monitor for any training loop: where does the time go, and what to do about it.
 
->>> mon = Monitor(log_every=50, jsonl="runs/a/metrics.jsonl", plot="runs/a/run.png")
+>>> mon = Monitor(log_every=50, sinks=[JsonlSink("runs/a/metrics.jsonl")],
+...               plot="runs/a/run.png")
 >>> with mon:
 ...     for batch in mon.iterate(loader):          # times every next(): the data wait
 ...         metrics = step(state, batch)
@@ -39,8 +40,9 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, Never, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -48,13 +50,14 @@ from torch import Tensor, nn
 from ...core.processes import is_main_process
 from ...core.state import TrainState
 from ..diagnostics import Diagnostics
-from ..flops import _dtype_key, training_flops
+from ..flops import training_flops
 from ..memory_snapshots import MemorySnapshot, snapshot_option
 from ..profiling import Profiler
 from ..sync_probe import SyncPoint, SyncProbe
 from . import records
 from .aggregates import RunBook
-from .gpu_sampler import GPUSampler, check_interval
+from .gpu_sampler import GPUSampler
+from .options import GPUSampling, SyncCheck, Throughput, check_grouped
 from .outputs import Outputs
 from .records import PendingLog, PendingStep, StepRecord
 from .report import MonitorReport, Thresholds
@@ -91,27 +94,22 @@ class Monitor:
             accumulation window in ``mode="calls"`` share their update's), and on a resumed
             run the files, trackers and progress bar continue from the checkpoint's step.
             Without it the n-th step is row n. Start the monitor after loading the checkpoint.
-        jsonl: a file of one JSON row per step (rank 0 only); rows an earlier run wrote at
-            the starting step or later are dropped, the rest kept.
-        csv: the same rows in a CSV file, kept the same way.
-        tensorboard: a log dir for ``SummaryWriter`` (needs the ``tensorboard`` extra).
-        sinks: more destinations for the rows: any [`Sink`][],
-            e.g. [`WandbSink`][accelfn.observe.monitor.trackers.WandbSink],
-            [`MlflowSink`][accelfn.observe.monitor.trackers.MlflowSink] (rank 0 only).
+        sinks: where the rows go, written on rank 0 only: any [`Sink`][], e.g.
+            [`JsonlSink(path)`][accelfn.observe.monitor.sinks.JsonlSink],
+            [`CsvSink(path)`][accelfn.observe.monitor.sinks.CsvSink],
+            [`TensorBoardSink(log_dir)`][accelfn.observe.monitor.sinks.TensorBoardSink],
+            [`WandbSink`][accelfn.observe.monitor.trackers.WandbSink],
+            [`MlflowSink`][accelfn.observe.monitor.trackers.MlflowSink]. The files keep the
+            rows an earlier run wrote before the starting step and drop the rest.
         plot: write [`MonitorReport.plot`][] here when the monitor closes (its path is
-            then `plot_file`); with ``state`` and ``jsonl``, of the whole file (resumes too).
-        samples_per_step: samples in one step, when a step does not say.
-        tokens_per_step: tokens in one step, when a step does not say.
-        flops_per_step: FLOPs of one step (see [`training_flops`][], [`count_flops`][]).
-        peak_flops: the device's peak FLOP/s; looked up by GPU name when not given.
-        peak_dtype: which peak to look up (``torch.bfloat16``, ``"tf32"``, ...).
+            then `plot_file`); with ``state`` and a ``JsonlSink``, of that whole file
+            (resumes too).
+        throughput: samples, tokens and FLOPs of a step when it does not say, and the peak
+            FLOP/s for MFU ([`Throughput`][accelfn.Throughput]; see [`count_flops`][]).
         device: the training device (default: CUDA when available).
-        gpu_index: the NVML index to sample (default: the current CUDA device); sampling is
-            on when a GPU is used or ``gpu_index`` is given, and pynvml works.
-        gpu_interval: seconds between pynvml samples.
-        sync_check_step: index of the step run under [`SyncProbe`][] (``None``: never);
-            needs [`iterate`][] or [`measure`][], and is left out of timing.
-        sync_allow: substrings of sync locations you accept (see [`SyncProbe`][]).
+        gpu: which GPU pynvml samples and how often ([`GPUSampling`][accelfn.GPUSampling]).
+        sync_check: the step run under [`SyncProbe`][] and the syncs accepted
+            ([`SyncCheck`][accelfn.SyncCheck]; ``None``: no step probed).
         model: optional; checked for BatchNorm under distributed training (SyncBatchNorm).
         diagnostics: a [`Diagnostics`][] stepped with each step's metrics and batch.
         stragglers: flag a process 20% slower than the median (default: on under a process
@@ -134,47 +132,40 @@ class Monitor:
     """
 
     def __init__(self, *, log_every: int = 50, warmup: int = 2, total: int | None = None,
-                 progress: bool = True, desc: str = "train",
-                 jsonl: str | Path | None = None, csv: str | Path | None = None,
-                 tensorboard: str | Path | None = None, sinks: Iterable[Sink] = (),
+                 progress: bool = True, desc: str = "train", sinks: Iterable[Sink] = (),
                  state: TrainState | None = None, plot: str | Path | None = None,
-                 samples_per_step: float | None = None, tokens_per_step: float | None = None,
-                 flops_per_step: float | None = None, peak_flops: float | None = None,
-                 peak_dtype: torch.dtype | str = torch.bfloat16,
-                 device: torch.device | str | None = None, gpu_index: int | None = None,
-                 gpu_interval: float = 0.5, sync_check_step: int | None = 3,
-                 sync_allow: Iterable[str] = (), stragglers: bool | None = None,
-                 model: nn.Module | None = None, diagnostics: Diagnostics | None = None,
-                 profiler: Profiler | None = None, thresholds: Thresholds | None = None,
-                 file: IO[str] | None = None, keep_rows: int = 1000, initial: int | None = None,
-                 memory_snapshot: str | os.PathLike[str] | MemorySnapshot | None = None) -> None:
+                 device: torch.device | str | None = None,
+                 # the grouped options' defaults are frozen values, shared safely
+                 throughput: Throughput = Throughput(),  # noqa: B008
+                 gpu: GPUSampling = GPUSampling(),  # noqa: B008
+                 sync_check: SyncCheck | None = SyncCheck(),  # noqa: B008
+                 stragglers: bool | None = None, model: nn.Module | None = None,
+                 diagnostics: Diagnostics | None = None, profiler: Profiler | None = None,
+                 thresholds: Thresholds | None = None, file: IO[str] | None = None,
+                 keep_rows: int = 1000, initial: int | None = None,
+                 memory_snapshot: str | os.PathLike[str] | MemorySnapshot | None = None,
+                 **removed_keywords: Never) -> None:
+        check_grouped(removed_keywords, throughput=throughput, gpu=gpu, sync_check=sync_check)
         for name, value, low in (("log_every", log_every, 1), ("warmup", warmup, 0),
                                  ("keep_rows", keep_rows, 0), ("initial", initial or 0, 0)):
             if value < low:
                 raise ValueError(f"Monitor({name}={value}): must be >= {low}")
         if total is not None and initial is not None and initial > total:
             raise ValueError(f"Monitor(initial={initial}): more steps done than total={total}")
-        check_interval(f"Monitor(gpu_interval={gpu_interval})", gpu_interval)
         self.log_every, self.warmup, self.total, self._initial = log_every, warmup, total, initial
-        self.samples_per_step, self.tokens_per_step = samples_per_step, tokens_per_step
-        if not isinstance(peak_dtype, torch.dtype):
-            _dtype_key(peak_dtype)  # an unknown name raises here, not as a missing MFU
-        self.flops_per_step, self.peak_dtype = flops_per_step, peak_dtype
-        self._peak_given = peak_flops
+        self.throughput, self.sync_check = throughput, sync_check
         self.device = torch.device(device if device is not None else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         self._cuda = self.device.type == "cuda"
-        self.sync_check_step, self.sync_allow = sync_check_step, tuple(sync_allow)
         self.model, self.diagnostics, self.profiler = model, diagnostics, profiler
         self.thresholds = thresholds or Thresholds()
         self._out = Outputs(main=is_main_process(), sinks=sinks, progress=progress, desc=desc,
-                            paths={"jsonl": jsonl, "csv": csv, "tensorboard": tensorboard},
                             file=file, total=total, initial=initial or 0, plot=plot)
         self.state, self._snapshot = state, snapshot_option(memory_snapshot, self.device, state)
         #: where [`close`][] wrote the plot (``None``: not asked for, or not written)
         self.plot_file: Path | None = None
-        self._gpu = GPUSampler(gpu_index, interval=gpu_interval) \
-            if (self._cuda or gpu_index is not None) else None
+        self._gpu = GPUSampler(gpu.index, interval=gpu.interval) \
+            if (self._cuda or gpu.index is not None) else None
         self._gpu_note: str | None = None if self._gpu else "no GPU in use"
         self._book = RunBook(warmup, records.ROW_KEYS, keep_rows)
         self._stragglers = Stragglers(stragglers, warmup=warmup)
@@ -223,6 +214,14 @@ class Monitor:
             self._ev_last = records.boundary_event(self.device)
         return self
 
+    @property
+    def _probe_at(self) -> int | None:
+        return self.sync_check.step if self.sync_check is not None else None
+
+    @property
+    def _allow(self) -> tuple[str, ...]:
+        return tuple(self.sync_check.allow) if self.sync_check is not None else ()
+
     def _refuse_closed(self, what: str) -> None:
         if self._closed:
             raise RuntimeError(f"Monitor.{what}() after close(): its outputs are closed and "
@@ -269,7 +268,7 @@ class Monitor:
             self._snapshot.close()
         self._closed = True
         self._report = report = self._build_report()
-        history = self._out.paths["jsonl"] if self.state is not None else None
+        history = self._out.history if self.state is not None else None
         closing = self._out.close(report, failed_loop=failed_loop, history=history)
         failed = failed or closing
         self.plot_file = self._out.plot_file
@@ -311,7 +310,7 @@ class Monitor:
                 if self._n == 0 and self._snapshot is not None and self.state is not None:
                     self._t_last += self._snapshot.estimate_before(self.state, batch)
                 self._awaiting_step = True
-                if self._n == self.sync_check_step and self._probe_step is None:
+                if self._n == self._probe_at and self._probe_step is None:
                     self._begin_probe()
                 yield batch
         finally:
@@ -329,7 +328,7 @@ class Monitor:
         outside = time.perf_counter() - self._t_last
         rec = StepRecord()
         rec.samples, rec.tokens = samples, tokens
-        if self._n == self.sync_check_step and self._probe_step is None:
+        if self._n == self._probe_at and self._probe_step is None:
             self._begin_probe()
         self._measuring = True
         try:
@@ -346,7 +345,7 @@ class Monitor:
     @contextlib.contextmanager
     def probe_syncs(self) -> Iterator[SyncProbe]:
         """Run the enclosed step under [`SyncProbe`][]; its result goes into the report."""
-        with SyncProbe(allow=self.sync_allow) as probe:
+        with SyncProbe(allow=self._allow) as probe:
             yield probe
         self._probe_result = (self._probe_result or []) + probe.syncs
         self._probe_mode = probe.mode
@@ -358,7 +357,7 @@ class Monitor:
             self._snapshot.on_error(error)  # other errors pass untouched
 
     def _begin_probe(self) -> None:
-        self._probe = SyncProbe(allow=self.sync_allow)
+        self._probe = SyncProbe(allow=self._allow)
         self._probe_step = self._n
         self._probe.__enter__()
 
@@ -371,9 +370,10 @@ class Monitor:
 
     def count_flops(self, model: nn.Module, *inputs: Any,
                     loss_fn: Callable[[Any], Tensor] | None = None) -> int:
-        """Set ``flops_per_step`` from one forward+backward of ``model(*inputs)``."""
-        self.flops_per_step = training_flops(model, *inputs, loss_fn=loss_fn)
-        return int(self.flops_per_step)
+        """Set ``throughput.flops_per_step`` from one forward+backward of ``model(*inputs)``."""
+        flops = training_flops(model, *inputs, loss_fn=loss_fn)
+        self.throughput = replace(self.throughput, flops_per_step=flops)
+        return int(flops)
 
     def step(self, metrics: Any = None, *, samples: float | Tensor | None = None,
              tokens: float | Tensor | None = None, data_wait: float | None = None) -> None:
@@ -382,7 +382,8 @@ class Monitor:
         Args:
             metrics: what the step returned (TensorDict / mapping of scalar tensors, a loss
                 tensor, or None); read later, every ``log_every`` steps.
-            samples: how many samples this step processed (default: ``samples_per_step``, or
+            samples: how many samples this step processed (default: ``throughput``'s
+                ``samples_per_step``, or
                 the batch's leading dimension under [`iterate`][]); a one-element tensor
                 (``mask.sum()``) is read with the metrics, later.
             tokens: how many tokens this step processed (default: ``tokens_per_step``, else
@@ -400,12 +401,12 @@ class Monitor:
             self._snapshot.updated()  # recording stops after its first updates
         now = time.perf_counter()
         if samples is None:
-            samples = self.samples_per_step
+            samples = self.throughput.samples_per_step
             if samples is None and self._awaiting_step:
                 samples = records.batch_samples(self._last_batch)
         if tokens is None:  # else the step's token count ("weight"), when it gives one
-            tokens = self.tokens_per_step if self.tokens_per_step is not None \
-                else records.weight_of(metrics)
+            given = self.throughput.tokens_per_step
+            tokens = given if given is not None else records.weight_of(metrics)
         snaps, py = records.snapshot_metrics(metrics, {"samples": samples, "tokens": tokens})
         samples, tokens = (None if isinstance(x, Tensor) else x for x in (samples, tokens))
         event = records.boundary_event(self.device) if self._cuda else None
@@ -489,10 +490,10 @@ class Monitor:
     def _build_report(self) -> MonitorReport:
         report = build_report(
             book=self._book, warmup=self.warmup, device=self.device,
-            gpu=self._gpu, gpu_note=self._gpu_note, peak_given=self._peak_given,
-            peak_dtype=self.peak_dtype, flops_per_step=self.flops_per_step, model=self.model,
-            diagnostics=self.diagnostics, syncs=self._probe_result, probe_mode=self._probe_mode,
-            sync_check=self.sync_check_step is not None, thresholds=self.thresholds,
+            gpu=self._gpu, gpu_note=self._gpu_note, throughput=self.throughput,
+            model=self.model, diagnostics=self.diagnostics, syncs=self._probe_result,
+            probe_mode=self._probe_mode, sync_check=self.sync_check is not None,
+            thresholds=self.thresholds,
             snapshot=self._snapshot)
         report.findings += self._stragglers.findings()
         return report

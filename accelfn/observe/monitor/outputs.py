@@ -1,5 +1,5 @@
-"""Where a monitor's rows go: the sinks built from its paths (JSONL, CSV, TensorBoard) and
-those it is given, its progress bar and its closing plot, all on rank 0 only.
+"""Where a monitor's rows go: the sinks it is given, its progress bar and its closing plot,
+all on rank 0 only.
 
 [`Monitor`][accelfn.observe.monitor.Monitor] measures; this is its output side: opened at
 its start, written at each flush, closed (and the plot drawn) at its close.
@@ -15,34 +15,36 @@ from typing import IO, Any
 from ..logs import get_logger
 from .progress_bars import Bar, make_bar, row_postfix
 from .report import MonitorReport
-from .sinks import CsvSink, JsonlSink, Sink, TensorBoardSink, close_sinks, open_sinks, write_sinks
+from .sinks import JsonlSink, Sink, close_sinks, open_sinks, write_sinks
 
 __all__ = ["Outputs"]
 
 _log = get_logger("observe")
-_KINDS = {"jsonl": JsonlSink, "csv": CsvSink, "tensorboard": TensorBoardSink}
 
 
 class Outputs:
     """A monitor's sinks, bar and plot (see [`Monitor`][accelfn.observe.monitor.Monitor]'s
-    ``jsonl``, ``csv``, ``tensorboard``, ``sinks``, ``progress``, ``desc``, ``file``,
-    ``total``, ``initial`` and ``plot``); ``main``: this process is rank 0, the only one
-    that writes."""
+    ``sinks``, ``progress``, ``desc``, ``file``, ``total``, ``initial`` and ``plot``);
+    ``main``: this process is rank 0, the only one that writes."""
 
-    def __init__(self, *, main: bool, paths: dict[str, str | Path | None],
-                 sinks: Iterable[Sink], progress: bool, desc: str, file: IO[str] | None,
-                 total: int | None, initial: int, plot: str | Path | None) -> None:
-        self.extra = list(sinks)
-        for sink in self.extra:
+    def __init__(self, *, main: bool, sinks: Iterable[Sink], progress: bool, desc: str,
+                 file: IO[str] | None, total: int | None, initial: int,
+                 plot: str | Path | None) -> None:
+        self._given = list(sinks)
+        for sink in self._given:
             if not isinstance(sink, Sink):
                 raise TypeError(
                     f"Monitor(sinks=[...]): {type(sink).__name__} is not a sink: it needs "
                     "open(start_step), write(rows) and close(report) methods (see "
-                    "accelfn.observe.monitor.sinks.Sink)")
-        self.main, self.paths, self.plot_path = main, paths, plot
+                    "accelfn.observe.monitor.sinks.Sink), e.g. af.JsonlSink(path)")
+        self.main, self.plot_path = main, plot
+        #: the first JSONL sink's file: the history a resumed run's plot is drawn from
+        self.history: Path | None = next(
+            (s.path for s in self._given if isinstance(s, JsonlSink)), None)
+        #: the sinks opened (rank 0, once started): those written and closed
+        self.sinks: list[Sink] = []
         self._want_progress, self._desc, self._file = progress, desc, file
         self._total, self._initial = total, initial
-        self.sinks: list[Sink] = []
         self.bar: Bar | None = None
         #: where [`close`][] wrote the plot (``None``: not asked for, or not written)
         self.plot_file: Path | None = None
@@ -53,10 +55,8 @@ class Outputs:
         nothing is left running."""
         if not self.main:
             return
-        built: list[Sink] = [make(path) for kind, make in _KINDS.items()
-                             if (path := self.paths[kind])]
-        open_sinks(built + self.extra, start_step)
-        self.sinks = built + self.extra
+        open_sinks(self._given, start_step)
+        self.sinks = self._given
         if initial is not None:
             self._initial = initial
         if self._want_progress:

@@ -175,7 +175,7 @@ class MonitorReport:
         iteration time against data wait, memory, and GPU busy when pynvml sampled it, per
         step.
 
-        ``history``: draw the steps from this metrics JSONL file (what ``Monitor(jsonl=...)``
+        ``history``: draw the steps from this metrics JSONL file (what a ``JsonlSink``
         writes) instead of the report's own rows: the whole history on disk, the rows of
         earlier runs of a resumed run included (read in bounded memory).
 

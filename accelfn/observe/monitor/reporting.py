@@ -19,6 +19,7 @@ from ..sync_probe import SyncPoint
 from ..threads import cpu_load, oversubscription
 from .aggregates import RunBook
 from .gpu_sampler import GPUSampler
+from .options import Throughput
 from .report import MonitorReport, Thresholds
 from .verdict import summarise
 
@@ -38,8 +39,7 @@ def device_name(device: torch.device, gpu: GPUSampler | None) -> str | None:
 
 
 def build_report(*, book: RunBook, warmup: int, device: torch.device,
-                 gpu: GPUSampler | None, gpu_note: str | None, peak_given: float | None,
-                 peak_dtype: torch.dtype | str, flops_per_step: float | None,
+                 gpu: GPUSampler | None, gpu_note: str | None, throughput: Throughput,
                  model: nn.Module | None, diagnostics: Diagnostics | None,
                  syncs: list[SyncPoint] | None, probe_mode: str | None, sync_check: bool,
                  thresholds: Thresholds, snapshot: MemorySnapshot | None = None
@@ -48,9 +48,9 @@ def build_report(*, book: RunBook, warmup: int, device: torch.device,
     its estimate and where a dump went, last)."""
     cuda = device.type == "cuda"
     name = device_name(device, gpu)
-    peak = peak_given
+    peak = throughput.peak_flops
     if peak is None and name is not None and (cuda or gpu is not None):
-        peak = peak_flops(name, peak_dtype)
+        peak = peak_flops(name, throughput.peak_dtype)
     if cuda:
         peak_mem: float | None = torch.cuda.max_memory_allocated(device) / 2**30
     else:
@@ -68,7 +68,7 @@ def build_report(*, book: RunBook, warmup: int, device: torch.device,
         threads = oversubscription(cpu, own_load=cpu.threads * cpu.local_processes)
     report = summarise(
         book.summary, warmup=warmup, device=device, device_name=name,
-        flops_per_step=flops_per_step, peak=peak, peak_memory_gib=peak_mem,
+        flops_per_step=throughput.flops_per_step, peak=peak, peak_memory_gib=peak_mem,
         gpu_samples=gpu.samples if gpu is not None else [], gpu_note=gpu_note, syncs=syncs,
         probe_mode=probe_mode, sync_check=sync_check, th=thresholds, more_findings=more,
         history=book.history, logged=book.logged, last_logged=book.last_logged,

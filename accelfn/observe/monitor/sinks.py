@@ -258,8 +258,8 @@ class TensorBoardSink:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise ImportError(
-                "Monitor(tensorboard=...) needs the tensorboard package: "
-                "pip install 'accelfn[tensorboard]' (or leave tensorboard=None)") from exc
+                "TensorBoardSink needs the tensorboard package: "
+                "pip install 'accelfn[tensorboard]' (or leave the sink out)") from exc
         self._make = SummaryWriter
         self.log_dir, self.prefix = str(log_dir), prefix
         self.writer: Any = None

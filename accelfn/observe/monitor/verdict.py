@@ -77,7 +77,7 @@ def summarise(rows: Sequence[dict[str, Any]] | RunningSummary, *, warmup: int,
         powers = [s[3] for s in window if s[3] is not None]
         gpu_power = sum(powers) / len(powers) if powers else None
     elif gpu_note is None:
-        gpu_note = "no samples yet (run longer than gpu_interval)"
+        gpu_note = "no samples yet (run longer than GPUSampling's interval)"
     metrics = totals.metric_means()
     nonfinite = _nonfinite(summary)
     findings, line = verdict(share=share, gpu_util=gpu_util, gpu_note=gpu_note, mfu=mfu,
@@ -159,7 +159,7 @@ def verdict(*, share: float | None, gpu_util: float | None, gpu_note: str | None
     if syncs is None and sync_check:
         out.append(Finding("host_syncs", "info",
                            "no step was probed for host syncs",
-                           "use Monitor.iterate/measure (sync_check_step probes one step) "
+                           "use Monitor.iterate/measure (its SyncCheck probes one step) "
                            "or `with mon.probe_syncs(): step(state, batch)`"))
     elif syncs:  # a non-empty list
         for s in syncs:

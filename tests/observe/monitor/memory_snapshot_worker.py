@@ -32,7 +32,7 @@ def main(out: str) -> None:
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     step = af.lift(fitting_loss)
     mon = Monitor(memory_snapshot=os.path.join(out, "oom.json"), progress=False,
-                  sync_check_step=None, device="cpu")
+                  sync_check=None, device="cpu")
     try:
         with mon:
             for n in (FITS, FITS + 1 + rank):

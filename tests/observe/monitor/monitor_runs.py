@@ -36,7 +36,7 @@ def train(ckpt: Path, *, until: int, seed: int, save_at: int | None = None,
     if resume:
         checkpointing.load(ckpt, state, step=step)
     monitor.setdefault("log_every", 2)
-    mon = Monitor(state=state, progress=False, sync_check_step=None, warmup=0, **monitor)
+    mon = Monitor(state=state, progress=False, sync_check=None, warmup=0, **monitor)
     try:
         with mon:
             while state.step < until:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from machine import idle_machine  # noqa: F401  (autouse: an idle machine)
 
-from accelfn.observe.monitor import Monitor
+from accelfn.observe.monitor import JsonlSink, Monitor
 from accelfn.observe.monitor.aggregates import History, Quantiles, read_history
 
 TRAINING = ("step_s", "iter_s", "data_wait_s", "loss", "mem_gib", "samples_per_s")
@@ -56,8 +56,8 @@ def feed(mon: Monitor, start: int, stop: int) -> None:
 @pytest.mark.slow
 def test_a_100k_update_run_keeps_memory_bounded_and_its_report_exact(tmp_path: Path) -> None:
     n, warmup = 100_000, 2
-    mon = Monitor(progress=False, sync_check_step=None, warmup=warmup, log_every=1000,
-                  jsonl=tmp_path / "metrics.jsonl")
+    mon = Monitor(progress=False, sinks=[JsonlSink(tmp_path / "metrics.jsonl")], sync_check=None,
+                  warmup=warmup, log_every=1000)
     with mon:
         feed(mon, 0, 20_000)
         before = rss()
@@ -140,8 +140,7 @@ def test_a_plot_can_be_drawn_from_the_whole_metrics_file(tmp_path: Path) -> None
     class State:  # resumed at step 5: the monitor appends to the file
         step = 5
 
-    mon = Monitor(progress=False, sync_check_step=None, warmup=0, state=State(),  # type: ignore[arg-type]
-                  jsonl=path)
+    mon = Monitor(progress=False, sinks=[JsonlSink(path)], sync_check=None, warmup=0, state=State())
     with mon:
         for _ in range(3):
             State.step += 1  # the update, then what the monitor records of it

@@ -13,16 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from accelfn.observe.monitor import Monitor
+from accelfn.observe.monitor import GPUSampling, JsonlSink, Monitor
 from accelfn.observe.monitor.gpu_sampler import GPUSampler
 from accelfn.observe.monitor.report import Thresholds
-from accelfn.observe.monitor.sinks import JsonlSink
 from accelfn.observe.monitor.verdict import summarise
 from accelfn.observe.sync_probe import SyncProbe
 
 
 def quiet(**kw: Any) -> Monitor:
-    kw.setdefault("sync_check_step", None)
+    kw.setdefault("sync_check", None)
     return Monitor(progress=False, **kw)
 
 
@@ -31,7 +30,7 @@ def quiet(**kw: Any) -> Monitor:
 def test_token_and_sample_counts_given_as_tensors_are_read_with_the_metrics(
         tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
-    mon = quiet(warmup=0, log_every=100, jsonl=path)  # read once, at close
+    mon = quiet(warmup=0, log_every=100, sinks=[JsonlSink(path)])  # read once, at close
     masks = [torch.tensor([[1, 1, 0], [1, 0, 0]]), torch.tensor([[1, 1, 1], [1, 1, 0]])] * 2
     with mon:
         for mask in masks:
@@ -109,7 +108,7 @@ class _Down(_Rows):
 
 def test_a_sink_failing_mid_run_loses_no_row_for_the_others(tmp_path: Path) -> None:
     down, good = _Down(), _Rows()
-    mon = quiet(warmup=0, log_every=2, sinks=[down, good], jsonl=tmp_path / "m.jsonl")
+    mon = quiet(warmup=0, log_every=2, sinks=[JsonlSink(tmp_path / "m.jsonl"), down, good])
     with pytest.raises(ConnectionError, match="tracking server down"), mon:
         mon.step(torch.tensor(0.0))
         with pytest.raises(ConnectionError, match="tracking server down"):
@@ -171,7 +170,7 @@ def test_mlflow_gets_metric_names_it_refuses_under_a_name_it_takes(
 
 
 def test_a_closed_monitor_refuses_more_steps(tmp_path: Path) -> None:
-    mon = quiet(log_every=1, jsonl=tmp_path / "m.jsonl")
+    mon = quiet(log_every=1, sinks=[JsonlSink(tmp_path / "m.jsonl")])
     with mon:
         mon.step(torch.tensor(1.0))
     for feed in (lambda: mon.step(torch.tensor(2.0)),
@@ -204,7 +203,7 @@ def test_gpu_busy_counts_only_the_samples_of_measured_steps() -> None:
 
 def test_a_sampling_interval_that_is_not_positive_is_refused() -> None:
     for bad in (0, -1.0, math.nan):
-        with pytest.raises(ValueError, match=r"gpu_interval=.*seconds > 0"):
-            Monitor(gpu_interval=bad, progress=False)
+        with pytest.raises(ValueError, match=r"GPUSampling\(interval=.*seconds > 0"):
+            GPUSampling(interval=bad)
         with pytest.raises(ValueError, match=r"interval=.*seconds > 0"):
             GPUSampler(0, interval=bad)

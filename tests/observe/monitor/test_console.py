@@ -11,7 +11,7 @@ import pytest
 import torch
 from machine import idle_machine  # noqa: F401  (autouse: an idle machine)
 
-from accelfn.observe.monitor import Monitor
+from accelfn.observe.monitor import Monitor, SyncCheck
 from accelfn.observe.monitor.progress_bars import LineBar, is_terminal, make_bar, progress
 
 
@@ -31,7 +31,7 @@ def lines_of(text: str) -> list[tuple[int, str]]:
 def test_a_non_terminal_gets_a_plain_line_every_ten_percent_and_the_last_once() -> None:
     out = io.StringIO()
     assert not is_terminal(out)
-    mon = Monitor(total=20, file=out, log_every=1, sync_check_step=None, desc="train")
+    mon = Monitor(total=20, file=out, log_every=1, sync_check=None, desc="train")
     with mon:
         for i in range(20):
             mon.step({"loss": torch.tensor(float(i))}, samples=1)
@@ -47,7 +47,7 @@ def test_a_non_terminal_gets_a_plain_line_every_ten_percent_and_the_last_once() 
 
 def test_a_run_stopped_on_a_mark_does_not_repeat_its_last_line() -> None:
     out = io.StringIO()
-    mon = Monitor(total=10, file=out, log_every=1, sync_check_step=None)
+    mon = Monitor(total=10, file=out, log_every=1, sync_check=None)
     with mon:
         for i in range(5):  # stops at 50%: written by update, not again by close
             mon.step({"loss": torch.tensor(float(i))}, samples=1)
@@ -106,8 +106,8 @@ def test_no_report_line_about_a_sync_check_turned_off() -> None:
         assert (r.syncs is None) and r.verdict.startswith("compute-bound")
         return str(r)
 
-    off = report(sync_check_step=None)
+    off = report(sync_check=None)
     assert "host_syncs" not in off and "probed" not in off
     # asked for, but the loop gave no step to probe (no iterate/measure): say how
-    on = report(sync_check_step=1)
+    on = report(sync_check=SyncCheck(step=1))
     assert "[INFO   ] host_syncs: no step was probed for host syncs" in on

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from accelfn.observe.monitor import Monitor
+from accelfn.observe.monitor import CsvSink, Monitor, SyncCheck
 
 
 def test_the_probed_step_reaches_the_csv_without_a_new_metric_warning(tmp_path: Path) -> None:
     path = tmp_path / "m.csv"
-    mon = Monitor(progress=False, log_every=2, csv=path, sync_check_step=3)
+    mon = Monitor(progress=False, log_every=2, sinks=[CsvSink(path)], sync_check=SyncCheck(step=3))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "new metric(s) ['probed'] after the header" was one
         with mon:

@@ -83,7 +83,7 @@ def test_opening_slow_outputs_is_not_timed_as_the_first_step() -> None:
         def close(self, report: str | None = None) -> None:
             pass
 
-    mon = Monitor(progress=False, warmup=0, sync_check_step=None, sinks=[SlowToOpen()])
+    mon = Monitor(progress=False, warmup=0, sync_check=None, sinks=[SlowToOpen()])
     with mon:
         for _ in range(2):
             time.sleep(0.01)
@@ -99,7 +99,7 @@ def test_nested_mappings_and_numpy_scalars_in_a_steps_metrics_are_kept() -> None
 
     from accelfn.observe.monitor import Monitor
 
-    mon = Monitor(progress=False, warmup=0, sync_check_step=None)
+    mon = Monitor(progress=False, warmup=0, sync_check=None)
     with mon:
         mon.step({"loss": torch.tensor(1.5), "grad": {"norm": torch.tensor(2.0),
                                                       "clipped": {"frac": 0.25}},
@@ -116,7 +116,7 @@ def test_an_unknown_peak_dtype_is_refused_not_turned_into_no_mfu() -> None:
     import pytest
 
     from accelfn.observe.flops import peak_flops
-    from accelfn.observe.monitor import Monitor
+    from accelfn.observe.monitor import Monitor, Throughput
 
     h100 = "NVIDIA H100 80GB HBM3"
     assert peak_flops(h100, "bfloat16") == peak_flops(h100, torch.bfloat16) == 989.4e12
@@ -125,4 +125,4 @@ def test_an_unknown_peak_dtype_is_refused_not_turned_into_no_mfu() -> None:
     with pytest.raises(ValueError, match="'bf61'"):
         peak_flops(h100, "bf61")
     with pytest.raises(ValueError, match="peak_dtype='bf61'"):
-        Monitor(peak_dtype="bf61")
+        Monitor(throughput=Throughput(peak_dtype="bf61"))

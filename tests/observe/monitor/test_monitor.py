@@ -19,7 +19,15 @@ from torch import nn
 
 from accelfn.observe.diagnostics import Diagnostics
 from accelfn.observe.flops import count_flops, peak_flops, training_flops
-from accelfn.observe.monitor import Monitor
+from accelfn.observe.monitor import (
+    CsvSink,
+    GPUSampling,
+    JsonlSink,
+    Monitor,
+    SyncCheck,
+    TensorBoardSink,
+    Throughput,
+)
 from accelfn.observe.monitor.progress_bars import progress
 from accelfn.observe.monitor.report import Thresholds
 from accelfn.observe.sync_probe import SyncProbe
@@ -72,7 +80,7 @@ def actual(kind: str, skip: int) -> float:
 
 def quiet(**kw: object) -> Monitor:
     kw.setdefault("progress", False)
-    kw.setdefault("sync_check_step", None)
+    kw.setdefault("sync_check", None)
     return Monitor(**kw)  # type: ignore[arg-type]
 
 
@@ -138,7 +146,8 @@ def test_loader_reported_wait_and_iterate_without_step() -> None:
 
 
 def test_metrics_are_read_lazily_and_written_to_jsonl_and_csv(tmp_path: Path) -> None:
-    mon = quiet(log_every=5, jsonl=tmp_path / "m" / "metrics.jsonl", csv=tmp_path / "m.csv")
+    mon = quiet(log_every=5,
+                sinks=[JsonlSink(tmp_path / "m" / "metrics.jsonl"), CsvSink(tmp_path / "m.csv")])
     with mon:
         for i in range(3):
             mon.step({"loss": torch.tensor(float(i))}, samples=2)
@@ -171,7 +180,7 @@ def test_known_flops_and_mfu() -> None:
     assert count_flops(model, x) == 2 * 16 * 64 * 128 + 2 * 16 * 128 * 32  # forward only
 
     peak = 1e9
-    mon = quiet(warmup=1, peak_flops=peak)
+    mon = quiet(warmup=1, throughput=Throughput(peak_flops=peak))
     assert mon.count_flops(model, x) == expected
     with mon:
         for i in range(6):
@@ -195,7 +204,8 @@ def test_peak_flops_table() -> None:
 def test_sync_probe_finds_planted_item() -> None:
     def run(planted: bool) -> Monitor:
         # data wait never decides the verdict here: only the sync probe does
-        mon = quiet(warmup=0, sync_check_step=1, thresholds=Thresholds(data_wait_share=1.01))
+        mon = quiet(warmup=0, sync_check=SyncCheck(step=1),
+                    thresholds=Thresholds(data_wait_share=1.01))
         w = torch.ones(4, requires_grad=True)
         with mon:
             for batch in mon.iterate(slow_loader(4, wait=0.0)):
@@ -221,7 +231,7 @@ def test_sync_probe_finds_planted_item() -> None:
 
 def test_gpu_sampling_with_faked_pynvml(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(util=50))
-    mon = quiet(warmup=0, gpu_index=0, gpu_interval=0.005)
+    mon = quiet(warmup=0, gpu=GPUSampling(index=0, interval=0.005))
     with mon:
         for i in range(6):
             mon.step(sleepy_step({}, i, compute=0.01), samples=1)
@@ -233,14 +243,14 @@ def test_gpu_sampling_with_faked_pynvml(monkeypatch: pytest.MonkeyPatch) -> None
     assert r.verdict.startswith("GPU underused")
 
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(util=97))
-    mon = quiet(warmup=0, gpu_index=0, gpu_interval=0.005)
+    mon = quiet(warmup=0, gpu=GPUSampling(index=0, interval=0.005))
     with mon:
         for i in range(4):
             mon.step(sleepy_step({}, i, compute=0.01), samples=1)
     assert mon.report().verdict == "compute-bound: GPU busy 97%"
 
     monkeypatch.setitem(sys.modules, "pynvml", None)
-    mon = quiet(gpu_index=0)
+    mon = quiet(gpu=GPUSampling(index=0))
     with mon:
         mon.step()
     r = mon.report()
@@ -254,7 +264,7 @@ def test_progress_bars(monkeypatch: pytest.MonkeyPatch) -> None:
     assert list(progress(range(5), desc="work", file=out)) == [0, 1, 2, 3, 4]
     assert "work 5/5 [####################] 100%" in out.getvalue()
     out = io.StringIO()
-    mon = Monitor(total=3, file=out, log_every=1, sync_check_step=None)
+    mon = Monitor(total=3, file=out, log_every=1, sync_check=None)
     with mon:
         for i in range(3):
             mon.step({"loss": torch.tensor(float(i))}, samples=1)
@@ -287,7 +297,7 @@ def test_plot_and_missing_optional_packages(tmp_path: Path,
     assert not (tmp_path / "auto.png").exists()
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     with pytest.raises(ImportError, match=r"accelfn\[tensorboard\]"):
-        quiet(tensorboard=tmp_path / "tb").start()
+        TensorBoardSink(tmp_path / "tb")
 
 
 def test_diagnostics_and_thresholds_plug_in() -> None:
@@ -320,8 +330,9 @@ def test_on_a_gpu_events_sync_debug_mode_and_pynvml() -> None:
     x = torch.randn(512, 1024, device="cuda")
 
     def run(planted: bool) -> Monitor:
-        mon = Monitor(progress=False, warmup=1, log_every=4, sync_check_step=2,
-                      peak_dtype=torch.float32, thresholds=Thresholds(data_wait_share=1.01))
+        mon = Monitor(progress=False, warmup=1, log_every=4,
+                      throughput=Throughput(peak_dtype=torch.float32), sync_check=SyncCheck(step=2),
+                      thresholds=Thresholds(data_wait_share=1.01))
         mon.count_flops(model, x)
         with mon:
             for batch in mon.iterate([x] * 12):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from test_trackers import mlflow_store, wandb_offline, wandb_runs  # noqa: F401  (fixtures)
 from torch import nn
 
-from accelfn.observe.monitor import Monitor
+from accelfn.observe.monitor import CsvSink, JsonlSink, Monitor, TensorBoardSink
 from accelfn.observe.monitor.trackers import MlflowSink, WandbSink
 from accelfn.observe.sync_probe import SyncProbe
 
@@ -56,7 +56,7 @@ def monitored(**outputs: Any) -> Monitor:
     model = nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     xv, yv = data(1000)
-    mon = Monitor(progress=False, log_every=4, warmup=0, sync_check_step=None, **outputs)
+    mon = Monitor(progress=False, log_every=4, warmup=0, sync_check=None, **outputs)
     with mon:
         for i in range(STEPS):
             x, y = data(i)
@@ -77,8 +77,8 @@ def test_logged_values_reach_jsonl_csv_and_tensorboard(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     train, val = reference()
-    mon = monitored(jsonl=tmp_path / "m.jsonl", csv=tmp_path / "m.csv",
-                    tensorboard=tmp_path / "tb")
+    mon = monitored(sinks=[JsonlSink(tmp_path / "m.jsonl"), CsvSink(tmp_path / "m.csv"),
+                           TensorBoardSink(tmp_path / "tb")])
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in lines if "iter_s" in r] == pytest.approx(train, rel=1e-6)
     logged = [r for r in lines if "iter_s" not in r]
@@ -139,7 +139,7 @@ def test_logged_values_reach_mlflow(mlflow_store: str) -> None:  # noqa: F811
 
 
 def test_log_reads_no_tensor_on_the_host() -> None:
-    mon = Monitor(progress=False, sync_check_step=None)
+    mon = Monitor(progress=False, sync_check=None)
     with mon:
         mon.step({"loss": torch.tensor(1.0)})
         with SyncProbe(mode="emulate") as probe:
@@ -152,7 +152,7 @@ def test_the_default_step_is_the_latest_training_rows() -> None:
     class State:  # what the monitor reads of a TrainState: its step
         step = 40
 
-    mon = Monitor(progress=False, sync_check_step=None, state=State())  # type: ignore[arg-type]
+    mon = Monitor(progress=False, sync_check=None, state=State())  # type: ignore[arg-type]
     with mon:
         mon.log({"before": 1.0})  # before any step: the first step, 41
         State.step = 41  # the update, then what the monitor records of it
@@ -163,7 +163,7 @@ def test_the_default_step_is_the_latest_training_rows() -> None:
 
 
 def test_bad_values_are_refused_before_anything_is_recorded() -> None:
-    mon = Monitor(progress=False, sync_check_step=None)
+    mon = Monitor(progress=False, sync_check=None)
     with mon:
         with pytest.raises(TypeError, match=r"'name' is str, not a number"):
             mon.log({"ok": 1.0, "name": "x"})
@@ -183,8 +183,8 @@ def test_bad_values_are_refused_before_anything_is_recorded() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_log_never_waits_for_the_device(tmp_path: Path) -> None:
     x = torch.randn(2048, 2048, device="cuda")
-    mon = Monitor(progress=False, sync_check_step=None, log_every=1000,
-                  jsonl=tmp_path / "m.jsonl")
+    mon = Monitor(progress=False, sinks=[JsonlSink(tmp_path / "m.jsonl")], sync_check=None,
+                  log_every=1000)
     with mon:
         mon.step({"loss": (x @ x).mean()})
         val = x
@@ -215,7 +215,7 @@ def test_an_evaluation_logged_between_steps_is_not_the_next_steps_time(
     from accelfn.observe.monitor import monitor as monitor_module
     clock = _Clock()
     monkeypatch.setattr(monitor_module.time, "perf_counter", clock)
-    mon = Monitor(progress=False, log_every=1, warmup=0, sync_check_step=None)
+    mon = Monitor(progress=False, log_every=1, warmup=0, sync_check=None)
     with mon:
         for i in range(4):
             clock.now += 0.25  # the training step

@@ -71,7 +71,7 @@ def _notes(error):
 def test_an_oom_in_the_loop_dumps_the_live_tensors_and_the_report_says_where(tmp_path):
     _, state = _setup()
     path = tmp_path / "oom.json"
-    mon = Monitor(memory_snapshot=path, progress=False, sync_check_step=None, device="cpu")
+    mon = Monitor(memory_snapshot=path, progress=False, sync_check=None, device="cpu")
     with pytest.raises(torch.OutOfMemoryError) as raised:
         _run(mon, state, af.with_clipping(max_norm=1.0)(loss_fn), (16, 16, 64))
     assert f"the memory snapshot is in {path}" in _notes(raised.value)
@@ -95,7 +95,7 @@ def test_the_step_given_makes_the_error_name_the_peak_by_kind_and_the_fixes(tmp_
     expected = estimate_memory(step, state, next(batches(16)))  # the state is not changed
     snapshot = memory_snapshot(tmp_path / "oom.json", step=step, updates=2, device="cpu")
     mon = Monitor(state=state, memory_snapshot=snapshot, progress=False,
-                  sync_check_step=None)
+                  sync_check=None)
     with pytest.raises(torch.OutOfMemoryError) as raised:
         _run(mon, state, step, (16, 16, 16, 64))
     assert snapshot.estimate == expected  # made on the first batch, before its update
@@ -113,7 +113,7 @@ def test_a_run_without_error_trains_as_the_plain_loop_and_dumps_nothing(tmp_path
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     path = tmp_path / "oom.json"
     snapshot = memory_snapshot(path, step=loss_fn, device="cpu")
-    mon = Monitor(state=state, memory_snapshot=snapshot, progress=False, sync_check_step=None)
+    mon = Monitor(state=state, memory_snapshot=snapshot, progress=False, sync_check=None)
     torch.manual_seed(1)  # dropout: the estimate must not draw from the generator
     _run(mon, state, af.lift(loss_fn), (16, 16, 16, 16))
     torch.manual_seed(1)
@@ -128,7 +128,7 @@ def test_a_run_without_error_trains_as_the_plain_loop_and_dumps_nothing(tmp_path
 def test_measure_without_with_dumps_once_and_other_errors_pass_untouched(tmp_path):
     _, state = _setup()
     path = tmp_path / "oom.json"
-    mon = Monitor(memory_snapshot=path, progress=False, sync_check_step=None)
+    mon = Monitor(memory_snapshot=path, progress=False, sync_check=None)
     mon.start()
     with pytest.raises(ValueError, match="boom"), mon.measure():
         raise ValueError("boom")
@@ -146,7 +146,8 @@ def test_an_oom_in_the_probed_step_ends_the_probe_and_still_dumps(tmp_path):
     _, state = _setup()
     path = tmp_path / "oom.json"
     step = af.lift(loss_fn)
-    mon = Monitor(memory_snapshot=path, progress=False, sync_check_step=1, device="cpu")
+    mon = Monitor(memory_snapshot=path, progress=False, sync_check=af.SyncCheck(step=1),
+                  device="cpu")
     loop = mon.iterate(batches(16, 64))  # held: its probe is still on when the error leaves
     with pytest.raises(torch.OutOfMemoryError) as raised, mon:
         for batch in loop:
@@ -170,7 +171,7 @@ def test_an_estimate_that_fails_warns_and_the_run_goes_on(tmp_path):
 
     _, state = _setup(limit=10**6)
     snapshot = memory_snapshot(tmp_path / "oom.json", step=to_numpy, device="cpu")
-    mon = Monitor(state=state, memory_snapshot=snapshot, progress=False, sync_check_step=None)
+    mon = Monitor(state=state, memory_snapshot=snapshot, progress=False, sync_check=None)
     with pytest.warns(RuntimeWarning, match="could not be estimated"):
         _run(mon, state, af.lift(to_numpy), (16, 16))
     assert state.step == 2 and snapshot.estimate is None
@@ -197,7 +198,7 @@ def test_on_cuda_the_monitor_dumps_the_allocator_history(tmp_path):
     model = nn.Linear(8, 2).cuda()
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     path = tmp_path / "oom.pickle"
-    mon = Monitor(memory_snapshot=path, progress=False, sync_check_step=None, device="cuda")
+    mon = Monitor(memory_snapshot=path, progress=False, sync_check=None, device="cuda")
 
     def step(model, batch):
         if batch["x"].shape[0] > 16:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from monitor_runs import crash_and_resume, expected_losses
 
-from accelfn.observe.monitor import Monitor, plots
+from accelfn.observe.monitor import JsonlSink, Monitor, plots
 
 pytest.importorskip("matplotlib")  # the plot extra; installed by the test extra
 
@@ -33,7 +33,7 @@ def drawn(monkeypatch: pytest.MonkeyPatch) -> list[list[dict[str, Any]]]:
 def test_the_closing_plot_of_a_resumed_run_draws_its_whole_history(
         tmp_path: Path, drawn: list[list[dict[str, Any]]]) -> None:
     out = tmp_path / "run"
-    first, second = crash_and_resume(tmp_path / "ckpt", jsonl=out / "metrics.jsonl",
+    first, second = crash_and_resume(tmp_path / "ckpt", sinks=[JsonlSink(out / "metrics.jsonl")],
                                       plot=out / "run.png")
     # run 1 died after update 9, run 2 resumed update 6: its plot shows steps 1..12, the
     # losses of run 1 up to 6 and of run 2 after (not run 1's dropped 7..9)
@@ -46,7 +46,7 @@ def test_without_the_state_the_plot_is_of_this_run(
         tmp_path: Path, drawn: list[list[dict[str, Any]]]) -> None:
     path = tmp_path / "metrics.jsonl"
     for run in range(2):  # rows count from 0 in each run: the second replaces the first's
-        mon = Monitor(progress=False, sync_check_step=None, warmup=0, jsonl=path,
+        mon = Monitor(progress=False, sinks=[JsonlSink(path)], sync_check=None, warmup=0,
                       plot=tmp_path / "run.png")
         with mon:
             for i in range(3):
@@ -70,8 +70,8 @@ def test_a_long_history_is_drawn_as_evenly_averaged_points(
     class State:  # resumed at step 3000
         step = earlier
 
-    mon = Monitor(progress=False, sync_check_step=None, warmup=0, state=State(),  # type: ignore[arg-type]
-                  jsonl=path, plot=tmp_path / "run.png", log_every=5)
+    mon = Monitor(progress=False, sinks=[JsonlSink(path)], sync_check=None, warmup=0, state=State(),
+                  plot=tmp_path / "run.png", log_every=5)
     with mon:
         for _ in range(10):
             State.step += 1  # the update, then what the monitor records of it
@@ -103,17 +103,17 @@ def test_rows_are_numbered_as_state_step_counts_the_updates(tmp_path: Path) -> N
     # the update that made state.step 21 is row 21 (a validation loss logged at state.step
     # then shares its row's step)
     state = _Steps(20)
-    mon = Monitor(progress=False, sync_check_step=None, warmup=0, log_every=1,
-                  state=state, jsonl=tmp_path / "m.jsonl")  # type: ignore[arg-type]
+    mon = Monitor(progress=False, sinks=[JsonlSink(tmp_path / "m.jsonl")], sync_check=None,
+                  warmup=0, log_every=1, state=state)  # type: ignore[arg-type]
     assert _run(mon, state, [True, True, True]) == [21, 22, 23]
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [21, 22, 23]
     # the calls of an accumulation window (mode="calls") share the step of their update
     state = _Steps(0)
-    mon = Monitor(progress=False, sync_check_step=None, warmup=0, state=state)  # type: ignore[arg-type]
+    mon = Monitor(progress=False, sync_check=None, warmup=0, state=state)  # type: ignore[arg-type]
     assert _run(mon, state, [False, True, False, True]) == [1, 1, 2, 2]
     # without a state, the n-th step is row n, as state.step would count it
-    mon = Monitor(progress=False, sync_check_step=None, warmup=0)
+    mon = Monitor(progress=False, sync_check=None, warmup=0)
     assert _run(mon, None, [True, True, True]) == [1, 2, 3]
 
 
@@ -121,11 +121,12 @@ def test_the_progress_bar_of_a_resumed_run_continues_from_state_step() -> None:
     import io
 
     state, out = _Steps(20), io.StringIO()
-    mon = Monitor(sync_check_step=None, warmup=0, total=30, state=state, file=out)  # type: ignore[arg-type]
+    mon = Monitor(sync_check=None, warmup=0, total=30, state=state,
+                  file=out)  # type: ignore[arg-type]
     _run(mon, state, [True, True, True])
     assert out.getvalue().strip().splitlines()[-1].startswith("train 23/30")
     out = io.StringIO()  # initial= given: it wins
-    mon = Monitor(sync_check_step=None, warmup=0, total=30, state=_Steps(20), file=out,  # type: ignore[arg-type]
+    mon = Monitor(sync_check=None, warmup=0, total=30, state=_Steps(20), file=out,  # type: ignore[arg-type]
                   initial=5)
     _run(mon, None, [True])
     assert out.getvalue().strip().splitlines()[-1].startswith("train 6/30")

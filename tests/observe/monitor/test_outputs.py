@@ -1,4 +1,4 @@
-"""A monitor's outputs: sinks built from paths and given, the bar, rank 0 only."""
+"""A monitor's outputs: the sinks it is given, the bar, rank 0 only."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import io
 import json
 from pathlib import Path
 
-from accelfn.observe.monitor import Monitor
+from accelfn.observe.monitor import JsonlSink, Monitor
 from accelfn.observe.monitor.outputs import Outputs
 
 
@@ -27,10 +27,8 @@ class Listed:
 
 
 def _outputs(tmp_path: Path, *, main: bool, sink: Listed, file: io.StringIO) -> Outputs:
-    return Outputs(main=main, paths={"jsonl": tmp_path / "m.jsonl", "csv": None,
-                                     "tensorboard": None},
-                   sinks=[sink], progress=True, desc="t", file=file, total=4, initial=0,
-                   plot=None)
+    return Outputs(main=main, sinks=[JsonlSink(tmp_path / "m.jsonl"), sink], progress=True,
+                   desc="t", file=file, total=4, initial=0, plot=None)
 
 
 def test_rank_zero_writes_the_rows_to_every_sink_and_shows_the_last_on_the_bar(tmp_path):
@@ -42,7 +40,7 @@ def test_rank_zero_writes_the_rows_to_every_sink_and_shows_the_last_on_the_bar(t
     out.write(rows, rows[-1])
     for _ in range(4):
         out.advance()
-    report = Monitor(progress=False, sync_check_step=None).close()
+    report = Monitor(progress=False, sync_check=None).close()
     assert out.close(report, failed_loop=False, history=None) is None
     assert sink.calls == [("open", 5), ("write", [5, 6]), ("close", True)]
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
@@ -58,7 +56,7 @@ def test_other_ranks_open_nothing_and_write_nothing(tmp_path):
     out.open(0)
     out.write([{"step": 0, "loss": 1.0}], None)
     out.advance()
-    report = Monitor(progress=False, sync_check_step=None).close()
+    report = Monitor(progress=False, sync_check=None).close()
     assert out.close(report, failed_loop=False, history=None) is None
     assert sink.calls == [] and bar.getvalue() == ""
     assert not (tmp_path / "m.jsonl").exists()

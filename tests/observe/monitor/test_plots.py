@@ -11,6 +11,7 @@ from helpers import Net, classify, make_batch
 import accelfn as af
 from accelfn.observe.monitor import Monitor
 from accelfn.observe.monitor.plots import figure
+from accelfn.observe.monitor.report import Thresholds
 
 pytest.importorskip("matplotlib")  # the plot extra; installed by the test extra
 
@@ -22,7 +23,8 @@ def monitored(steps: int, *, start: int = 0, **kw: object) -> Monitor:
     state = af.TrainState(model, opt, scheduler=sched)
     state.step = start
     step = af.with_clipping(max_norm=1.0)(classify)
-    mon = Monitor(state=state, progress=False, sync_check_step=None, log_every=4, **kw)  # type: ignore[arg-type]
+    mon = Monitor(state=state, progress=False, sync_check=None, log_every=4,
+                  **kw)  # type: ignore[arg-type]
     with mon:
         for i in range(steps):
             mon.step(step(state, make_batch(seed=i)), samples=10)
@@ -62,14 +64,16 @@ def test_a_resumed_run_is_drawn_at_its_steps() -> None:
 
 
 def test_without_lr_the_panels_close_up() -> None:
-    mon = Monitor(progress=False, sync_check_step=None, warmup=0)
+    mon = Monitor(progress=False, sync_check=None, warmup=0,
+                  thresholds=Thresholds(data_wait_share=0.5))
     with mon:
         for i in range(3):
             mon.step({"loss": torch.tensor(float(i))}, samples=1)
     fig = figure(mon.report())
     assert titles(fig)[0] == "training loss" and "learning rate" not in titles(fig)
     assert len(fig.axes) == 4  # loss, throughput, wait, memory
-    mon = Monitor(progress=False, sync_check_step=None)
+    assert "target < 50%" in titles(fig)[2]  # the monitor's own thresholds
+    mon = Monitor(progress=False, sync_check=None)
     with mon:
         mon.step(None, samples=1)
     assert "training loss" not in titles(figure(mon.report()))

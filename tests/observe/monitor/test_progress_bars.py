@@ -92,7 +92,7 @@ def test_a_resumed_monitor_counts_from_the_state_step_to_the_total() -> None:
 
     out = io.StringIO()
     mon = Monitor(total=48, initial=State.step, state=State(),  # type: ignore[arg-type]
-                  file=out, log_every=5, sync_check_step=None, desc="run", warmup=0)
+                  file=out, log_every=5, sync_check=None, desc="run", warmup=0)
     with mon:
         for _ in range(20):
             State.step += 1

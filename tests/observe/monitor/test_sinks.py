@@ -37,7 +37,7 @@ class Recorder:
 def test_a_user_sink_gets_open_rows_in_order_and_the_report() -> None:
     sink = Recorder()
     assert isinstance(sink, Sink)
-    mon = Monitor(sinks=[sink], progress=False, sync_check_step=None, log_every=2)
+    mon = Monitor(sinks=[sink], progress=False, sync_check=None, log_every=2)
     with mon:
         for i in range(5):
             mon.step({"loss": torch.tensor(float(i))}, samples=1)
@@ -62,7 +62,7 @@ def test_rows_are_numbered_by_the_train_state() -> None:
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     state.step = 40  # as after loading a checkpoint of update 40
     step = af.with_accumulation(2, mode="calls")(classify)
-    mon = Monitor(state=state, progress=False, sync_check_step=None, warmup=1)
+    mon = Monitor(state=state, progress=False, sync_check=None, warmup=1)
     with mon:
         for i in range(6):
             mon.step(step(state, make_batch(seed=i)))
@@ -75,14 +75,16 @@ def test_rows_are_numbered_by_the_train_state() -> None:
 def test_resume_continues_jsonl_csv_and_tensorboard(tmp_path: Path) -> None:
     out = {"jsonl": tmp_path / "log" / "metrics.jsonl", "csv": tmp_path / "log" / "metrics.csv",
            "tensorboard": tmp_path / "tb"}
+    sinks = [af.JsonlSink(out["jsonl"]), af.CsvSink(out["csv"]),
+             af.TensorBoardSink(out["tensorboard"])]
     ckpt = tmp_path / "ckpt"
-    first = train(ckpt, until=12, seed=1, save_at=6, crash_at=9, **out)
+    first = train(ckpt, until=12, seed=1, save_at=6, crash_at=9, sinks=sinks)
     # killed while writing a row: a torn last line in both files
     with open(out["jsonl"], "a") as f:
         f.write('{"step": 9, "loss": 0.')
     with open(out["csv"], "a") as f:
         f.write("9,0.1")
-    second = train(ckpt, until=12, seed=2, resume=True, **out)
+    second = train(ckpt, until=12, seed=2, resume=True, sinks=sinks)
     assert [r["step"] for r in first] == list(range(1, 10))
     assert [r["step"] for r in second] == list(range(7, 13))
     losses = expected_losses(first, second)
@@ -109,7 +111,7 @@ def test_resume_continues_jsonl_csv_and_tensorboard(tmp_path: Path) -> None:
 def test_crash_and_resume_without_torn_lines_keeps_rows_before_the_checkpoint(
         tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
-    first, second = crash_and_resume(tmp_path / "ckpt", jsonl=path, log_every=4)
+    first, second = crash_and_resume(tmp_path / "ckpt", sinks=[af.JsonlSink(path)], log_every=4)
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 13))
     assert [r["loss"] for r in rows] == expected_losses(first, second)
@@ -118,7 +120,8 @@ def test_crash_and_resume_without_torn_lines_keeps_rows_before_the_checkpoint(
 def test_a_fresh_run_starts_the_files_again(tmp_path: Path) -> None:
     jsonl, table = tmp_path / "m.jsonl", tmp_path / "m.csv"
     for _ in range(2):  # the same run twice from the start: no rows kept from the first
-        mon = Monitor(jsonl=jsonl, csv=table, progress=False, sync_check_step=None)
+        mon = Monitor(sinks=[af.JsonlSink(jsonl), af.CsvSink(table)], sync_check=None,
+                      progress=False)
         with mon:
             for i in range(3):
                 mon.step({"loss": torch.tensor(float(i))}, samples=1)
@@ -172,8 +175,8 @@ def test_every_sink_is_closed_when_one_fails_to_close(tmp_path: Path) -> None:
             raise OSError("disk full")
 
     after = Recorder()
-    mon = Monitor(sinks=[Broken(), after], jsonl=tmp_path / "m.jsonl", progress=False,
-                  sync_check_step=None)
+    mon = Monitor(sinks=[af.JsonlSink(tmp_path / "m.jsonl"), Broken(), after], sync_check=None,
+                  progress=False)
     mon.start()
     mon.step()
     with pytest.raises(OSError, match="disk full"):

@@ -62,7 +62,7 @@ def worker(out_dir: str) -> None:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             with af.Monitor(log_every=50, warmup=2, progress=False,
-                            sync_check_step=None) as monitor:
+                            sync_check=None) as monitor:
                 for update in range(1, UPDATES + 1):
                     monitor.step(step(state, batch))
                     if flagged_at is None and any("straggler" in str(w.message)

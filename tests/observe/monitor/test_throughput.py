@@ -10,7 +10,7 @@ from accelfn.observe.monitor import Monitor, reporting
 
 
 def quiet(**kw) -> Monitor:
-    return Monitor(progress=False, sync_check_step=None, warmup=0, **kw)
+    return Monitor(progress=False, sync_check=None, warmup=0, **kw)
 
 
 def test_tokens_are_the_weight_the_step_returns():

@@ -151,7 +151,7 @@ def calls_run(sink: WandbSink, *, start: int = 0, calls: int = 6) -> list[dict[s
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
     state.step = start
     step = af.with_accumulation(2, mode="calls")(classify)
-    mon = Monitor(state=state, progress=False, sync_check_step=None, warmup=0, log_every=3,
+    mon = Monitor(state=state, progress=False, sync_check=None, warmup=0, log_every=3,
                   sinks=[sink])
     with mon:
         for i in range(calls):
@@ -291,7 +291,7 @@ def test_accelfn_works_without_wandb_and_mlflow(tmp_path: Path) -> None:
         "import accelfn, torch\n"
         "from accelfn.observe.monitor import trackers\n"
         "from accelfn.observe.monitor import Monitor\n"
-        f"mon = Monitor(progress=False, jsonl={str(tmp_path / 'm.jsonl')!r})\n"
+        f"mon = Monitor(progress=False, sinks=[accelfn.JsonlSink({str(tmp_path / 'm.jsonl')!r})])\n"
         "with mon:\n"
         "    mon.step({'loss': torch.tensor(1.0)})\n"
         "try:\n"
