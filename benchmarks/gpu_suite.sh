@@ -13,8 +13,9 @@
 #                   the levers of the recommended stack and its hand-written twin
 #   float8          benchmarks/float8.py: float8 against bf16 tokens/s on a 507M GPT
 #   memory          benchmarks/memory.py --device cuda: estimate_memory's peak against
-#                   torch.cuda.max_memory_allocated for a 58.8M GPT (within 10%), the
-#                   logits' peak with linear_cross_entropy, adaptive accumulation's count
+#                   torch.cuda.max_memory_allocated for a 58.8M GPT, GPT-2 small and
+#                   ResNet-50 (within 10%), the logits' peak with linear_cross_entropy,
+#                   adaptive accumulation's count
 #   gpu_tests       the GPU-only tests (marked gpu, or skipped without CUDA): pytest -p gpu_only
 #   bench_resnet50  accelfn bench --model resnet50: images/s, MFU and ratio of the stages
 #                   (DataLoader baseline, accelfn data, AMP, compile with channels_last;
@@ -39,7 +40,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,38p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,39p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -139,7 +140,7 @@ if [[ $DRY_RUN -eq 1 ]]; then
   DATA=(--samples 1024 --batch-size 128 --repeats 1 --workers 1)
   COMPILE=(--quick --backend eager --steps 3)
   FLOAT8=(--dry-run)
-  MEMORY=(--tiny --rounds 2 --device cpu)
+  MEMORY=(--tiny --rounds 2 --device cpu --anchors)
   MUON=(--tiny --rounds 1 --steps 1 --nproc 2 --device cpu)
   T_FLOAT8=240; T_COMPILE=240; T_MEMORY=120; T_MUON=180
   T_TESTS=180; T_BENCH=240; T_GPT=240; T_TRANSFORMS=240; T_DATA=120  # a loaded CI machine
@@ -159,9 +160,9 @@ else
   DATA=(--samples 20000 --repeats 2)
   COMPILE=(--steps 20)  # three cold compiles and six interleaved sides: keep it in budget
   FLOAT8=()
-  MEMORY=(--rounds 5 --device cuda)
+  MEMORY=(--rounds 5 --device cuda --anchors)
   MUON=(--rounds 3 --steps 2 --device cuda)
-  T_FLOAT8=240; T_COMPILE=180; T_MEMORY=90; T_MUON=90
+  T_FLOAT8=240; T_COMPILE=180; T_MEMORY=150; T_MUON=90
   T_TESTS=90; T_BENCH=200; T_GPT=300; T_TRANSFORMS=120; T_DATA=60
 fi
 

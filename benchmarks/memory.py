@@ -22,8 +22,14 @@ Prints, for one AdamW update of a GPT (58.8M parameters, vocabulary 32768, 8 tok
   by hand: the sides interleave, rotating which goes first; the figure is the median over
   rounds of each side's thread CPU time per update (wall time on CUDA).
 
+With ``--anchors``, also the estimate against the measured peak on the two models the
+published figures are about: GPT-2 small (124M, ``benchmarks/gpt2.py``'s, 8 x 1024 tokens,
+bf16 autocast, fused AdamW) and torchvision's ResNet-50 (64 images of 224 x 224,
+channels_last, bf16 autocast, SGD with momentum); ``--tiny`` shrinks both (a 2-layer GPT,
+ResNet-18 on 32 x 32 images).
+
     python benchmarks/memory.py [--rounds 7] [--threads 1] [--device cpu|cuda] [--out FILE]
-                                [--tiny]
+                                [--tiny] [--anchors]
 
 ``--tiny``: a GPT of 59k parameters, every path in seconds (the GPU suite's dry run).
 """
@@ -161,7 +167,7 @@ class StoragePeak(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untype
 def measured_peak(step: Callable[..., Any], state: af.TrainState, batch: TensorDict) -> int:
     """The peak of the second update (the first makes AdamW's state, as the estimate's)."""
     step(state, batch)
-    device = batch["ids"].device
+    device = next(iter(batch.values())).device
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -254,6 +260,56 @@ def loss_side_by_side(device: torch.device, rounds: int) -> dict[str, Any]:
     return out
 
 
+def _classify(model: nn.Module, batch: TensorDict) -> torch.Tensor:
+    return F.cross_entropy(model(batch["images"]), batch["labels"])
+
+
+def anchors(device: torch.device, tiny: bool) -> dict[str, Any]:
+    """``estimate_memory``'s peak against the measured peak of a real update (the second,
+    after the optimizer's state exists) on GPT-2 small and ResNet-50 (``tiny``: a 2-layer GPT
+    and ResNet-18 on 32 x 32 images), each with the stack it trains with."""
+    import gpt2
+    import torchvision
+
+    dtype = torch.bfloat16
+    config = gpt2.TINY if tiny else gpt2.GPTConfig()
+    tokens = gpt2.token_batches(config, 2 if tiny else 8, 1, device)[0]
+    side = 32 if tiny else 224
+    count = 4 if tiny else 64
+    g = torch.Generator().manual_seed(0)
+    images = TensorDict({"images": torch.randn(count, 3, side, side, generator=g),
+                         "labels": torch.randint(0, 1000, (count,), generator=g)},
+                        batch_size=[count]).to(device)
+
+    def gpt_state() -> af.TrainState:
+        model = gpt2.make_model(config, device)
+        return af.TrainState(model, torch.optim.AdamW(model.parameters(), lr=3e-4,
+                                                      fused=device.type == "cuda"))
+
+    def resnet_state() -> af.TrainState:
+        torch.manual_seed(0)
+        build = torchvision.models.resnet18 if tiny else torchvision.models.resnet50
+        model = af.channels_last(build(num_classes=1000).to(device))
+        return af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1,
+                                                    momentum=0.9))
+
+    out: dict[str, Any] = {}
+    for name, make, step, batch in (
+            ("gpt2_small", gpt_state, af.with_amp(dtype=dtype)(gpt2.lm_loss), tokens),
+            ("resnet50", resnet_state, af.with_amp(dtype=dtype)(_classify), images)):
+        estimate = estimate_memory(step, make(), batch)
+        measured = measured_peak(step, make(), batch)
+        out[name] = {"peak_bytes": estimate.peak, "measured_peak_bytes": measured,
+                     "ratio": round(estimate.peak / measured, 4),
+                     "meets_target": abs(estimate.peak / measured - 1) <= TARGET,
+                     "line": str(estimate), "batch": batch.batch_size[0],
+                     "model": "ResNet-18" if tiny and name == "resnet50" else
+                     ("GPT 2 layers" if tiny else name)}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -262,6 +318,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=None, help="write the JSON here too")
     parser.add_argument("--tiny", action="store_true",
                         help="a GPT of 59k parameters: every path in seconds")
+    parser.add_argument("--anchors", action="store_true",
+                        help="also the estimate on GPT-2 small and ResNet-50")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least 1 round is needed for a median")
@@ -339,8 +397,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "target": "<= 1.02", "meets_target": medians["adaptive"] / medians["by_hand"] <= 1.02,
             "adaptive_s_each": [round(t, 4) for t in per_round["adaptive"]],
             "by_hand_s_each": [round(t, 4) for t in per_round["by_hand"]]},
-        "seconds": round(time.time() - began, 1),
     }
+    if args.anchors:
+        report["estimate_anchors"] = anchors(device, args.tiny)
+    report["seconds"] = round(time.time() - began, 1)
     print(json.dumps(report, indent=2))
     if args.out:
         with open(args.out, "w", encoding="utf-8") as file:

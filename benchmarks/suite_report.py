@@ -100,9 +100,12 @@ def summary(parts: dict[str, Any]) -> dict[str, Any]:
         out["regional_compile"] = {
             k: regional.get(k) for k in ("compile_ratio", "steady_ratio", "targets", "met",
                                          "nested_compile_ratio", "nested_steady_ratio")}
-    memory = (parts.get("memory", {}).get("result") or {}).get("estimate")
+    memory_result = parts.get("memory", {}).get("result") or {}
+    memory = memory_result.get("estimate")
     if memory:
         out["memory_estimate"] = {k: memory.get(k) for k in ("ratio", "target", "meets_target")}
+        for name, anchor in (memory_result.get("estimate_anchors") or {}).items():
+            out["memory_estimate"][name] = {k: anchor.get(k) for k in ("ratio", "meets_target")}
     muon = parts.get("sharded_muon", {}).get("result")
     if muon:
         out["sharded_muon"] = {k: muon.get(k) for k in (

@@ -294,6 +294,8 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     assert [s["name"] for s in parts["float8"]["result"]["sides"]] == ["bf16", "float8"]
     estimate = parts["memory"]["result"]["estimate"]
     assert estimate["meets_target"] and _number(estimate["ratio"])
+    anchors = parts["memory"]["result"]["estimate_anchors"]
+    assert all(anchors[name]["meets_target"] for name in ("gpt2_small", "resnet50"))
     regional = parts["compile"]["result"]["regional"]
     assert regional["whole"]["graphs"] == regional["regional"]["graphs"] == 1
     assert regional["nested"]["graphs"] == 1
