@@ -59,6 +59,9 @@ CASES = {
         af.distributed(strategy="fsdp")(af.checkpointed(received(via_submodule))))),
     "fsdp_method_once": lambda: af.with_accumulation(2)(af.distributed(
         strategy="fsdp", fsdp_sync="once")(received(via_method))),
+    # adaptive clipping on DTensor shards (a row whole on one process), the head left out
+    "fsdp_agc_clip": lambda: af.with_clipping(max_norm=0.05)(af.distributed(strategy="fsdp")(
+        af.adaptive_clipping(0.01, skip=lambda p: p.shape[:1] == (4,))(classify))),
 }
 MODELS = {name: TrunkNet for name in CASES if "trunk" in name or "method" in name}
 RECEIVED: list[str] = []  # what each call of a received(fn) got

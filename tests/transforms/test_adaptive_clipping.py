@@ -1,4 +1,5 @@
-"""adaptive_clipping against timm's adaptive_clip_grad, re-implemented below from timm's source.
+"""adaptive_clipping against timm's adaptive_clip_grad, re-implemented from timm's source in
+tests/timm_agc.py.
 
 The reference is ``timm/utils/agc.py`` (``unitwise_norm`` and ``adaptive_clip_grad``) and
 ``timm/models/_helpers.py``'s ``model_parameters`` as timm's ``train.py`` calls them with
@@ -18,40 +19,11 @@ import torch
 import torch.nn.functional as F
 from reference import reference_update
 from tensordict import TensorDict
+from timm_agc import adaptive_clip_grad, model_parameters
 from torch import nn
 
 import accelfn as af
 from accelfn.testing import check_transform
-
-
-# ------------------------------------------------------------------- timm, as it is written
-def unitwise_norm(x, norm_type=2.0):
-    if x.ndim <= 1:
-        return x.norm(norm_type)
-    else:
-        return x.norm(norm_type, dim=tuple(range(1, x.ndim)), keepdim=True)
-
-
-def adaptive_clip_grad(parameters, clip_factor=0.01, eps=1e-3, norm_type=2.0):
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    for p in parameters:
-        if p.grad is None:
-            continue
-        p_data = p.detach()
-        g_data = p.grad.detach()
-        max_norm = unitwise_norm(p_data, norm_type=norm_type).clamp_(min=eps).mul_(clip_factor)
-        grad_norm = unitwise_norm(g_data, norm_type=norm_type)
-        clipped_grad = g_data * (max_norm / grad_norm.clamp(min=1e-6))
-        new_grads = torch.where(grad_norm < max_norm, g_data, clipped_grad)
-        p.grad.detach().copy_(new_grads)
-
-
-def model_parameters(model, exclude_head=False):
-    if exclude_head:
-        return [p for p in model.parameters()][:-2]
-    else:
-        return model.parameters()
 
 
 # --------------------------------------------------------------------------- the fixtures

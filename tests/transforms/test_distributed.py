@@ -12,6 +12,7 @@ import torch
 from dist_worker import CASES, STEPS, global_batch
 from helpers import Net, classify, free_port, make_batch, token_loss, torchrun
 from reference import reference_update
+from timm_agc import adaptive_clip_grad
 
 import accelfn as af
 
@@ -42,6 +43,13 @@ def two_node_results(tmp_path_factory):
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
+def _agc_but_the_head(model) -> None:
+    """timm's adaptive_clip_grad (its source, in tests/transforms/test_adaptive_clipping.py)
+    over every parameter but the head's."""
+    adaptive_clip_grad([p for n, p in model.named_parameters() if not n.startswith("head.")],
+                       0.01)
+
+
 def single_process(case: str) -> dict:
     """The same training on the concatenated global batch, one process, hand-written."""
     torch.manual_seed(0)
@@ -52,7 +60,8 @@ def single_process(case: str) -> dict:
         batch = global_batch(i)
         reference_update(model, optimizer, batch, fn,
                          amp_dtype=torch.bfloat16 if "amp" in case else None,
-                         max_norm=0.05 if "clip" in case else None)
+                         max_norm=0.05 if "clip" in case else None,
+                         edit_grads=_agc_but_the_head if "agc" in case else None)
     return dict(model.named_parameters())
 
 
