@@ -539,24 +539,25 @@ def checkpoint(r: dict[str, Any], name: str) -> str:
 
 def scale_out(r: dict[str, Any], name: str) -> str:
     m, mach = r["model"], r["machine"]
-    rows = []
+    times, memory = [], []
     for s in r["sides"]:
         if s["status"] != "ok":
-            rows.append([f"`{s['side']}`", "-", "-", "-", "-", "-", "-", "-", "-",
-                         f"{s['status']}: {s['reason'][-200:]}"])
+            times.append([f"`{s['side']}`", "-", "-", f"{s['status']}: {s['reason'][-200:]}"])
+            memory.append([f"`{s['side']}`", "-", "-", "-", "-", "-", "-"])
             continue
         formula = s["formula"].split("(")[0].replace("host:", "").strip()
         where = " on the host" if "host:" in s["formula"] else ""
         low, high = min(s["step_ms_all"]), max(s["step_ms_all"])
         transient = (None if s["training_mib"] is None or s["state_mib"] is None
                      else s["training_mib"] - s["state_mib"])
-        rows.append([f"`{s['side']}`", s["what"],
-                     f"{_f(s['step_ms'], ',.0f')} ({low:,.0f}-{high:,.0f})",
-                     _x(r["step_time_ratios"].get(f"{s['side']}/ddp")),
-                     _f(s["peak_rss_steps_mib"], ",.0f"), _f(s["training_mib"], ",.0f"),
-                     _f(s["state_mib"], ",.0f"), _f(transient, ",.0f"),
-                     f"{_f(s['formula_mib'], ',.0f')} (`{formula}`{where})",
-                     _f(s["ru_maxrss_mib"], ",.0f")])
+        times.append([f"`{s['side']}`", s["what"],
+                      f"{_f(s['step_ms'], ',.0f')} ({low:,.0f}-{high:,.0f})",
+                      _x(r["step_time_ratios"].get(f"{s['side']}/ddp"))])
+        memory.append([f"`{s['side']}`", _f(s["peak_rss_steps_mib"], ",.0f"),
+                       _f(s["training_mib"], ",.0f"), _f(s["state_mib"], ",.0f"),
+                       _f(transient, ",.0f"),
+                       f"{_f(s['formula_mib'], ',.0f')} (`{formula}`{where})",
+                       _f(s["ru_maxrss_mib"], ",.0f")])
     ratios = r["step_time_ratios"]
     plain = "; ".join(f"`{k}` {_x(v)}" for k, v in ratios.items() if "/plain_" in k)
     load = mach.get("load_average") or [None]
@@ -588,9 +589,10 @@ def scale_out(r: dict[str, Any], name: str) -> str:
         f"communication buffers). Step times are of sides launched one after the other on "
         f"a shared machine: a ratio within the range of the updates is no difference.",
         "",
-        _table(["side", "what", "step ms (range)", "vs `ddp`", "peak MiB", "training MiB",
-                "state MiB", "training - state MiB", "formula MiB", "lifetime peak MiB"],
-               rows),
+        _table(["side", "what", "step ms (range)", "vs `ddp`"], times),
+        "",
+        _table(["side", "peak MiB", "training MiB", "state MiB", "training - state MiB",
+                "formula MiB", "lifetime peak MiB"], memory),
         "",
         f"accelfn / plain step time: {plain}."])
 

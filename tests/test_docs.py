@@ -335,12 +335,6 @@ def test_table_cells_keep_words_whole() -> None:
         '<span class="word">mode="max-autotune",</span> <span class="word">n=2</span>')
 
 
-# The scale-out table of docs/results.md, written by benchmarks/render_results.py: ten columns of
-# figures that scroll inside the table (docs/css/accelfn.css) until the renderer splits them.
-_RENDERED_WIDE = ("results", "(side | what | step | vs | peak | training | state | training | "
-                             "formula | lifetime)")
-
-
 @pytest.mark.slow
 def test_every_table_fits_the_content_column_of_a_1280_px_window(site: Path) -> None:
     """No page scrolls sideways at 1280 px and no table cell breaks a word: every table's
@@ -377,11 +371,7 @@ def test_every_table_fits_the_content_column_of_a_1280_px_window(site: Path) -> 
     """
     too_wide = {str(page.parent.relative_to(site)): wide for page in sorted(site.rglob("*.html"))
                 if (wide := _too_wide(page.read_text()))}
-    page, header = _RENDERED_WIDE
-    rendered = [wide for wide in too_wide.get(page, []) if header in wide]
-    assert len(rendered) == 1, f"{page}'s table {header} fits now: drop _RENDERED_WIDE"
-    too_wide[page].remove(rendered[0])
-    assert {page: wide for page, wide in too_wide.items() if wide} == {}
+    assert too_wide == {}
 
 
 # ----------------------------------------------------------------------- code blocks
