@@ -5,7 +5,7 @@ pickle that PyTorch's memory viewer opens. The CPU has no such history, hence th
 own: a dispatch mode notes where each tensor of the recorded updates was made, and the dump
 lists the largest tensors alive (shape, dtype, bytes, the line that made them) as JSON.
 
-[`Monitor`][accelfn.observe.monitor.Monitor]'s ``memory_snapshot=`` runs one around its loop:
+[`Monitor`][accelfn.Monitor]'s ``memory_snapshot=`` runs one around its loop:
 [`snapshot_option`][] reads that option.
 """
 

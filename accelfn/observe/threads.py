@@ -6,7 +6,7 @@ machine other work already loads, then run more busy threads than there are core
 threads wait on each other at every operator, and a step can take ten times longer than with
 one thread per process. [`oversubscription`][] says whether that is the case and what to set
 (``OMP_NUM_THREADS=1`` or ``torch.set_num_threads(k)``); ``accelfn doctor`` and the
-[`Monitor`][accelfn.observe.monitor.Monitor]'s verdict report it, and
+[`Monitor`][accelfn.Monitor]'s verdict report it, and
 [`default_threads`][] is the count ``accelfn bench`` uses unless told.
 """
 

@@ -1,4 +1,4 @@
-"""The monitor wing: [`Monitor`][accelfn.observe.monitor.Monitor] and the modules that serve
+"""The monitor wing: [`Monitor`][accelfn.Monitor] and the modules that serve
 it alone (its records, aggregates, sinks and trackers, progress bar, GPU sampler, straggler
 check, report, verdict and plot).
 

@@ -71,7 +71,8 @@ T = TypeVar("T")
 
 
 class Monitor:
-    """Measures a training loop and says what limits it (see [`accelfn.observe.monitor`][]).
+    """Measures a training loop and says what limits it (see
+    [`accelfn.observe.monitor.monitor`][]).
 
     Three ways to feed it, all without a host sync per step:
 

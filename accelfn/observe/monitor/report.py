@@ -48,7 +48,7 @@ class MonitorReport:
     ``rows`` is the run's picture for plots, in bounded memory: every step's record up to
     2048 of them, beyond that means of ``rows_per_point`` consecutive steps (each point
     has the first step's number). ``logged`` holds the last value of each name given to
-    [`Monitor.log`][accelfn.observe.monitor.Monitor.log], ``logged_rows`` their rows
+    [`Monitor.log`][accelfn.Monitor.log], ``logged_rows`` their rows
     (bounded the same way).
     """
 
