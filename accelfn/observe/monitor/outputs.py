@@ -1,7 +1,7 @@
 """Where a monitor's rows go: the sinks it is given, its progress bar and its closing plot,
 all on rank 0 only.
 
-[`Monitor`][accelfn.observe.monitor.Monitor] measures; this is its output side: opened at
+[`Monitor`][accelfn.Monitor] measures; this is its output side: opened at
 its start, written at each flush, closed (and the plot drawn) at its close.
 """
 
@@ -23,7 +23,7 @@ _log = get_logger("observe")
 
 
 class Outputs:
-    """A monitor's sinks, bar and plot (see [`Monitor`][accelfn.observe.monitor.Monitor]'s
+    """A monitor's sinks, bar and plot (see [`Monitor`][accelfn.Monitor]'s
     ``sinks``, ``progress``, ``desc``, ``file``, ``total``, ``initial`` and ``plot``);
     ``main``: this process is rank 0, the only one that writes."""
 
