@@ -461,14 +461,18 @@ def apply_transform(fn: LossFn | Step, transform: Transform | GradientTransform)
     return lift(fn).with_transform(transform)
 
 
-def describe(step: Step | Callable[..., Any]) -> str:
+def describe(step: Step | Callable[..., Any], state: TrainState | None = None) -> str:
     """The stack as text, outermost first, in the order the update runs (``f ∘ g`` runs ``g``
     first): ``compiled ∘ with_amp(bf16) ∘ my_step``. The built-ins print as they were stacked
     (their order changes nothing); the user's gradient transforms print together, in the
     order they run (one alone, several as their ``chain(...)``), inside ``with_clipping`` and
     ``with_nonfinite``, which act on what they leave, and outside the other built-ins, whose
     unscaling, reduction and weighting come before them:
-    ``with_clipping(max_norm=1) ∘ chain(a, b) ∘ with_amp(bf16) ∘ my_step``."""
+    ``with_clipping(max_norm=1) ∘ chain(a, b) ∘ with_amp(bf16) ∘ my_step``.
+
+    With ``state``, the lines below it say what preparing ``state`` fixed (before the first
+    call: what it will fix): ``with_float8``'s Linear layers converted and left out, with
+    why."""
     if not isinstance(step, Step):
         return getattr(step, "__name__", repr(step))
     name = getattr(step.fn, "__name__", type(step.fn).__name__)
@@ -476,9 +480,13 @@ def describe(step: Step | Callable[..., Any]) -> str:
              for m in (reversed(t.part.members) if isinstance(t.part, Chained) else (t,))]
     user = [t for t in stack if isinstance(t.part, GradientTransform)][::-1]  # run order
     if not user:
-        return " ∘ ".join([*(repr(t) for t in stack), name])
-    builtins = [t for t in stack if not isinstance(t.part, GradientTransform)]
-    after = [isinstance(t.part, (Clipping, NonFinite)) for t in builtins]  # run after them
-    chained = repr(user[0]) if len(user) == 1 else f"chain({', '.join(map(repr, user))})"
-    return " ∘ ".join([*(repr(t) for t, a in zip(builtins, after) if a), chained,
-                       *(repr(t) for t, a in zip(builtins, after) if not a), name])
+        text = " ∘ ".join([*(repr(t) for t in stack), name])
+    else:
+        builtins = [t for t in stack if not isinstance(t.part, GradientTransform)]
+        after = [isinstance(t.part, (Clipping, NonFinite)) for t in builtins]  # run after them
+        chained = repr(user[0]) if len(user) == 1 else f"chain({', '.join(map(repr, user))})"
+        text = " ∘ ".join([*(repr(t) for t, a in zip(builtins, after) if a), chained,
+                           *(repr(t) for t, a in zip(builtins, after) if not a), name])
+    if state is not None and step.spec.float8 is not None:
+        text += "\n" + float8.describe(step.spec.float8, state)
+    return text

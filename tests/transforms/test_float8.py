@@ -20,7 +20,8 @@ from torchao.float8.float8_linear import Float8Linear
 import accelfn as af
 from accelfn import with_float8
 from accelfn.core.contexts import CallContext
-from accelfn.parts.float8 import eligible
+from accelfn.parts.float8 import SHAPE_RULES, Float8, eligible, plan
+from accelfn.transforms.float8 import float8_layers
 from accelfn.testing import check_transform, plain_update
 
 BF16 = af.with_amp(dtype=torch.bfloat16)  # bf16 autocast whatever the CPU computes natively
@@ -172,18 +173,136 @@ def test_a_linear_subclass_with_its_own_forward_keeps_it():
     assert not eligible(OwnForward(32, 32), 16)
 
 
-def test_nothing_to_convert_is_refused_with_the_sizes():
+def test_nothing_to_convert_is_refused_with_the_shapes_and_the_rule():
     model = mlp(dim=32)
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    with pytest.raises(ValueError, match=r"no Linear layer to convert.*min_features=1024"
-                                         r".*\(32, 128\)"):
+    with pytest.raises(ValueError, match=r"no Linear layer to convert in MLP under the "
+                                         r"tensorwise rule.*'blocks.0.fc1' \(32, 128\): under "
+                                         r"the tensorwise rule.*layers='all'"):
         with_float8(ce)(state, batches(1)[0])
     assert converted(model) == []
+
+
+# -------------------------------------------------------------------- the shape rule
+class GPTLike(nn.Module):
+    """A GPT's Linear layers: one block (fused qkv, attention out, MLP in and out), the head."""
+
+    def __init__(self, dim: int, vocab: int = 50304) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.fc_proj = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+
+ALL = ["qkv", "proj", "fc", "fc_proj", "head"]
+
+
+@pytest.mark.parametrize(("dim", "recipe", "expected"), [
+    (768, "tensorwise", ["qkv", "fc", "head"]),  # N <= 1024 (768) and K <= 4096: out
+    (768, "rowwise", []),  # every layer has K or N of 768
+    (768, "rowwise_with_gw_hp", []),
+    (2048, "tensorwise", ALL),
+    (2048, "rowwise", ["qkv", "fc", "head"]),  # N = 2048: out
+    (2048, "rowwise_with_gw_hp", ["qkv", "fc", "head"]),
+    (4096, "tensorwise", ALL),
+    (4096, "rowwise", ALL),
+    (4096, "rowwise_with_gw_hp", ALL),
+])
+def test_the_shape_rule_chooses_by_width_and_recipe(dim, recipe, expected):
+    """Selection is a function of the shapes: checked on meta tensors, nothing converted."""
+    with torch.device("meta"):
+        model = GPTLike(dim)
+    layers = plan(Float8(recipe=recipe), model)
+    assert list(layers.converted) == expected
+    assert set(layers.left_out) == set(ALL) - set(expected)
+    assert all(why.startswith(f"under the {recipe} rule") for _, why in layers.left_out.values())
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_the_shape_rule_is_torchaos_auto_filter(recipe):
+    """Over a grid around every threshold, the default rule chooses what torchao's own auto
+    filter for the recipe chooses (``_auto_filter_for_recipe``, measured on H100s)."""
+    from torchao.float8.float8_linear_utils import _auto_filter_for_recipe
+
+    sizes = (16, 768, 1024, 1040, 2048, 2064, 4096, 4112, 8192, 1000)
+    with torch.device("meta"):
+        model = nn.ModuleDict({f"l{k}_{n}": nn.Linear(k, n) for k in sizes for n in sizes})
+    torchao_filter = _auto_filter_for_recipe(recipe, [])
+    expected = [name for name, m in model.items() if torchao_filter(m, name)]
+    assert list(plan(Float8(recipe=recipe), model).converted) == expected
+    assert 10 < len(expected) < 90
+
+
+class Mixed(nn.Module):
+    """One Linear per reason to be left out, and one converted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 64)  # 8: not a multiple of 16
+        self.own = OwnForward(64, 64)  # a forward of its own
+        self.small = nn.Linear(64, 64)  # under layers=[(64, 64)]
+        self.big = nn.Linear(64, 256)
+        self.head = nn.Linear(256, 16)  # the predicate
+
+    def forward(self, x):
+        return self.head(self.big(self.small(self.own(self.inp(x)))))
+
+
+def test_describe_names_the_converted_and_the_left_out_layers_with_why():
+    torch.manual_seed(0)
+    model = Mixed()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = with_float8(layers=[(64, 64)], predicate=lambda name, m: name != "head")(ce)
+    assert af.describe(step) == "with_float8(tensorwise, layers=[(64, 64)], predicate) ∘ ce"
+    before = af.describe(step, state)  # before the first call: what it will do
+    assert "1 of 5 Linear layers to convert at the first call, 4 left out" in before
+    assert float8_layers(model) is None and converted(model) == []
+    batch = TensorDict({"x": torch.randn(4, 8), "y": torch.randint(0, 5, (4,))}, [4])
+    step.evaluate(state, batch)
+    text = af.describe(step, state)
+    assert text.splitlines() == [
+        "with_float8(tensorwise, layers=[(64, 64)], predicate) ∘ ce",
+        "with_float8(tensorwise, layers=[(64, 64)], predicate): 1 of 5 Linear layers "
+        "converted, 4 left out; layers=: leaves out K <= 64 and N <= 64",
+        "  converted: 'big' (K=64, N=256)",
+        "  left out, not a multiple of 16 (float8 matmuls need it): 'inp' (K=8, N=64)",
+        "  left out, a forward of its own (OwnForward.forward, which the float8 layer would "
+        "drop): 'own' (K=64, N=64)",
+        "  left out, under the layers= rule (K <= 64 and N <= 64): 'small' (K=64, N=64)",
+        "  left out, the predicate: 'head' (K=256, N=16)"]
+    layers = float8_layers(model)
+    assert converted(model) == list(layers.converted) == ["big"]
+    assert layers.left_out["small"] == ((64, 64), "under the layers= rule (K <= 64 and N <= 64)")
+    assert str(layers) == "\n".join(text.splitlines()[1:])
+
+
+def test_old_spellings_and_explicit_rules():
+    with torch.device("meta"):
+        model = GPTLike(768, vocab=512)
+    # min_features: the size rule of before, honoured when given
+    assert list(plan(Float8(min_features=768), model).converted) == ALL[:4]
+    assert plan(Float8(min_features=1024), model).left_out["proj"] == (
+        (768, 768), "below min_features=1024")
+    assert list(plan(Float8(layers="all"), model).converted) == ALL
+    assert list(plan(Float8(layers=[(None, 768)]), model).converted) == ["qkv", "fc"]
+    assert Float8(layers=[[4096, 1024]]).layers == ((4096, 1024),)  # hashable, as pairs
+    assert repr(with_float8(layers="all")) == "with_float8(tensorwise, layers=all)"
+    # the default is the recipe's rule, equal to spelling its boxes out
+    auto, spelled = plan(Float8(), model), plan(Float8(layers=SHAPE_RULES["tensorwise"].boxes),
+                                                  model)
+    assert auto.converted == spelled.converted and auto.left_out.keys() == spelled.left_out.keys()
 
 
 def test_options_are_checked_when_built():
     with pytest.raises(ValueError, match="min_features"):
         with_float8(min_features=8)
+    with pytest.raises(ValueError, match=r"min_features=1024, layers='all'\) gives two rules"):
+        with_float8(min_features=1024, layers="all")
+    for bad in ("every", [], [(1,)], [(0, 16)], [("a", 16)], [(True, 16)], 4096, [(16, 16.0)]):
+        with pytest.raises(ValueError, match=r"layers=.*\(K, N\)"):
+            with_float8(layers=bad)
+    with pytest.raises(ValueError, match=r"\(None, None\), which leaves out every layer"):
+        with_float8(layers=[(None, None)])
     with pytest.raises(ValueError, match="recipe"):
         with_float8(recipe="blockwise")
     with pytest.raises(ValueError, match="tensorwise"):
