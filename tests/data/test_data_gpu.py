@@ -258,6 +258,61 @@ def test_decode_jpeg_sizes_and_errors():
         ad.DecodeJPEG(size=8)(bad)
 
 
+def _smooth(h: int, w: int, seed: int) -> torch.Tensor:
+    """A photo-like uint8 image (smooth: JPEG keeps it close), of size ``h`` x ``w``."""
+    low = torch.rand(1, 3, 3, 4, generator=gen(seed)) * 255
+    return F.interpolate(low, size=(h, w), mode="bilinear").round().to(torch.uint8)[0]
+
+
+def test_decode_jpeg_crop_equals_random_resized_crop_of_the_decoded_batch():
+    # Same-size images: the crop done per decoded image is, bitwise, RandomResizedCrop of the
+    # decoded batch with the same generator state (the same boxes, the same resampling).
+    _, batch = _jpeg_batch([_smooth(30, 40, i) for i in range(6)])
+    crop = ad.RandomResizedCrop((12, 10))
+    out = ad.DecodeJPEG(crop=crop)(batch, generator=gen(5))
+    ref = crop(ad.DecodeJPEG()(batch), generator=gen(5))
+    assert out["image"].shape == (6, 3, 12, 10) and out["image"].dtype == torch.uint8
+    assert torch.equal(out["image"], ref["image"])
+    assert torch.equal(out["label"], batch["label"]) and "jpeg" not in out.keys()
+
+
+def test_decode_jpeg_crop_takes_each_box_in_its_own_image():
+    # Images of different sizes, each cropped on its own size: with the whole image as the
+    # only box (scale 1, the images' aspect ratio), each output is RandomResizedCrop of that
+    # image alone; no image is resized to a common size first.
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    sizes = [(12, 16), (24, 32), (45, 60), (30, 40)]
+    blobs, batch = _jpeg_batch([_smooth(h, w, i) for i, (h, w) in enumerate(sizes)])
+    crop = ad.RandomResizedCrop(8, scale=(1.0, 1.0), ratio=(4 / 3, 4 / 3))
+    out = ad.DecodeJPEG(crop=crop)(batch, generator=gen(1))["image"]
+    assert out.shape == (4, 3, 8, 8)
+    for i, blob in enumerate(blobs):
+        one = TensorDict({"image": decode_jpeg(blob, mode=ImageReadMode.RGB)[None]}, [1])
+        assert torch.equal(out[i], crop(one, generator=gen(2))["image"][0]), i
+
+
+def test_random_resized_crop_boxes_per_sample():
+    crop = ad.RandomResizedCrop(8)
+    sizes = [(30, 40), (7, 90), (500, 20), (375, 500)] * 50
+    boxes = crop.boxes_per_sample(sizes, gen(0), torch.device("cpu"))
+    assert boxes.shape == (200, 4) and boxes.dtype == torch.float32
+    hw = torch.tensor(sizes, dtype=torch.float32)
+    x1, y1, x2, y2 = boxes.unbind(1)
+    assert (x1 >= 0).all() and (y1 >= 0).all() and (x2 > x1).all() and (y2 > y1).all()
+    assert (x2 <= hw[:, 1]).all() and (y2 <= hw[:, 0]).all()
+    # All of one size: the boxes of `boxes`, bitwise, from the same generator state.
+    assert torch.equal(crop.boxes_per_sample([(30, 40)] * 9, gen(3), torch.device("cpu")),
+                       crop.boxes(9, 30, 40, gen(3), torch.device("cpu")))
+
+
+def test_decode_jpeg_crop_refusals():
+    with pytest.raises(ValueError, match=r"either size=.* or crop="):
+        ad.DecodeJPEG(size=8, crop=ad.RandomResizedCrop(8))
+    with pytest.raises(TypeError, match="crop must be a RandomResizedCrop"):
+        ad.DecodeJPEG(crop=ad.RandomCrop(8))  # type: ignore[arg-type]
+
+
 def test_decode_jpeg_declares_host_keys_through_compose():
     t = ad.Compose(ad.DecodeJPEG("raw", out_key="img"), ad.RandomHorizontalFlip(keys="img"))
     assert t.host_keys == ("raw", "raw_lengths")

@@ -176,22 +176,31 @@ class RandomResizedCrop:
         device: torch.device,
     ) -> torch.Tensor:
         """Draw ``b`` crop boxes ``(x1, y1, x2, y2)`` in pixels, float32, shape ``(b, 4)``."""
-        tries = 10
-        area = float(height * width)
-        u = uniform(b * tries * 4, generator, device, "RandomResizedCrop").view(4, b, tries)
-        target = area * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[0])
-        lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
-        aspect = torch.exp(lo + (hi - lo) * u[1])
-        w = torch.sqrt(target * aspect).round()
-        h = torch.sqrt(target / aspect).round()
-        ok = (w > 0) & (h > 0) & (w <= width) & (h <= height)
-        first = ok.int().argmax(dim=1, keepdim=True)
-        any_ok = ok.any(dim=1)
-        w = w.gather(1, first).squeeze(1)
-        h = h.gather(1, first).squeeze(1)
-        ty = (u[2].gather(1, first).squeeze(1) * (height - h + 1)).floor()
-        tx = (u[3].gather(1, first).squeeze(1) * (width - w + 1)).floor()
-        # Fallback: the largest centred crop whose aspect ratio is within ``ratio``.
+        return self._draw(b, height, width, self._fallback(height, width), generator, device)
+
+    def boxes_per_sample(
+        self, sizes: Sequence[tuple[int, int]], generator: torch.Generator | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """Draw one box per ``(height, width)`` of ``sizes``, each in its own image (images
+        of different sizes, e.g. decoded JPEGs): float32 ``(len(sizes), 4)`` on ``device``.
+
+        Sizes all equal give the boxes of [`boxes`][] for that size, bitwise, from the same
+        generator state. The sizes go to the device in one non-blocking copy (no host sync).
+        """
+        table = torch.tensor(
+            [(h, w, *self._fallback(h, w)) for h, w in sizes], dtype=torch.float32
+        ).view(-1, 6)
+        if device.type == "cuda":
+            table = table.pin_memory().to(device, non_blocking=True)
+        else:
+            table = table.to(device)
+        height, width, fw, fh, fx, fy = table.unbind(1)
+        return self._draw(len(sizes), height, width, (fw, fh, fx, fy), generator, device)
+
+    def _fallback(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """``(width, height, left, top)`` of the largest centred crop whose aspect ratio is
+        within ``ratio`` (torchvision's box when no try fits)."""
         in_ratio = width / height
         if in_ratio < self.ratio[0]:
             fw, fh = width, round(width / self.ratio[0])
@@ -199,11 +208,43 @@ class RandomResizedCrop:
             fw, fh = round(height * self.ratio[1]), height
         else:
             fw, fh = width, height
-        fy, fx = (height - fh) // 2, (width - fw) // 2
-        w = torch.where(any_ok, w, torch.full_like(w, fw))
-        h = torch.where(any_ok, h, torch.full_like(h, fh))
-        ty = torch.where(any_ok, ty, torch.full_like(ty, fy))
-        tx = torch.where(any_ok, tx, torch.full_like(tx, fx))
+        return fw, fh, (width - fw) // 2, (height - fh) // 2
+
+    def _draw(
+        self, b: int, height: int | torch.Tensor, width: int | torch.Tensor,
+        fallback: tuple[int | torch.Tensor, ...], generator: torch.Generator | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """The boxes of images of one size (``height``, ``width`` ints) or of a size each
+        (float32 tensors ``(b,)``), ``fallback`` the ``(w, h, x, y)`` used when no try fits."""
+        tries = 10
+        if isinstance(height, torch.Tensor) and isinstance(width, torch.Tensor):
+            # float32 products of exact integers round as the int product cast to float32
+            area: float | torch.Tensor = (height * width)[:, None]
+            h_max: int | torch.Tensor = height[:, None]
+            w_max: int | torch.Tensor = width[:, None]
+        else:
+            area, h_max, w_max = float(height * width), height, width
+        u = uniform(b * tries * 4, generator, device, "RandomResizedCrop").view(4, b, tries)
+        target = area * (self.scale[0] + (self.scale[1] - self.scale[0]) * u[0])
+        lo, hi = math.log(self.ratio[0]), math.log(self.ratio[1])
+        aspect = torch.exp(lo + (hi - lo) * u[1])
+        w = torch.sqrt(target * aspect).round()
+        h = torch.sqrt(target / aspect).round()
+        ok = (w > 0) & (h > 0) & (w <= w_max) & (h <= h_max)
+        first = ok.int().argmax(dim=1, keepdim=True)
+        any_ok = ok.any(dim=1)
+        w = w.gather(1, first).squeeze(1)
+        h = h.gather(1, first).squeeze(1)
+        ty = (u[2].gather(1, first).squeeze(1) * (height - h + 1)).floor()
+        tx = (u[3].gather(1, first).squeeze(1) * (width - w + 1)).floor()
+        fw, fh, fx, fy = (
+            f if isinstance(f, torch.Tensor) else torch.full_like(w, f) for f in fallback
+        )
+        w = torch.where(any_ok, w, fw)
+        h = torch.where(any_ok, h, fh)
+        ty = torch.where(any_ok, ty, fy)
+        tx = torch.where(any_ok, tx, fx)
         return torch.stack([tx, ty, tx + w, ty + h], dim=1)
 
     def __call__(

@@ -8,6 +8,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .base import as_pair, fit_image, image
+from .geometry import RandomResizedCrop
 
 __all__ = ["DecodeJPEG"]
 
@@ -23,15 +24,22 @@ class DecodeJPEG:
     the device of the batch's other tensors), with nvJPEG's batched decoder on CUDA. The byte
     keys are removed.
 
-    Images of different sizes need ``size``: each is resized (shorter side to fit, antialiased)
-    and centre-cropped to ``size`` before stacking (a per-image step: decode output is
-    inherently a list).
+    Images of different sizes need ``size`` or ``crop``. With ``size`` each is resized
+    (shorter side to fit, antialiased) and centre-cropped to ``size`` before stacking (a
+    per-image step: decode output is inherently a list). With ``crop``, a
+    [`RandomResizedCrop`][], each image gets a random box drawn on its own size (as
+    ``crop.boxes_per_sample``, from the loader's ``generator``) and resized to ``crop.size``:
+    ImageNet's training crop of the whole decoded image, equal bitwise to ``crop`` applied to
+    each decoded image alone with that box (and to ``crop`` of the decoded batch when all the
+    images have one size). One ``roi_align`` per image, so no image is resized first.
 
     Args:
         key: key of the padded encoded bytes.
         lengths_key: key of the byte counts; default ``f"{key}_lengths"``.
         out_key: key for the decoded images.
-        size: common ``(height, width)`` for images of different sizes.
+        size: common ``(height, width)`` for images of different sizes (centre crops).
+        crop: a [`RandomResizedCrop`][] taken from each decoded image (its ``size``,
+            ``scale`` and ``ratio``; its ``keys`` do not apply); not with ``size``.
         device: where to decode; default the batch's device.
         mode: ``"RGB"`` (3 channels), ``"GRAY"`` or ``"UNCHANGED"``.
     """
@@ -45,11 +53,23 @@ class DecodeJPEG:
         size: int | Sequence[int] | None = None,
         device: torch.device | str | None = None,
         mode: str = "RGB",
+        crop: RandomResizedCrop | None = None,
     ) -> None:
         from torchvision.io import ImageReadMode  # type: ignore[import-untyped]
 
         if mode not in ("RGB", "GRAY", "UNCHANGED"):
             raise ValueError(f"mode must be 'RGB', 'GRAY' or 'UNCHANGED', got {mode!r}")
+        if crop is not None and not isinstance(crop, RandomResizedCrop):
+            raise TypeError(
+                f"DecodeJPEG: crop must be a RandomResizedCrop, got {crop!r}; apply other "
+                "transforms after DecodeJPEG (with size= for images of different sizes)"
+            )
+        if crop is not None and size is not None:
+            raise ValueError(
+                "DecodeJPEG: pass either size= (resize and centre-crop every image) or crop= "
+                "(a random resized crop of every image), not both"
+            )
+        self.crop = crop
         self.key = key
         self.lengths_key = lengths_key or f"{key}_lengths"
         self.out_key = out_key
@@ -97,6 +117,10 @@ class DecodeJPEG:
                         f"{blob.numel()} bytes) is not a decodable JPEG: {one}"
                     ) from None
             raise err
+        if self.crop is not None:
+            out = batch.exclude(*self.host_keys)
+            out.set(self.out_key, self._random_resized_crops(images, generator, device))
+            return out
         if self.size is not None:
             size = self.size
             images = [fit_image(img, size) for img in images]
@@ -111,5 +135,24 @@ class DecodeJPEG:
         out.set(self.out_key, torch.stack(images))
         return out
 
+    def _random_resized_crops(
+        self, images: list[torch.Tensor], generator: torch.Generator | None,
+        device: torch.device,
+    ) -> torch.Tensor:
+        """``crop`` of each image (a list of uint8 ``(C, H, W)`` of any sizes), stacked: as
+        ``RandomResizedCrop.__call__`` does it for uint8, a box per image on its own size."""
+        from torchvision.ops import roi_align  # type: ignore[import-untyped]
+
+        crop = self.crop
+        assert crop is not None
+        sizes = [(int(img.shape[-2]), int(img.shape[-1])) for img in images]
+        boxes = crop.boxes_per_sample(sizes, generator, device).unbind(0)
+        y = torch.cat([
+            roi_align(img[None].float(), [box[None]], crop.size, 1.0, -1, True)
+            for img, box in zip(images, boxes)
+        ])
+        return y.round_().clamp_(0, 255).to(torch.uint8)
+
     def __repr__(self) -> str:
-        return f"DecodeJPEG({self.key!r} -> {self.out_key!r}, size={self.size})"
+        what = f"crop={self.crop}" if self.crop is not None else f"size={self.size}"
+        return f"DecodeJPEG({self.key!r} -> {self.out_key!r}, {what})"
