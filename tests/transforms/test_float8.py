@@ -658,30 +658,51 @@ def test_benchmark_refuses_to_run_without_cuda(monkeypatch, capsys):
     assert "CUDA" in err and "--dry-run" in err
 
 
-def test_benchmark_model_has_at_least_350m_parameters():
+def test_benchmark_models_and_the_rule_on_them():
+    """The 2048-wide GPT has at least 350M parameters, the 4096-wide one about 1B; the shape
+    rule converts every block's Linear of both (checked on meta tensors); the sweep's
+    measured boxes are the losing shapes not inside another's box."""
     bench = _benchmark()
     from gpt2 import GPT  # the benchmark put benchmarks/ on the path
 
-    with torch.device("meta"):
-        model = GPT(bench.MODEL)
-    assert sum(p.numel() for p in model.parameters()) >= 350e6
-    assert all(eligible(m, 1024) for n, m in model.named_modules()
-               if isinstance(m, nn.Linear) and n != "head")
+    for width, least in ((2048, 350e6), (4096, 0.9e9)):
+        with torch.device("meta"):
+            model = GPT(bench.PRESETS[width].config)
+        assert sum(p.numel() for p in model.parameters()) >= least
+        layers = plan(Float8(predicate=bench.not_the_head), model)
+        assert len(layers.converted) == 4 * bench.PRESETS[width].config.layers
+        assert list(layers.left_out) == ["head"]
+    assert bench.PRESETS[4096].target == 1.2 and bench.PRESETS[2048].target == 1.1
+    losing = [(1024, 1024), (2048, 1024), (1024, 2048), (1024, 4096), (2048, 1024)]
+    assert bench._boxes(losing) == [[2048, 1024], [1024, 4096]]
 
 
 @pytest.mark.compile
 def test_benchmark_dry_run_prints_the_json(capsys):
+    """One tiny model (standing for the 4096-wide one) and two Linear shapes, emulated."""
     bench = _benchmark()
-    assert bench.main(["--dry-run", "--steps", "2"]) == 0
+    assert bench.main(["--dry-run", "--steps", "2", "--widths", "4096", "--shapes",
+                       "--k", "16", "--n", "16,32"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["benchmark"] == "float8" and result["dry_run"] is True
     assert result["float8"]["emulated"] is True and result["meets_target"] is None
+    assert [w["width"] for w in result["widths"]] == [4096] and result["target"] == 1.2
     bf16, f8 = result["sides"]
     assert (bf16["name"], f8["name"]) == ("bf16", "float8")
     assert (bf16["converted_layers"], f8["converted_layers"]) == (0, 8)  # 2 blocks x 4
+    assert result["float8"]["left_out"] == {"head": "the predicate"}
+    assert result["float8"]["left_in_bf16"] == ["head"]
     assert "compiled" in f8["stack"] and "with_float8" in f8["stack"]
     assert "with_float8" not in bf16["stack"]
     for side in (bf16, f8):
         assert side["tokens_per_s"] > 0 and len(side["step_ms_all"]) == 2
         assert 0 < side["eval_loss"] < 10
     assert result["speedup"] == pytest.approx(f8["tokens_per_s"] / bf16["tokens_per_s"])
+    shapes = result["per_shape"]
+    assert [(r["M"], r["K"], r["N"]) for r in shapes["shapes"]] == [(32, 16, 16), (32, 16, 32)]
+    for row in shapes["shapes"]:
+        assert row["speedup"] == pytest.approx(row["bf16_ms"] / row["float8_ms"])
+        assert row["rule_converts"] is False  # tiny: under the tensorwise rule
+    wins = [[r["M"], r["K"], r["N"]] for r in shapes["shapes"] if r["float8_wins"]]
+    assert shapes["wins"] == wins == shapes["rule_leaves_out_but_wins"]
+    assert shapes["rule_converts_but_loses"] == [] and shapes["not_measured"] == []
