@@ -21,8 +21,8 @@ import accelfn as af
 from accelfn import with_float8
 from accelfn.core.contexts import CallContext
 from accelfn.parts.float8 import SHAPE_RULES, Float8, eligible, plan
-from accelfn.transforms.float8 import float8_layers
 from accelfn.testing import check_transform, plain_update
+from accelfn.transforms.float8 import float8_layers
 
 BF16 = af.with_amp(dtype=torch.bfloat16)  # bf16 autocast whatever the CPU computes natively
 
