@@ -39,8 +39,9 @@ Rounds of the stages are interleaved after a warm-up epoch of each; medians give
 The JSON records the cores, the device, the images (count, sizes, bytes) and issue 42's
 targets (accelfn >= 6,500 images/s on <= 16 cores, decode >= 8,000 images/s, accelfn >= 10x
 the DataLoader), met or not: meaningful on a GPU only (the JSON says so on a CPU).
-``--dry-run`` runs the JPEG part alone, tiny (64 images of about 40x50, crops of 16, one
-worker): what CI runs.
+``--dry-run`` runs the JPEG part tiny (64 images of about 40x50, crops of 16, batches of 16,
+one round, one worker unless ``--workers``), alone unless ``--parts`` names others: what CI
+runs (the GPU suite's dry run adds ``--parts preloaded,jpeg`` and the preloaded part's sizes).
 
 Prints one JSON object. Run: ``python benchmarks/data.py`` (``--help`` for sizes).
 """
@@ -370,8 +371,9 @@ def jpeg_part(args: argparse.Namespace) -> dict:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="preloaded",
-                   help="comma-separated: preloaded (uint8 images), jpeg (JPEG files)")
+    p.add_argument("--parts", default=None,
+                   help="comma-separated: preloaded (uint8 images), jpeg (JPEG files); "
+                        "default preloaded, with --dry-run jpeg")
     p.add_argument("--samples", type=int, default=20_000)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3, help="epochs of each, interleaved")
@@ -386,12 +388,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cores", type=int, default=16,
                    help="the jpeg part runs on at most this many cores (pinned)")
     p.add_argument("--dry-run", action="store_true",
-                   help="the jpeg part alone, tiny, on whatever device (seconds, for CI)")
+                   help="the jpeg part tiny, one round (seconds, for CI); alone unless --parts")
     args = p.parse_args(argv)
-    args.parts = [x for x in args.parts.split(",") if x]
+    parts = args.parts or ("jpeg" if args.dry_run else "preloaded")
+    args.parts = [x for x in parts.split(",") if x]
     args.jpeg_stages = [x for x in args.jpeg_stages.split(",") if x]
     if args.dry_run:
-        args.parts = ["jpeg"]
         args.jpeg_images, args.jpeg_size, args.jpeg_batch_size = 64, "40,50", 16
         args.crop, args.repeats = 16, 1
         args.workers = 1 if args.workers is None else args.workers

@@ -306,6 +306,36 @@ def test_random_resized_crop_boxes_per_sample():
                        crop.boxes(9, 30, 40, gen(3), torch.device("cpu")))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (nvJPEG)")
+def test_decode_jpeg_crop_on_cuda_from_files(tmp_path):
+    # ImageFiles' bytes through the loader: decoded by nvJPEG, each cropped on its own size,
+    # flipped and normalised on the GPU; nvJPEG's pixels are libjpeg's within a few levels.
+    from torchvision.io import write_file
+
+    sizes = [(24, 32), (45, 60), (30, 40), (36, 48)] * 2
+    blobs, batch = _jpeg_batch([_smooth(h, w, i) for i, (h, w) in enumerate(sizes)])
+    files = []
+    for i, blob in enumerate(blobs):
+        files.append(str(tmp_path / f"{i}.jpg"))
+        write_file(files[-1], blob)
+    train = ad.loader(
+        ad.ImageFiles(files, list(range(8)), jpeg=True), batch_size=4, device="cuda",
+        num_workers=2, transform=ad.Compose(ad.DecodeJPEG(crop=ad.RandomResizedCrop(16)),
+                                            ad.RandomHorizontalFlip(),
+                                            ad.Normalize([0.5] * 3, [0.5] * 3)))
+    out = list(train)
+    train.close()
+    assert [b["image"].shape for b in out] == [(4, 3, 16, 16)] * 2
+    assert all(b["image"].device.type == "cuda" and b["image"].dtype == torch.float32
+               for b in out)
+    assert all(b["image"].abs().max().item() <= 1.0 for b in out)
+    whole = ad.RandomResizedCrop(8, scale=(1.0, 1.0), ratio=(4 / 3, 4 / 3))
+    on_gpu = ad.DecodeJPEG(crop=whole, device="cuda")(batch)["image"]
+    on_cpu = ad.DecodeJPEG(crop=whole)(batch)["image"]
+    assert on_gpu.device.type == "cuda" and on_gpu.shape == on_cpu.shape == (8, 3, 8, 8)
+    assert (on_gpu.cpu().float() - on_cpu.float()).abs().mean().item() < 3
+
+
 def test_decode_jpeg_crop_refusals():
     with pytest.raises(ValueError, match=r"either size=.* or crop="):
         ad.DecodeJPEG(size=8, crop=ad.RandomResizedCrop(8))
