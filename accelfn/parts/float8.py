@@ -53,21 +53,20 @@ class ShapeRule:
 
 
 # The one table of the rule's constants, per recipe. torchao measured float8 against bf16 for
-# one Linear's forward and backward over an M x K x N sweep (powers of two, 256 to 32768) on
-# H100 GPUs and condensed it into its auto filters (torchao.float8.float8_linear_utils:
-# _auto_filter_for_tensorwise, _auto_filter_for_rowwise): below these shapes the casts and
-# amax reductions (memory-bound) cost more than the faster float8 matmul saves. torchao has no
-# filter for rowwise_with_gw_hp: it keeps the weight gradient's matmul in high precision and
-# gains less than rowwise, so rowwise's (the stricter) rule applies. Our own crossover goes in
-# ``measured`` when a GPU run of benchmarks/float8.py --shapes gives one.
+# one Linear's forward and backward over a sweep of M x K x N on H100 GPUs (the performance
+# tables of its float8 README) and condensed it into its auto filters
+# (torchao.float8.float8_linear_utils: _auto_filter_for_tensorwise, _auto_filter_for_rowwise):
+# below these shapes the casts and amax reductions (memory-bound) cost more than the faster
+# float8 matmul saves. torchao has no filter for rowwise_with_gw_hp (the weight gradient's
+# matmul in high precision): rowwise's, the stricter of its two, applies until measured. Our
+# own crossover goes in ``measured`` when a GPU run of benchmarks/float8.py --shapes gives one.
 _TORCHAO = "torchao's H100 measurements"
 _ROWWISE: tuple[Box, ...] = ((None, 2048), (1024, None), (2048, 4096))
 SHAPE_RULES: dict[str, ShapeRule] = {
     "tensorwise": ShapeRule(((4096, 1024),), f"{_TORCHAO}, _auto_filter_for_tensorwise"),
     "rowwise": ShapeRule(_ROWWISE, f"{_TORCHAO}, _auto_filter_for_rowwise"),
     "rowwise_with_gw_hp": ShapeRule(
-        _ROWWISE, f"{_TORCHAO}, rowwise's: torchao has no filter for rowwise_with_gw_hp, "
-                  "which gains less than rowwise"),
+        _ROWWISE, f"{_TORCHAO}, rowwise's: torchao has no filter for rowwise_with_gw_hp"),
 }
 _LAYERS = ("auto", "all")
 
