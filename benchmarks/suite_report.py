@@ -95,6 +95,13 @@ def summary(parts: dict[str, Any]) -> dict[str, Any]:
     if float8:
         out["float8"] = {k: float8.get(k) for k in ("speedup", "target", "meets_target")}
         out["float8"]["parameters"] = float8.get("model", {}).get("parameters")
+        out["float8"]["by_width"] = {
+            str(w.get("width")): {k: w.get(k) for k in ("speedup", "target", "meets_target")}
+            for w in float8.get("widths") or []}
+        sweep = float8.get("per_shape") or {}
+        if sweep:
+            out["float8"]["shapes"] = {k: sweep.get(k) for k in (
+                "rule", "rule_converts_but_loses", "rule_leaves_out_but_wins", "measured_boxes")}
     regional = (parts.get("compile", {}).get("result") or {}).get("regional")
     if regional:
         out["regional_compile"] = {
