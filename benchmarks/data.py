@@ -20,7 +20,7 @@ boundary, and accelfn's data-wait share.
 JPEG files written into a temporary folder (``--jpeg-images`` of them, of sizes around
 ``--jpeg-size`` 375x500, a quarter portrait, encoded by ``torchvision.io.encode_jpeg`` at
 quality 90, in 10 class folders), read every epoch, on at most ``--cores`` cores (16; the
-process is pinned to them), in batches of ``--jpeg-batch-size``, three stages:
+process is pinned to them), in batches of ``--jpeg-batch-size``, four stages:
 
 * ``dataloader``: what one writes without accelfn: ``torchvision.datasets.ImageFolder`` (PIL
   decode) with ``RandomResizedCrop(224)``, ``RandomHorizontalFlip``, ``ToTensor``,
@@ -33,7 +33,10 @@ process is pinned to them), in batches of ``--jpeg-batch-size``, three stages:
   each image on its own size, the flip and the normalisation on the device. Both sides end
   in the same float32 ``(batch, 3, 224, 224)`` batches on the device;
 * ``decode_only``: ``torchvision.io.decode_jpeg(<a batch of encoded bytes>, device=...)`` alone
-  on bytes already in memory (one thread: on a CPU that is one core's rate).
+  on bytes already in memory (one thread: on a CPU that is one core's rate);
+* ``read_only``: accelfn's loader of the encoded bytes alone (``ImageFiles(jpeg=True)``, the
+  same threads, batches left on the host, no transform): with ``decode_only``, which of the
+  two bounds the ``accelfn`` stage.
 
 Rounds of the stages are interleaved after a warm-up epoch of each; medians give images/s.
 The JSON records the cores, the device, the images (count, sizes, bytes) and issue 42's
@@ -68,7 +71,7 @@ import accelfn.data as ad
 
 MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
-JPEG_STAGES = ("dataloader", "accelfn", "decode_only")
+JPEG_STAGES = ("dataloader", "accelfn", "decode_only", "read_only")
 #: issue 42 item 4, on a GPU: images/s of the accelfn pipeline (on <= 16 cores), of the
 #: decode alone, and the pipeline's ratio to the DataLoader.
 JPEG_TARGETS = {"accelfn_images_per_s": 6500, "decode_only_images_per_s": 8000,
@@ -236,6 +239,13 @@ def build_jpeg_accelfn(root: Path, args: argparse.Namespace, device: torch.devic
     )
 
 
+def build_jpeg_reader(root: Path, args: argparse.Namespace):
+    """accelfn's reading alone: the encoded bytes, collated, on the host."""
+    files, labels, _ = ad.find_images(root)
+    return ad.loader(ad.ImageFiles(files, labels, jpeg=True), batch_size=args.jpeg_batch_size,
+                     num_workers=args.workers)
+
+
 def decode_batches(root: Path, args: argparse.Namespace) -> list[list[torch.Tensor]]:
     """The files' encoded bytes in memory, in batches of ``--jpeg-batch-size`` (whole ones)."""
     from torchvision.io import read_file
@@ -305,6 +315,10 @@ def jpeg_part(args: argparse.Namespace) -> dict:
         if "decode_only" in stages:
             batches = decode_batches(root, args)
             runs["decode_only"] = lambda: decode_epoch(batches, device)
+        if "read_only" in stages:
+            reader = build_jpeg_reader(root, args)
+            cpu = torch.device("cpu")
+            runs["read_only"] = lambda: epoch(reader, cpu, lambda b: (b["jpeg"], b["label"]))[:2]
 
         rates: dict[str, list[float]] = {name: [] for name in runs}
         for name in stages:  # warm-up: worker start-up, nvJPEG's handles, page cache
@@ -315,6 +329,8 @@ def jpeg_part(args: argparse.Namespace) -> dict:
                 rates[name].append(n / s)
         if "accelfn" in runs:
             af.close()
+        if "read_only" in runs:
+            reader.close()
         if "dataloader" in runs:
             del dl  # stops its worker processes
 

@@ -29,7 +29,7 @@ def test_jpeg_dry_run_runs_every_stage_and_both_sides_make_the_same_batches():
     result = bench.jpeg_part(args)
 
     setup = result["setup"]
-    assert setup["stages"] == ["dataloader", "accelfn", "decode_only"]
+    assert setup["stages"] == ["dataloader", "accelfn", "decode_only", "read_only"]
     assert setup["images"]["count"] == 64 and setup["workers"] == 1
     assert setup["cpu_cores"] >= 1 and setup["device"] == "cpu"
     for stage in setup["stages"]:
