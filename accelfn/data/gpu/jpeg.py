@@ -146,10 +146,12 @@ class DecodeJPEG:
         crop = self.crop
         assert crop is not None
         sizes = [(int(img.shape[-2]), int(img.shape[-1])) for img in images]
-        boxes = crop.boxes_per_sample(sizes, generator, device).unbind(0)
+        boxes = crop.boxes_per_sample(sizes, generator, device)
+        # (image index 0, box) rows: each image is a batch of one, its row a view (no kernel)
+        rois = torch.cat([boxes.new_zeros(len(sizes), 1), boxes], 1)
         y = torch.cat([
-            roi_align(img[None].float(), [box[None]], crop.size, 1.0, -1, True)
-            for img, box in zip(images, boxes)
+            roi_align(img[None].float(), rois[i:i + 1], crop.size, 1.0, -1, True)
+            for i, img in enumerate(images)
         ])
         return y.round_().clamp_(0, 255).to(torch.uint8)
 
