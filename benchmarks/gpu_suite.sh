@@ -24,7 +24,8 @@
 #   transforms      benchmarks/transforms.py: compiled against eager, the cold compile and
 #                   the warm cache on a restart (on a GPU; AMP, accumulation and
 #                   checkpointing too in a dry run)
-#   data            benchmarks/data.py: accelfn.data against DataLoader, to the GPU
+#   data            benchmarks/data.py: accelfn.data against DataLoader, to the GPU; real
+#                   JPEGs decoded on the GPU against ImageFolder + PIL in workers
 #   sharded_muon    benchmarks/sharded_muon.py --device cuda: sharded Muon's optimizer step
 #                   against AdamW's under FSDP2 (NCCL, one process per GPU, up to 4)
 #   compile         benchmarks/compile.py --only regional: regional (in place) and nested
@@ -41,7 +42,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,40p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,41p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -138,7 +139,7 @@ if [[ $DRY_RUN -eq 1 ]]; then
          --compile --compile-backend eager)
   GPT=(--tiny --compile --compile-backend eager --batches 8,4)
   TRANSFORMS=(--quick --steps 2 --compile --compile-backend eager)
-  DATA=(--samples 1024 --batch-size 128 --repeats 1 --workers 1)
+  DATA=(--samples 1024 --batch-size 128 --repeats 1 --workers 1 --parts preloaded,jpeg --dry-run)
   COMPILE=(--quick --backend eager --steps 3)
   FLOAT8=(--dry-run --shapes)
   MEMORY=(--tiny --rounds 2 --device cpu --anchors)
@@ -158,13 +159,13 @@ else
   # twin (checkpointed's memory against time does not change with them: left out)
   GPT=(--stages baseline,accelfn_fp32,amp,compiled,chunked_ce,sdpa,batch,hand)
   TRANSFORMS=(--only compile)
-  DATA=(--samples 20000 --repeats 2)
+  DATA=(--parts preloaded,jpeg --samples 20000 --repeats 3 --jpeg-images 5000)
   COMPILE=(--steps 20)  # three cold compiles and six interleaved sides: keep it in budget
   FLOAT8=(--widths 4096,2048 --shapes --budget-s 60)
   MEMORY=(--rounds 5 --device cuda --anchors)
   MUON=(--rounds 3 --steps 2 --device cuda)
   T_FLOAT8=300; T_COMPILE=180; T_MEMORY=150; T_MUON=90
-  T_TESTS=90; T_BENCH=200; T_GPT=300; T_TRANSFORMS=120; T_DATA=60
+  T_TESTS=90; T_BENCH=200; T_GPT=300; T_TRANSFORMS=120; T_DATA=120
 fi
 
 part_environment() {

@@ -117,6 +117,13 @@ def summary(parts: dict[str, Any]) -> dict[str, Any]:
     if muon:
         out["sharded_muon"] = {k: muon.get(k) for k in (
             "processes", "ratio_optimizer_step", "target_optimizer_step_ratio", "meets_target")}
+    jpeg = (parts.get("data", {}).get("result") or {}).get("jpeg")
+    if jpeg:
+        out["jpeg_pipeline"] = {
+            "images_per_s": {k: (jpeg.get(k) or {}).get("images_per_s")
+                             for k in ("dataloader", "accelfn", "decode_only", "read_only")},
+            "ratio_accelfn_to_dataloader": jpeg.get("ratio_accelfn_to_dataloader"),
+            "targets": jpeg.get("targets")}
     tests = parts.get("gpu_tests", {}).get("result")
     if tests:
         out["gpu_tests"] = {k: tests[k] for k in ("passed", "failures", "errors", "skipped")}
