@@ -54,3 +54,15 @@ def test_no_test_takes_helpers_from_conftest():
             if isinstance(node, ast.ImportFrom) and node.module == "conftest":
                 found.append(f"{path.relative_to(TESTS)}:{node.lineno}")
     assert not found, f"import shared helpers from helpers, not conftest: {found}"
+
+
+def test_test_modules_have_unique_names():
+    """pytest imports a test module by its file name (tests/ has no __init__.py): two files
+    of one name in different folders make the second an import error."""
+    seen: dict[str, Path] = {}
+    clashes = []
+    for path in sorted(TESTS.rglob("test_*.py")):
+        if path.name in seen:
+            clashes.append(f"{seen[path.name].relative_to(TESTS)} and {path.relative_to(TESTS)}")
+        seen.setdefault(path.name, path)
+    assert not clashes, f"rename one of each: {clashes}"
