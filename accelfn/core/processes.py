@@ -72,6 +72,9 @@ def _release_groups_at_exit() -> None:
         _collect_at_exit_registered = True
 
 
+_JOINING = timedelta(minutes=5)  # the least time the processes are given to join the group
+
+
 def _timeout(timeout: float | timedelta | None) -> timedelta | None:
     """``init_distributed``'s ``timeout`` as a timedelta, checked."""
     if timeout is None:
@@ -101,8 +104,10 @@ def init_distributed(backend: str | None = None, *, timeout: float | timedelta |
 
     ``timeout`` (seconds, or a timedelta) bounds how long a collective waits for every process
     (torch's default: 30 minutes on gloo, 10 on NCCL); a group set up beforehand gets it by
-    ``dist.set_timeout``. When a process never arrives, the others fail after it and the
-    error names the collective and the ranks that did not come
+    ``dist.set_timeout``. Joining the group is given at least 5 minutes whatever ``timeout``
+    says (the processes of a job start at different times: a node's import of torch, a slow
+    file system), then the bound applies to every collective. When a process never arrives,
+    the others fail after it and the error names the collective and the ranks that did not come
     (:func:`accelfn.core.hangs.name_hang`; torch's Flight Recorder is turned on for it). With
     ``hang_dir``, each process's Flight Recorder is dumped there (``rank_<r>``) on such a
     failure, for ``accelfn doctor --hang DIR``.
@@ -145,8 +150,11 @@ def init_distributed(backend: str | None = None, *, timeout: float | timedelta |
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     _release_groups_at_exit()
     hangs.record_collectives(hang_dir)
+    # gloo connects every pair while the group is built, under the group's timeout
+    joining = None if wait is None else max(wait, _JOINING)
     if restart is None:
-        dist.init_process_group(backend=backend, device_id=device_id, timeout=wait)
+        dist.init_process_group(backend=backend, device_id=device_id, timeout=joining)
+        _bound(wait, joining)
         return device
     # torchrun keeps one store for the whole job: without a per-restart prefix a restarted
     # worker can read the address its peer published before the restart and fail to connect.
@@ -154,9 +162,16 @@ def init_distributed(backend: str | None = None, *, timeout: float | timedelta |
 
     store, rank, world = next(rendezvous("env://"))
     prefixed = dist.PrefixStore(f"restart-{restart}/", store)  # type: ignore[attr-defined]
-    dist.init_process_group(backend=backend, store=prefixed, timeout=wait,
+    dist.init_process_group(backend=backend, store=prefixed, timeout=joining,
                             rank=rank, world_size=world, device_id=device_id)
+    _bound(wait, joining)
     return device
+
+
+def _bound(wait: timedelta | None, joining: timedelta | None) -> None:
+    """The collectives' timeout, once the group is built with the longer one for joining."""
+    if wait is not None and wait != joining:
+        dist.set_timeout(wait)
 
 
 def reduce_metrics(metrics: Mapping[str, Tensor] | TensorDictBase, *,

@@ -1,7 +1,8 @@
 """Hangs named: a stuck rank, the survivors' errors and ``accelfn doctor --hang`` on the dumps.
 
 One launch of 3 gloo processes under torchrun (``init_distributed(timeout=2, hang_dir=...)``,
-a DDP step twice); then rank 2 gets stuck (a long sleep outside any collective) while ranks 0
+rank 1 joining the group later than the timeout, which bounds collectives, not joining; a
+DDP step twice); then rank 2 gets stuck (a long sleep outside any collective) while ranks 0
 and 1 run a third step. The survivors must fail within the timeout and a short grace, each
 error naming the collective (its Flight Recorder entry) and rank 2; each survivor dumps its
 Flight Recorder (torch's own pickle, ``_dump_fr_trace``), and ``accelfn doctor --hang`` names
@@ -46,6 +47,8 @@ def worker(out_dir: str, hang_dir: str) -> None:
 
     import accelfn as af
 
+    if os.environ["RANK"] == "1":  # starts late: joining is not bounded by the timeout
+        time.sleep(TIMEOUT_S + 2)
     af.init_distributed(timeout=TIMEOUT_S, hang_dir=hang_dir)
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
