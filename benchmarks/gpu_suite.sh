@@ -140,7 +140,9 @@ if [[ $DRY_RUN -eq 1 ]]; then
   GPT=(--tiny --compile --compile-backend eager --batches 8,4)
   TRANSFORMS=(--quick --steps 2 --compile --compile-backend eager)
   DATA=(--samples 1024 --batch-size 128 --repeats 1 --workers 1 --parts preloaded,jpeg --dry-run)
-  COMPILE=(--quick --backend eager --steps 3)
+  # the depth sweep too: its fresh processes are checked here (the suite's own tests stand
+  # them in with known costs)
+  COMPILE=(--quick --backend eager --steps 3 --only regional,depth --depths 2,3)
   FLOAT8=(--dry-run --shapes)
   MEMORY=(--tiny --rounds 2 --device cpu --anchors)
   MUON=(--tiny --rounds 1 --steps 1 --nproc 2 --device cpu)

@@ -1,15 +1,9 @@
-"""benchmarks/compile.py: its depth section's line fits and the command lines it refuses.
-
-Its own module (not tests/cli/test_bench.py, whose tests share the quick bench run and so go
-to one pytest-xdist worker together): the depth sweep's fresh processes run on the other
-worker beside them.
-"""
+"""benchmarks/compile.py: its depth section's line fits and the command lines it refuses."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,24 +23,38 @@ def _render(path: Path) -> str:
     return str(render_results.render([path]))
 
 
-@pytest.mark.slow
-def test_compile_benchmark_depth_section_fits_a_line_per_side(tmp_path: Path) -> None:
-    # the depth sweep checked with the 'eager' backend (its times are not compile times)
+# what each side's cold compile costs in the stand-in below: seconds at no block, per block
+COSTS = {"whole": (4.0, 1.5), "regional": (4.5, 0.25), "nested": (5.0, 0.5)}
+
+
+def test_compile_benchmark_depth_section_fits_a_line_per_side(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The depth section's sweep, line fits, JSON and rendered section, in this process: each
+    fresh process's cold compile is replaced by its known cost (the fresh processes run in
+    the GPU suite's dry run, ``make test-gpu-suite``)."""
+    bench = _compile_benchmark()
+    probed = []
+
+    def probe(args, kind, cache_file, log, machine=None, first_only=False, layers=None):
+        probed.append((kind, layers))
+        if kind == "prepare":  # the machine the others copy
+            Path(machine).mkdir()
+            return {}
+        base, per_block = COSTS[kind]
+        return {"compile_s": base + per_block * layers}
+
+    monkeypatch.setattr(bench, "_run_probe", probe)
     out = tmp_path / "cpu-compile-depth.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "compile.py"), "--quick", "--backend",
-         "eager", "--only", "depth", "--depths", "2,4", "--steps", "2", "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert bench.main(["--quick", "--backend", "eager", "--only", "depth", "--depths", "2,4",
+                       "--json", str(out)]) == 0
+    assert probed == [("prepare", None)] + [(side, d) for d in (2, 4) for side in COSTS]
     depth = json.loads(out.read_text())["depth"]
     assert depth["depths"] == [2, 4]
-    for side in ("whole", "regional", "nested"):
-        times = depth[f"{side}_compile_s"]
-        fit = depth["fit"][side]
-        slope = (times[1] - times[0]) / 2  # two points: the line passes through both
-        assert fit["s_per_block"] == pytest.approx(slope, abs=1e-3)
-        assert fit["intercept_s"] == pytest.approx(times[0] - 2 * slope, abs=1e-3)
-    assert "(2 blocks)" in proc.stderr and "(4 blocks)" in proc.stderr
+    for side, (base, per_block) in COSTS.items():
+        assert depth[f"{side}_compile_s"] == [base + 2 * per_block, base + 4 * per_block]
+        assert depth["fit"][side]["s_per_block"] == pytest.approx(per_block, abs=1e-3)
+        assert depth["fit"][side]["intercept_s"] == pytest.approx(base, abs=1e-3)
+    assert depth["per_block_ratio"] == pytest.approx(0.25 / 1.5, abs=1e-3)
     page = _render(out)
     assert "### Compile time against depth" in page and "| each block adds |" in page
     assert "regional / whole-model cold compile time" not in page  # no ratios section ran

@@ -301,6 +301,8 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     assert regional["nested"]["graphs"] == 1
     assert _number(regional["compile_ratio"]) and _number(regional["steady_ratio"])
     assert _number(regional["nested_compile_ratio"]) and _number(regional["nested_steady_ratio"])
+    depth = parts["compile"]["result"]["depth"]
+    assert depth["depths"] == [2, 3] and set(depth["fit"]) == {"whole", "regional", "nested"}
     # every stage ran (compile with the 'eager' backend), DDP skipped with its reason
     stages = {s["name"]: s for s in parts["bench_resnet50"]["result"]["stages"]}
     assert all(s["status"] == "ok" for n, s in stages.items() if n != "ddp"), stages
