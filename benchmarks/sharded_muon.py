@@ -111,17 +111,21 @@ class _Clock:
         self.seconds = _now() - self.start
 
 
-_DEVICE = torch.device("cpu")  # where the collectives' tensors live (the worker sets it)
+def _collective_device() -> torch.device:
+    """Where the process group's tensors live: this process' GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64, device=_DEVICE)
+    t = torch.tensor([seconds], dtype=torch.float64, device=_collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t[0])
 
 
 def _total(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64, device=_DEVICE)
+    t = torch.tensor([seconds], dtype=torch.float64, device=_collective_device())
     dist.all_reduce(t)
     return float(t[0])
 
@@ -157,11 +161,10 @@ ONE = ("adamw_one", "muon_one")
 
 
 def worker(out: str, config: GPTConfig, rounds: int, steps: int, cuda: bool) -> None:
-    global _DEVICE
     from datetime import timedelta
 
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=1800))
-    device = _DEVICE = af.init_distributed()
+    device = af.init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
     load_start = [round(x, 2) for x in os.getloadavg()]
     count = steps * rounds * 2 + 2
