@@ -93,6 +93,7 @@ from .transforms.activation_checkpointing import checkpointed
 from .transforms.adaptive_clipping import adaptive_clipping
 from .transforms.amp import with_amp
 from .transforms.clipping import with_clipping
+from .transforms.captured import captured
 from .transforms.compile import compiled
 from .transforms.distributed import (
     DistributedError,
@@ -141,6 +142,7 @@ __all__ = [
     "WarmupPlateau",
     "adaptive_clipping",
     "apply_transform",
+    "captured",
     "chain",
     "channels_last",
     "checkpointed",

@@ -19,6 +19,7 @@ from tensordict import TensorDict
 from torch import Tensor, nn
 
 __all__ = [
+    "aten_interceptor",
     "aten_observer",
     "backward",
     "compile_backends",
@@ -40,6 +41,7 @@ __all__ = [
     "inductor_precompiled_headers",
     "is_compiled",
     "module_apply",
+    "op_schema",
     "non_finite_check_and_unscale_",
     "scaler_forget_step",
     "scaler_found_inf",
@@ -224,6 +226,27 @@ def aten_observer(
             return func(*args, **kwargs)
 
     return _Observer()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__
+
+
+def aten_interceptor(
+        handle: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any],
+) -> contextlib.AbstractContextManager[Any]:
+    """A ``TorchDispatchMode`` that hands every aten operator run inside it to ``handle(op,
+    args, kwargs)`` (``op``: the ``OpOverload``), which runs it (``op(*args, **kwargs)``) or
+    refuses it, and returns its result."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Interceptor(TorchDispatchMode):  # type: ignore[no-untyped-call]  # untyped in torch
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            return handle(func, tuple(args), kwargs or {})
+
+    return _Interceptor()  # type: ignore[no-untyped-call]  # TorchDispatchMode.__init__
+
+
+def op_schema(op: Any) -> Any:
+    """An aten ``OpOverload``'s schema (``op._schema``: its arguments, which it writes)."""
+    return op._schema
 
 
 def module_apply(module: nn.Module, fn: Callable[[Tensor], Tensor]) -> nn.Module:

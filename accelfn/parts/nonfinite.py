@@ -27,7 +27,7 @@ from ..core.state import TrainState
 from ..core.syncs import GUARD_READ, deferred_read, labelled_read
 
 __all__ = ["POLICIES", "Decision", "Guard", "NonFinite", "NonFiniteError", "Pending", "abort",
-           "decide", "schedule"]
+           "decide", "device_flags", "schedule"]
 
 POLICIES = ("skip", "raise", "off")
 SLOT = "nonfinite"
@@ -281,18 +281,12 @@ def _host_flags(evidence: Evidence) -> list[bool]:
             for v, (_, is_flag) in zip(values, evidence)]
 
 
-def decide(options: NonFinite, ctx: UpdateContext, overflow: Tensor | None,
-           norm: Tensor | None, current: bool) -> Decision:
-    """The update's decision: fp16's ``overflow`` flag (``current``: no gradient transform
-    wrote the gradients after it) and clipping's ``norm`` when it describes the gradients as
-    the optimizers will see them (None otherwise: the gradients are checked here)."""
-    policy, limit, skip_if = options.policy, options.max_consecutive, options.skip_if
-    guard = ctx.state.slot(SLOT, Guard)
-    if guard._pending is not None:
-        guard.settle(ctx.state)  # the previous update's deferred decision
+def _collected(options: NonFinite, ctx: UpdateContext, overflow: Tensor | None,
+               norm: Tensor | None, current: bool) -> Evidence | None:
+    """What the decision reads (None: nothing is checked, the update is applied)."""
+    policy, skip_if = options.policy, options.skip_if
     if policy == "off" and overflow is None and skip_if is None:
-        return _UNCHECKED
-    on_device = ctx.prepared.skips_on_device and policy != "raise"
+        return None
     if overflow is None and policy == "off":  # only skip_if decides
         overflow = torch.zeros((), dtype=torch.bool, device=ctx.device)
     evidence = _evidence(ctx, overflow, norm, current, check=policy != "off")
@@ -300,6 +294,30 @@ def decide(options: NonFinite, ctx: UpdateContext, overflow: Tensor | None,
         if len(evidence) < 3:
             evidence.append((torch.zeros((), dtype=torch.bool, device=ctx.device), True))
         evidence.append((_verdict(skip_if, ctx), True))
+    return evidence
+
+
+def device_flags(options: NonFinite, ctx: UpdateContext, norm: Tensor | None) -> Tensor | None:
+    """The decision's flags of a one-process update without loss scaling, left on the device
+    (None: nothing is checked), with no host read and no change to the guard: what a
+    captured update records; its guard defers them after each replay."""
+    evidence = _collected(options, ctx, None, norm, True)
+    return None if evidence is None else _device_flags(evidence, ctx.device)
+
+
+def decide(options: NonFinite, ctx: UpdateContext, overflow: Tensor | None,
+           norm: Tensor | None, current: bool) -> Decision:
+    """The update's decision: fp16's ``overflow`` flag (``current``: no gradient transform
+    wrote the gradients after it) and clipping's ``norm`` when it describes the gradients as
+    the optimizers will see them (None otherwise: the gradients are checked here)."""
+    policy, limit = options.policy, options.max_consecutive
+    guard = ctx.state.slot(SLOT, Guard)
+    if guard._pending is not None:
+        guard.settle(ctx.state)  # the previous update's deferred decision
+    evidence = _collected(options, ctx, overflow, norm, current)
+    if evidence is None:
+        return _UNCHECKED
+    on_device = ctx.prepared.skips_on_device and policy != "raise"
     if ctx.distributed is None and not on_device:  # judged on the host, value by value
         flags = _host_flags(evidence)
         return _SKIP if guard.decide(flags, ctx.state.step, policy, limit) else _PROCEED

@@ -53,7 +53,7 @@ from ..parts import (
 from ..parts.clipping import Clipping
 from ..parts.nonfinite import Decision, NonFinite, NonFiniteError
 from ..parts.sharding import Sharding
-from . import agreement, chain, checks, micro
+from . import agreement, captured, chain, checks, micro
 from .extension import Chained, GradientTransform, Transform
 from .spec import Spec, spec_of
 
@@ -100,6 +100,8 @@ class Step:
         self._after = tuple(self.spec.after_update)
         self._guard = self.spec.nonfinite or _DEFAULT_GUARD
         self._carry = takes_carry(fn)
+        if self.spec.capture is not None:  # what a replay cannot reproduce: refused now
+            captured.check(self.spec, self._carry)
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__doc__ = getattr(fn, "__doc__", None)
 
@@ -179,6 +181,8 @@ class Step:
     def __call__(self, state: TrainState, batch: Batch) -> TensorDict:
         check_batch(batch)
         ctx = CallContext(state, self.prepare(state))
+        if self.spec.capture is not None:  # recorded once, replayed (accelfn.step.captured)
+            return captured.call(self, ctx, batch)
         try:  # every exit, at any line, leaves no gradients (undoing twice changes nothing)
             done = self._forward_backward(ctx, batch)
             while done is None:  # out of memory, undone: again, split finer (adaptive)

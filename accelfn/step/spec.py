@@ -20,10 +20,11 @@ from torch import Tensor
 
 from ..core.contexts import UpdateContext
 from ..core.state import TrainState
-from ..parts import activation_checkpointing, averaging, compilation, float8, precision
+from ..parts import activation_checkpointing, averaging, capture, compilation, float8, precision
 from ..parts.accumulation import Accumulation
 from ..parts.activation_checkpointing import Checkpointing
 from ..parts.averaging import Averaging
+from ..parts.capture import Capture
 from ..parts.clipping import Clipping
 from ..parts.compilation import Compilation
 from ..parts.float8 import Float8
@@ -42,6 +43,7 @@ _PLACES: dict[type, str] = {
     Float8: "float8", Precision: "precision", Checkpointing: "checkpointing",
     Sharding: "sharding", Compilation: "compilation", Averaging: "averaging",
     Accumulation: "accumulation", Clipping: "clipping", NonFinite: "nonfinite",
+    Capture: "capture",
 }
 
 
@@ -59,6 +61,7 @@ class Spec:
     accumulation: Accumulation | None = None
     clipping: Clipping | None = None
     nonfinite: NonFinite | None = None
+    capture: Capture | None = None
     gradients: tuple[GradientTransform, ...] = ()
 
     @property
@@ -70,8 +73,16 @@ class Spec:
             "checkpointing": blocks and functools.partial(activation_checkpointing.check,
                                                           blocks),
             "compilation": compiling and functools.partial(compilation.check, compiling),
+            "capture": self.capture and functools.partial(capture.check, self.capture,
+                                                          checks_flags=self._checks_flags),
         }
         return [check for check in found.values() if check]
+
+    @property
+    def _checks_flags(self) -> bool:
+        """Whether the update is checked for NaN/Inf (the default guard checks)."""
+        guard = self.nonfinite
+        return guard is None or guard.policy != "off" or guard.skip_if is not None
 
     @property
     def after_update(self) -> list[AfterUpdate]:

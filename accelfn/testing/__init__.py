@@ -38,13 +38,14 @@ from ..core.state import TrainState
 from ..observe.sync_probe import SyncProbe
 from ..step.chain import GradientTransformError
 from ..step.engine import Step, apply_transform
+from .tape import TapeRecorder
 from ..step.extension import GradientTransform, Transform
 from ..transforms.accumulation import with_accumulation
 from ..transforms.amp import with_amp
 from ..transforms.clipping import with_clipping
 from .reference import plain_update
 
-__all__ = ["ContractReport", "check_transform", "plain_update"]
+__all__ = ["ContractReport", "TapeRecorder", "check_transform", "plain_update"]
 
 LossFn = Callable[[nn.Module, Any], Any]
 Reference = Callable[[nn.Module, torch.optim.Optimizer, Any], None]

@@ -1,0 +1,273 @@
+"""The captured update: the engine's sequence for an update recorded once and replayed.
+
+    refuse a batch of other shapes; settle the previous update's skip decision
+    warm-up calls (the first with host reads refused), eager, then once: record
+    device work, recorded:   plan = split(batch) -> forward and backward of each micro-batch
+                             -> divide -> clip -> flags -> optimizer step unless flagged
+    each call:               copy the batch in -> replay
+    host work, every call:   defer the flags -> schedulers -> step += 1 -> after the update
+                             (EMA, compile cache) -> the metrics, copied out
+
+The device work is the engine's own (``micro``, ``clipping.clip``, ``nonfinite``'s flags,
+``optimizers.step_unless``), for the updates it can record (``check``); the host work is
+what ``accelfn.step.engine`` does after a device-side decision. A recording is kept per
+state and step, and made again when what it holds fixed changed (``capture.fingerprint``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
+
+from ..core import compat
+from ..core import optimizers as optimizers_
+from ..core.batch import Batch
+from ..core.contexts import CallContext, UpdateContext
+from ..core.plan import Plan, Sums
+from ..core.state import TrainState
+from ..parts import accumulation, capture, clipping, compilation, nonfinite
+from ..parts.capture import Capture, Recorder
+from . import micro
+from .spec import Spec
+
+if TYPE_CHECKING:
+    from .engine import Step
+
+__all__ = ["call", "check"]
+
+_SCALAR = torch.Size([])
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def check(spec: Spec, carries: bool) -> None:
+    """Refuse, when the step is built, what a replay cannot reproduce (its reason and fix)."""
+    options = spec.capture
+    assert options is not None
+    why = None
+    acc, amp, compiling = spec.accumulation, spec.precision, spec.compilation
+    if spec.sharding is not None:
+        why = ("runs in one process: a distributed update's collectives and DDP/FSDP hooks "
+               "run Python each update; leave out distributed() or captured()")
+    elif amp is not None and amp.scales:
+        why = ("does not record fp16's loss scaling (its scale is updated on the host); use "
+               "with_amp(dtype=torch.bfloat16), which needs none")
+    elif spec.float8 is not None:
+        why = "does not record with_float8's scaling yet; leave out with_float8 or captured()"
+    elif spec.checkpointing is not None:
+        why = ("does not record activation checkpointing: a recompute saves and restores the "
+               "random number generator's state on the host; leave out checkpointed()")
+    elif acc is not None and (acc.mode == "calls" or acc.adaptive or acc.split is not None):
+        why = ("records a fixed split of each batch: with_accumulation(n) without "
+               "mode='calls', adaptive=True or split= (they decide on the host each call)")
+    elif spec.gradients:
+        why = ("does not record gradient transforms: their Python (state, decisions) would run "
+               "at the recording only; apply them with with_clipping/with_nonfinite or leave "
+               "captured() out")
+    elif carries:
+        why = "does not record a step function's carry (kept on the host between calls)"
+    elif spec.nonfinite is not None and spec.nonfinite.policy == "raise":
+        why = ("skips a non-finite update on the device; with_nonfinite(policy='raise') "
+               "decides on the host: use policy='skip' or 'off'")
+    elif compiling is not None and (compiling.mode or "") in _CUDA_GRAPH_MODES:
+        why = (f"records the whole update, and compiled(mode={compiling.mode!r}) records CUDA "
+               "graphs of its own inside it; use compiled() or "
+               "compiled(mode='max-autotune-no-cudagraphs')")
+    elif compiling is not None and options.warmup < 2:
+        why = ("needs warmup >= 2 with compiled(): the first warm-up call runs eager (it looks "
+               "for host reads), the second compiles; use captured(warmup=3)")
+    if why is not None:
+        raise ValueError(f"captured() {why}")
+
+
+class _Recording:
+    """One recording of a step's update on a state: the recorder, the calls warmed up, the
+    batch's signature and its static copy, and the outputs each replay rewrites."""
+
+    __slots__ = ("batch", "context", "fingerprint", "metrics", "recorder", "signature", "warm")
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.warm = 0
+        self.signature: tuple[Any, ...] | None = None
+        self.fingerprint: tuple[Any, ...] | None = None
+        self.batch: Batch | None = None
+        self.metrics: dict[str, Tensor] | None = None
+        self.context: UpdateContext | None = None
+
+
+_RECORDINGS: weakref.WeakKeyDictionary[TrainState, dict[Step, _Recording]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _signature(batch: Batch) -> tuple[Any, ...]:
+    items = (batch.items(include_nested=True, leaves_only=True)
+             if isinstance(batch, TensorDictBase) else batch.items())
+    return tuple((key, tuple(v.shape), v.dtype, v.device) for key, v in items)
+
+
+def _copy_in(static: Batch, batch: Batch) -> None:
+    if isinstance(static, TensorDictBase):
+        static.update_(batch)
+        return
+    for key, value in batch.items():
+        static[key].copy_(value)
+
+
+def _static(batch: Batch) -> Batch:
+    if isinstance(batch, TensorDictBase):
+        return batch.clone()
+    return {key: value.clone() for key, value in batch.items()}
+
+
+def _described(signature: tuple[Any, ...]) -> str:
+    return ", ".join(f"{key}: {list(shape)} {str(dtype).replace('torch.', '')}"
+                     for key, shape, dtype, _ in signature)
+
+
+def call(step: Step, ctx: CallContext, batch: Batch) -> TensorDict:
+    """One call of a captured step (see the module's sequence)."""
+    options = step.spec.capture
+    assert options is not None
+    state = ctx.state
+    recordings = _RECORDINGS.setdefault(state, {})
+    rec = recordings.get(step)
+    signature = _signature(batch)
+    if rec is not None and rec.signature != signature:
+        raise ValueError(
+            f"captured(): this batch ({_described(signature)}) differs from the one the update "
+            f"is recorded for ({_described(rec.signature or ())}); a recorded update replays "
+            "fixed shapes. Give every batch the same shapes (drop_last=True, sequences padded "
+            "or packed to one length), or leave captured() out")
+    capture.device_rates(state)  # again: optimizer.load_state_dict puts back float rates
+    printed = capture.fingerprint(state)
+    if rec is None or rec.fingerprint != printed:  # new, or what it held fixed changed
+        factory = options.recorder or capture.CudaGraphs
+        rec = recordings[step] = _Recording(factory(ctx.device))
+        rec.signature, rec.fingerprint = signature, printed
+    guard = state.slot(nonfinite.SLOT, nonfinite.Guard)
+    if guard._pending is not None:
+        guard.settle(state)  # the previous update's deferred decision
+    if rec.warm < options.warmup:
+        with rec.recorder.warming():
+            uctx, metrics = _eager(step, ctx, batch, refuse=rec.warm == 0)
+        rec.warm += 1
+        return _finish(step, uctx, metrics, copy=False)
+    if rec.metrics is None:
+        rec.batch = _static(batch)
+        try:
+            rec.context, rec.metrics = rec.recorder.record(lambda: _device_work(step, ctx,
+                                                                                rec.batch))
+        except BaseException as error:
+            _abort(step, ctx)
+            del recordings[step]
+            if isinstance(error, Exception):
+                raise RuntimeError(f"captured(): the update could not be recorded ({error}); "
+                                   "it was not applied") from error
+            raise
+    else:
+        _copy_in(rec.batch, batch)
+    rec.recorder.replay()
+    assert rec.context is not None and rec.metrics is not None
+    return _finish(step, rec.context, rec.metrics, copy=True)
+
+
+def _eager(step: Step, ctx: CallContext, batch: Batch, refuse: bool
+           ) -> tuple[UpdateContext, dict[str, Tensor]]:
+    """A warm-up call: the recorded work run eagerly (the first with host reads refused
+    until its optimizer step); a failure leaves no gradient and applies nothing."""
+    try:
+        if refuse:
+            with capture.host_reads_refused(ctx.device):
+                uctx, metrics = _gradients(step, ctx, batch)
+        else:
+            uctx, metrics = _gradients(step, ctx, batch)
+        _apply(ctx, metrics)
+        metrics.update(uctx.metrics)
+        return uctx, metrics
+    except BaseException:
+        _abort(step, ctx)
+        raise
+
+
+def _device_work(step: Step, ctx: CallContext, batch: Batch
+                 ) -> tuple[UpdateContext, dict[str, Tensor]]:
+    uctx, metrics = _gradients(step, ctx, batch)
+    _apply(ctx, metrics)
+    metrics.update(uctx.metrics)
+    return uctx, metrics
+
+
+def _gradients(step: Step, ctx: CallContext, batch: Batch
+               ) -> tuple[UpdateContext, dict[str, Tensor]]:
+    """Forward and backward of the micro-batches, the gradients divided and clipped, the
+    decision's flags: as ``Step._forward_backward`` and ``Step._sequence`` compute them."""
+    spec, state = step.spec, ctx.state
+    acc = spec.accumulation
+    plan = Plan((batch,)) if acc is None else accumulation.split(acc, ctx, batch)
+    sums = Sums()
+    compiling = spec.compilation
+    with (compilation.watching(compiling, state) if compiling is not None
+          else contextlib.nullcontext()):
+        absolute = micro.forward_and_backward(spec, step.fn, False, ctx, plan, sums,
+                                              plan.absolute, {})
+    metrics = sums.result(divide=absolute)
+    returned = sums.returned_weight()
+    if returned is not None:
+        metrics["weight"] = returned
+    uctx = UpdateContext(state, ctx.prepared, metrics["loss"])
+    if absolute:
+        divisor = torch.as_tensor(sums.weight, dtype=torch.float32, device=ctx.device)
+        grads = uctx.local_grads()
+        if grads:
+            compat.foreach_div_(grads, divisor)
+    norm = clipping.clip(spec.clipping, uctx) if spec.clipping is not None else None
+    flags = nonfinite.device_flags(step._guard, uctx, norm)
+    if flags is not None:
+        metrics["flags"] = flags
+    optimizers_.rate_metrics(metrics, state.optimizers, ctx.device)
+    return uctx, metrics
+
+
+def _apply(ctx: CallContext, metrics: dict[str, Tensor]) -> None:
+    """The optimizer steps, skipped on the device when the flags say so; gradients cleared."""
+    optimizers = ctx.state.optimizers
+    flags = metrics.get("flags")
+    if flags is None:
+        ctx.prepared.optimizer_step()
+    else:
+        skip = flags.any()
+        optimizers_.step_unless(ctx.prepared.optimizer_step, optimizers, skip)
+        metrics["skipped"] = skip.float()
+    optimizers_.clear_grads(optimizers)
+
+
+def _finish(step: Step, uctx: UpdateContext, outputs: Mapping[str, Tensor], copy: bool
+            ) -> TensorDict:
+    """The host work after the device's: the decision deferred, the schedulers, the update
+    counted, what runs after it, the metrics (copied out of a recording's memory)."""
+    state, guard = uctx.state, step._guard
+    flags = outputs.get("flags")
+    if flags is not None:
+        state.slot(nonfinite.SLOT, nonfinite.Guard).defer(flags, state.step, guard)
+    nonfinite.schedule(guard, state, None if flags is not None else False)
+    state.step += 1
+    metrics = {k: v.clone() if copy else v for k, v in outputs.items() if k != "flags"}
+    after = step._after
+    if after:
+        skipped = (outputs["skipped"].bool() if flags is not None and not guard.advance
+                   else torch.zeros((), dtype=torch.bool, device=uctx.device))
+        for update in after:
+            update(uctx, skipped)
+    return compat.tensordict_unchecked(metrics, _SCALAR, None)  # type: ignore[no-any-return]
+
+
+def _abort(step: Step, ctx: CallContext) -> None:
+    """After a failed call: no gradient left, no decision deferred."""
+    optimizers_.clear_grads(ctx.state.optimizers)
+    nonfinite.abort(ctx)
