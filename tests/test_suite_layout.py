@@ -11,7 +11,7 @@ PACKAGE = TESTS.parent / "accelfn"
 # the modules named by the engine's sequence, and data's protocols and language-model data:
 # each has a test module of its own name
 MIRRORED = {"core": ("compat", "optimizers", "plan", "state"),
-            "step": ("agreement", "chain", "checks", "engine", "micro", "spec"),
+            "step": ("agreement", "captured", "chain", "checks", "engine", "micro", "spec"),
             "data": ("document_masks", "epochs", "packing", "token_batches", "tokens"),
             # the monitor's wing: the modules with a test module of their own (records,
             # report, verdict... are tested through the monitor's)
@@ -21,6 +21,7 @@ MIRRORED = {"core": ("compat", "optimizers", "plan", "state"),
 PARTS = {"accumulation": "transforms/test_accumulation.py",
          "activation_checkpointing": "transforms/test_activation_checkpointing.py",
          "averaging": "test_ema.py",
+         "capture": "transforms/test_capture_refusals.py",
          "clipping": "transforms/test_clipping.py", "nonfinite": "transforms/test_nonfinite.py",
          "compilation": "transforms/test_compiled.py",
          "float8": "transforms/test_float8.py",
