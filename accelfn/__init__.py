@@ -92,8 +92,8 @@ from .transforms.accumulation import with_accumulation
 from .transforms.activation_checkpointing import checkpointed
 from .transforms.adaptive_clipping import adaptive_clipping
 from .transforms.amp import with_amp
-from .transforms.clipping import with_clipping
 from .transforms.captured import captured
+from .transforms.clipping import with_clipping
 from .transforms.compile import compiled
 from .transforms.distributed import (
     DistributedError,

@@ -225,7 +225,7 @@ class CudaGraphs:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream = torch.cuda.Stream(device)
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self.graph: torch.cuda.CUDAGraph | None = None
 
     @contextlib.contextmanager

@@ -32,7 +32,7 @@ from ..core.contexts import CallContext, UpdateContext
 from ..core.plan import Plan, Sums
 from ..core.state import TrainState
 from ..parts import accumulation, capture, clipping, compilation, nonfinite
-from ..parts.capture import Capture, Recorder
+from ..parts.capture import Recorder
 from . import micro
 from .spec import Spec
 

@@ -38,12 +38,12 @@ from ..core.state import TrainState
 from ..observe.sync_probe import SyncProbe
 from ..step.chain import GradientTransformError
 from ..step.engine import Step, apply_transform
-from .tape import TapeRecorder
 from ..step.extension import GradientTransform, Transform
 from ..transforms.accumulation import with_accumulation
 from ..transforms.amp import with_amp
 from ..transforms.clipping import with_clipping
 from .reference import plain_update
+from .tape import TapeRecorder
 
 __all__ = ["ContractReport", "TapeRecorder", "check_transform", "plain_update"]
 
