@@ -38,15 +38,16 @@ T = TypeVar("T")
 
 
 class Recorder(Protocol):
-    """Records one call of a function's device work and replays it (``CudaGraphs``; on the
-    CPU, ``accelfn.testing.TapeRecorder``). ``record`` runs ``fn`` once, its device work
-    recorded and not applied, and returns its outputs (the tensors each replay rewrites);
-    ``replay`` applies the recorded work once more; ``warming`` surrounds the calls before
-    the recording."""
+    """Records the device work of functions called in turn and replays each (``CudaGraphs``;
+    on the CPU, ``accelfn.testing.TapeRecorder``). ``record`` runs ``fn`` once, its device
+    work recorded and not applied, and returns its outputs (tensors each replay rewrites in
+    place; a later recording may read them); ``replay(i)`` applies the ``i``-th recording
+    once more (the recordings replayed in the order they were made); ``warming`` surrounds
+    the calls before the recording."""
 
     def warming(self) -> contextlib.AbstractContextManager[Any]: ...
     def record(self, fn: Callable[[], T]) -> T: ...
-    def replay(self) -> None: ...
+    def replay(self, index: int) -> None: ...
 
 
 @dataclass(frozen=True, slots=True, repr=False)
@@ -219,14 +220,16 @@ def _stopped(what: str) -> Callable[..., Any]:
 
 # ----------------------------------------------------------------- CUDA graphs
 class CudaGraphs:
-    """The recorder of CUDA graphs: warm-up calls on a side stream, the update recorded
-    with ``torch.cuda.graph`` (its memory in the graph's own pool), replayed on the current
-    stream."""
+    """The recorder of CUDA graphs: warm-up calls on a side stream, each recording a
+    ``torch.cuda.graph`` (the later ones in the first one's memory pool, as graphs replayed
+    in the order they were captured may share it), replayed on the current stream. Other
+    threads' CUDA calls (a data pipeline's) go on during a recording
+    (``capture_error_mode="thread_local"``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphs: list[torch.cuda.CUDAGraph] = []
 
     @contextlib.contextmanager
     def warming(self) -> Iterator[None]:
@@ -238,12 +241,12 @@ class CudaGraphs:
 
     def record(self, fn: Callable[[], T]) -> T:
         graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize(self.device)
-        with torch.cuda.graph(graph):
+        pool = self.graphs[0].pool() if self.graphs else None
+        with torch.cuda.device(self.device), torch.cuda.graph(
+                graph, pool=pool, capture_error_mode="thread_local"):
             out = fn()
-        self.graph = graph
+        self.graphs.append(graph)
         return out
 
-    def replay(self) -> None:
-        assert self.graph is not None
-        self.graph.replay()
+    def replay(self, index: int) -> None:
+        self.graphs[index].replay()

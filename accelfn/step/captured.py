@@ -17,6 +17,7 @@ state and step, and made again when what it holds fixed changed (``capture.finge
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -89,10 +90,14 @@ class _Recording:
     """One recording of a step's update on a state: the recorder, the calls warmed up, the
     batch's signature and its static copy, and the outputs each replay rewrites."""
 
-    __slots__ = ("batch", "context", "fingerprint", "metrics", "recorder", "signature", "warm")
+    __slots__ = ("batch", "context", "fingerprint", "metrics", "recorder", "signature", "spec",
+                 "warm")
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, spec: Spec) -> None:
         self.recorder = recorder
+        amp = spec.precision  # autocast's weight cache would outlive a recording's forward:
+        self.spec = spec if amp is None or not amp.cache else dataclasses.replace(  # off
+            spec, precision=dataclasses.replace(amp, cache=False))
         self.warm = 0
         self.signature: tuple[Any, ...] | None = None
         self.fingerprint: tuple[Any, ...] | None = None
@@ -148,66 +153,75 @@ def call(step: Step, ctx: CallContext, batch: Batch) -> TensorDict:
     printed = capture.fingerprint(state)
     if rec is None or rec.fingerprint != printed:  # new, or what it held fixed changed
         factory = options.recorder or capture.CudaGraphs
-        rec = recordings[step] = _Recording(factory(ctx.device))
+        rec = recordings[step] = _Recording(factory(ctx.device), step.spec)
         rec.signature, rec.fingerprint = signature, printed
-    guard = state.slot(nonfinite.SLOT, nonfinite.Guard)
-    if guard._pending is not None:
-        guard.settle(state)  # the previous update's deferred decision
     if rec.warm < options.warmup:
-        with rec.recorder.warming():
-            uctx, metrics = _eager(step, ctx, batch, refuse=rec.warm == 0)
+        uctx, metrics = _eager(step, rec, ctx, batch)
         rec.warm += 1
         return _finish(step, uctx, metrics, copy=False)
     if rec.metrics is None:
-        rec.batch = _static(batch)
-        try:
-            rec.context, rec.metrics = rec.recorder.record(lambda: _device_work(step, ctx,
-                                                                                rec.batch))
-        except BaseException as error:
-            _abort(step, ctx)
-            del recordings[step]
-            if isinstance(error, Exception):
-                raise RuntimeError(f"captured(): the update could not be recorded ({error}); "
-                                   "it was not applied") from error
-            raise
+        _record(step, rec, ctx, batch)
     else:
         _copy_in(rec.batch, batch)
-    rec.recorder.replay()
     assert rec.context is not None and rec.metrics is not None
+    rec.recorder.replay(0)  # the gradients and the flags
+    _settle(ctx)  # the previous update's decision, while the device computes this one's
+    rec.recorder.replay(1)  # the optimizer steps unless flagged
     return _finish(step, rec.context, rec.metrics, copy=True)
 
 
-def _eager(step: Step, ctx: CallContext, batch: Batch, refuse: bool
-           ) -> tuple[UpdateContext, dict[str, Tensor]]:
-    """A warm-up call: the recorded work run eagerly (the first with host reads refused
-    until its optimizer step); a failure leaves no gradient and applies nothing."""
+def _settle(ctx: CallContext) -> None:
+    """Settle the previous update's deferred decision (its schedulers step, and this
+    update's optimizer step reads their rates), as the eager step does before its own."""
+    guard = ctx.state.slot(nonfinite.SLOT, nonfinite.Guard)
+    if guard._pending is not None:
+        guard.settle(ctx.state)
+
+
+def _record(step: Step, rec: _Recording, ctx: CallContext, batch: Batch) -> None:
+    """Record the update in two parts replayed in turn (the gradients and flags; the
+    optimizer steps), between which the host settles the previous update's decision; a
+    failure applies nothing and drops the recording."""
+    rec.batch = static = _static(batch)
     try:
-        if refuse:
-            with capture.host_reads_refused(ctx.device):
-                uctx, metrics = _gradients(step, ctx, batch)
-        else:
-            uctx, metrics = _gradients(step, ctx, batch)
-        _apply(ctx, metrics)
-        metrics.update(uctx.metrics)
+        uctx, metrics = rec.recorder.record(lambda: _gradients(step, rec.spec, ctx, static))
+        rec.recorder.record(lambda: _apply(ctx, uctx, metrics))
+        rec.context, rec.metrics = uctx, metrics
+    except BaseException as error:
+        _abort(step, ctx)
+        del _RECORDINGS[ctx.state][step]
+        if isinstance(error, Exception):
+            raise RuntimeError(f"captured(): the update could not be recorded ({error}); it "
+                               "was not applied") from error
+        raise
+
+
+def _eager(step: Step, rec: _Recording, ctx: CallContext, batch: Batch
+           ) -> tuple[UpdateContext, dict[str, Tensor]]:
+    """A warm-up call: the recorded work run eagerly, on the recorder's warm-up stream (the
+    first with host reads refused until its optimizer step); a failure leaves no gradient
+    and applies nothing."""
+    try:
+        with rec.recorder.warming():
+            if rec.warm == 0:
+                with capture.host_reads_refused(ctx.device):
+                    uctx, metrics = _gradients(step, rec.spec, ctx, batch)
+            else:
+                uctx, metrics = _gradients(step, rec.spec, ctx, batch)
+            _settle(ctx)
+            _apply(ctx, uctx, metrics)
         return uctx, metrics
     except BaseException:
         _abort(step, ctx)
         raise
 
 
-def _device_work(step: Step, ctx: CallContext, batch: Batch
-                 ) -> tuple[UpdateContext, dict[str, Tensor]]:
-    uctx, metrics = _gradients(step, ctx, batch)
-    _apply(ctx, metrics)
-    metrics.update(uctx.metrics)
-    return uctx, metrics
-
-
-def _gradients(step: Step, ctx: CallContext, batch: Batch
+def _gradients(step: Step, spec: Spec, ctx: CallContext, batch: Batch
                ) -> tuple[UpdateContext, dict[str, Tensor]]:
     """Forward and backward of the micro-batches, the gradients divided and clipped, the
-    decision's flags: as ``Step._forward_backward`` and ``Step._sequence`` compute them."""
-    spec, state = step.spec, ctx.state
+    decision's flags: as ``Step._forward_backward`` and ``Step._sequence`` compute them
+    (``spec``: the step's, autocast's cache off)."""
+    state = ctx.state
     acc = spec.accumulation
     plan = Plan((batch,)) if acc is None else accumulation.split(acc, ctx, batch)
     sums = Sums()
@@ -222,7 +236,10 @@ def _gradients(step: Step, ctx: CallContext, batch: Batch
         metrics["weight"] = returned
     uctx = UpdateContext(state, ctx.prepared, metrics["loss"])
     if absolute:
-        divisor = torch.as_tensor(sums.weight, dtype=torch.float32, device=ctx.device)
+        # a number is filled on the device: a copy from the host's memory would not record
+        weight = sums.weight
+        divisor = (weight.to(torch.float32) if isinstance(weight, Tensor)
+                   else torch.full((), float(weight), device=ctx.device))  # type: ignore[arg-type]
         grads = uctx.local_grads()
         if grads:
             compat.foreach_div_(grads, divisor)
@@ -230,13 +247,14 @@ def _gradients(step: Step, ctx: CallContext, batch: Batch
     flags = nonfinite.device_flags(step._guard, uctx, norm)
     if flags is not None:
         metrics["flags"] = flags
-    optimizers_.rate_metrics(metrics, state.optimizers, ctx.device)
     return uctx, metrics
 
 
-def _apply(ctx: CallContext, metrics: dict[str, Tensor]) -> None:
-    """The optimizer steps, skipped on the device when the flags say so; gradients cleared."""
+def _apply(ctx: CallContext, uctx: UpdateContext, metrics: dict[str, Tensor]) -> None:
+    """The optimizer steps, skipped on the device when the flags say so; gradients cleared;
+    the metrics the update's parts added (``grad_norm``) last, as the eager step's."""
     optimizers = ctx.state.optimizers
+    optimizers_.rate_metrics(metrics, optimizers, ctx.device)  # the rates it steps with
     flags = metrics.get("flags")
     if flags is None:
         ctx.prepared.optimizer_step()
@@ -245,6 +263,7 @@ def _apply(ctx: CallContext, metrics: dict[str, Tensor]) -> None:
         optimizers_.step_unless(ctx.prepared.optimizer_step, optimizers, skip)
         metrics["skipped"] = skip.float()
     optimizers_.clear_grads(optimizers)
+    metrics.update(uctx.metrics)
 
 
 def _finish(step: Step, uctx: UpdateContext, outputs: Mapping[str, Tensor], copy: bool
@@ -253,8 +272,10 @@ def _finish(step: Step, uctx: UpdateContext, outputs: Mapping[str, Tensor], copy
     counted, what runs after it, the metrics (copied out of a recording's memory)."""
     state, guard = uctx.state, step._guard
     flags = outputs.get("flags")
-    if flags is not None:
-        state.slot(nonfinite.SLOT, nonfinite.Guard).defer(flags, state.step, guard)
+    if flags is not None:  # read at the next call, after the next replay rewrote them: a
+        # copy (on CUDA the guard's own copy to host memory, queued before that replay)
+        kept = flags.clone() if copy and not flags.is_cuda else flags
+        state.slot(nonfinite.SLOT, nonfinite.Guard).defer(kept, state.step, guard)
     nonfinite.schedule(guard, state, None if flags is not None else False)
     state.step += 1
     metrics = {k: v.clone() if copy else v for k, v in outputs.items() if k != "flags"}

@@ -3,12 +3,13 @@
 A CUDA graph replays the device work it recorded, on the same memory, and none of the
 Python that issued it. The tape does the same with torch's operators: ``record`` runs a
 function once with every aten operator it dispatches written down (the tensors it read
-and wrote, the outputs it made), then puts back every tensor the function wrote and the
-random number generator's state (a recording applies nothing, as a capture); ``replay``
-runs the operators again on the same tensors, the outputs of one feeding the next, and
-copies the new values into the outputs the recording returned. Python state the function
-changed is changed once, at the recording, as under CUDA graphs: a step whose update
-depends on it differs from its eager run on the tape too.
+and wrote, the tensors it made), then puts back every tensor that existed before and that
+the function wrote, and the random number generator's state (a recording applies nothing,
+as a capture); ``replay(i)`` runs the ``i``-th recording's operators again on the same
+tensors, each writing its results into the tensors it made when recorded (the same
+memory), so a later recording reads an earlier one's results as on a GPU. Python state the
+function changed is changed once, at the recording, as under CUDA graphs: a step whose
+update depends on it differs from its eager run on the tape too.
 
 Not recorded: operators that run no aten operator (inductor's compiled kernels: under a
 recording torch.compile runs the model eagerly) and the profiler's markers. A host read
@@ -39,16 +40,6 @@ def _leaves(value: Any) -> list[Any]:
     return [value]
 
 
-def _mapped(value: Any, env: dict[int, Tensor]) -> Any:
-    if isinstance(value, Tensor):
-        return env.get(id(value), value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_mapped(v, env) for v in value)
-    if isinstance(value, dict):
-        return {k: _mapped(v, env) for k, v in value.items()}
-    return value
-
-
 def _written(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Tensor]:
     """The tensors ``op`` writes into (its schema's ``Tensor(a!)`` arguments)."""
     out: list[Tensor] = []
@@ -67,14 +58,13 @@ class TapeRecorder:
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
         self.device = torch.device(device)
-        self._tape: list[_Entry] = []
-        self._outputs: list[Tensor] = []
+        self._tapes: list[list[_Entry]] = []
         self._made: dict[int, Tensor] = {}  # every tensor made while recording, kept alive
         self.replays = 0
 
     @property
     def operators(self) -> int:
-        return len(self._tape)
+        return sum(len(tape) for tape in self._tapes)
 
     def warming(self) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -92,7 +82,8 @@ class TapeRecorder:
                 raise error
             for tensor in _written(op, args, kwargs):
                 root = tensor if tensor._base is None else tensor._base
-                if id(root) not in made and id(root) not in saved:
+                if id(root) not in made and id(root) not in self._made and id(
+                        root) not in saved:
                     saved[id(root)] = (root, root.detach().clone())
             result = op(*args, **kwargs)
             outputs = _leaves(result)
@@ -114,31 +105,23 @@ class TapeRecorder:
                 for tensor, before in saved.values():
                     tensor.copy_(before)
             torch.set_rng_state(rng)
-        self._tape, self._made = tape, made
-        self._outputs = [t for t in _leaves(list(_values(out))) if isinstance(t, Tensor)
-                         and id(t) in made]
+        self._tapes.append(tape)
+        self._made.update(made)
         return out
 
-    def replay(self) -> None:
-        env: dict[int, Tensor] = {}
+    def replay(self, index: int) -> None:
+        """Run the ``index``-th recording's operators again, each writing its outputs into
+        the tensors it made when recorded (the same memory, as a graph's replay)."""
         with torch.no_grad():
-            for op, args, kwargs, outputs in self._tape:
-                result = op(*_mapped(args, env), **_mapped(kwargs, env))
+            for op, args, kwargs, outputs in self._tapes[index]:
+                result = op(*args, **kwargs)
                 for old, new in zip(outputs, _leaves(result)):
-                    if isinstance(old, Tensor):
-                        env[id(old)] = new
-            for tensor in self._outputs:
-                new = env.get(id(tensor), tensor)
-                if new is not tensor:
-                    tensor.copy_(new)
+                    if isinstance(old, Tensor) and not _same_memory(old, new):
+                        old.copy_(new)
         self.replays += 1
 
 
-def _values(out: Any) -> list[Any]:
-    """The leaves of what a recorded function returned (tuples, lists, mappings, objects
-    with tensors in their mapping values)."""
-    if isinstance(out, dict):
-        return [leaf for v in out.values() for leaf in _values(v)]
-    if isinstance(out, (list, tuple)):
-        return [leaf for v in out for leaf in _values(v)]
-    return [out]
+def _same_memory(old: Tensor, new: Any) -> bool:
+    """Whether ``new`` is ``old``'s memory already (an in-place result, a view)."""
+    return (isinstance(new, Tensor)
+            and new.untyped_storage().data_ptr() == old.untyped_storage().data_ptr())
