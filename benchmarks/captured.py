@@ -171,6 +171,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not args.dry_run and "gpt2" in args.models:
         out["gpt2"] = measure(GPT2, args.gpt2_batch, device, dtype, args.gpt2_compile,
                               args.rounds, max(2, args.steps // 4), args.warmup + 2)
+    launch, gpt = out["launch_bound"], out.get("gpt2")
+    out["targets"] = {"launch_bound_captured_vs_hand": ">= 1.3",
+                      "gpt2_captured_vs_eager": ">= 0.99", "max_abs_param_diff": "<= 1e-6"}
+    out["met"] = {
+        "launch_bound_captured_vs_hand": launch["speedup_captured_vs_hand"] >= 1.3,
+        "gpt2_captured_vs_eager": None if gpt is None
+        else gpt["speedup_captured_vs_eager"] >= 0.99,
+        "max_abs_param_diff": out["equality"]["within_1e-6"]}
     return out
 
 

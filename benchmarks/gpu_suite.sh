@@ -11,6 +11,9 @@
 #   environment     accelfn doctor (versions, driver, GPU, settings)
 #   gpt2            benchmarks/gpt2.py: GPT-2 small tokens/s, MFU, memory, stage ratios,
 #                   the levers of the recommended stack and its hand-written twin
+#   captured        benchmarks/captured.py: the captured step against eager and the hand
+#                   loop on a launch-bound GPT (256 wide, 4 layers, batch 8) and on GPT-2
+#                   small compiled; fp32 equality of captured and eager
 #   float8          benchmarks/float8.py: float8 against bf16 tokens/s on GPTs 4096 and 2048
 #                   wide; a per-shape sweep of one Linear (where float8 wins)
 #   memory          benchmarks/memory.py --device cuda: estimate_memory's peak against
@@ -42,7 +45,7 @@
 set -euo pipefail
 
 usage() {
-  sed -n '2,41p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+  sed -n '2,44p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
 }
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -65,8 +68,8 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-PARTS=(environment gpt2 float8 memory gpu_tests bench_resnet50 transforms data sharded_muon
-       compile)
+PARTS=(environment gpt2 captured float8 memory gpu_tests bench_resnet50 transforms data
+       sharded_muon compile)
 ORDER=("${PARTS[@]}")
 if [[ -n "$ONLY" ]]; then
   IFS=, read -ra ORDER <<< "$ONLY"
@@ -146,6 +149,7 @@ if [[ $DRY_RUN -eq 1 ]]; then
   FLOAT8=(--dry-run --shapes)
   MEMORY=(--tiny --rounds 2 --device cpu --anchors)
   MUON=(--tiny --rounds 1 --steps 1 --nproc 2 --device cpu)
+  CAPTURED=(--dry-run); T_CAPTURED=120
   T_FLOAT8=240; T_COMPILE=240; T_MEMORY=120; T_MUON=180
   T_TESTS=180; T_BENCH=240; T_GPT=240; T_TRANSFORMS=240; T_DATA=120  # a loaded CI machine
 else
@@ -166,6 +170,7 @@ else
   FLOAT8=(--widths 4096,2048 --shapes --budget-s 60)
   MEMORY=(--rounds 5 --device cuda --anchors)
   MUON=(--rounds 3 --steps 2 --device cuda)
+  CAPTURED=(--device cuda); T_CAPTURED=180
   T_FLOAT8=300; T_COMPILE=180; T_MEMORY=150; T_MUON=90
   T_TESTS=90; T_BENCH=200; T_GPT=300; T_TRANSFORMS=120; T_DATA=120
 fi
@@ -179,6 +184,10 @@ part_environment() {
 part_gpt2() {
   run_part gpt2 "$T_GPT" "$PYTHON" benchmarks/gpt2.py "${GPT[@]}" "${DEV[@]}" \
     --json "$WORK/gpt2.json"
+}
+
+part_captured() {
+  run_part captured "$T_CAPTURED" --stdout-json "$PYTHON" benchmarks/captured.py "${CAPTURED[@]}"
 }
 
 part_float8() {

@@ -208,6 +208,23 @@ def headline(parts: dict[str, Any]) -> list[list[str]]:
         rows.append([f"GPT-2 small ({gpt['model']['parameters'] / 1e6:.0f}M): MFU, best stage "
                      f"`{best['name']}` ({best['tokens_per_s']:,.0f} tokens/s)",
                      f"{best['mfu'] * 100:.1f}%", ">= 45%", _met(best, best["mfu"] >= 0.45)])
+    cap = res.get("captured")
+    if cap:
+        launch, met = cap["launch_bound"], cap["met"]
+        rows.append([f"captured / hand-written loop, updates/s, launch-bound GPT "
+                     f"({launch['config']['dim']} wide, {launch['config']['layers']} layers, "
+                     f"batch {launch['batch']})", _x(launch["speedup_captured_vs_hand"]),
+                     ">= x1.3", _met(launch, met["launch_bound_captured_vs_hand"])])
+        rows.append(["same, captured / the same accelfn step eager",
+                     _x(launch["speedup_captured_vs_eager"]), "", ""])
+        if cap.get("gpt2"):
+            rows.append(["GPT-2 small compiled: captured / eager accelfn step, tokens/s",
+                         _x(cap["gpt2"]["speedup_captured_vs_eager"]), ">= x0.99",
+                         _met(cap, met["gpt2_captured_vs_eager"])])
+        rows.append(["captured against eager, fp32: largest parameter difference after "
+                     f"{cap['equality']['steps']} updates",
+                     f"{cap['equality']['max_abs_param_diff']:.1e}", "<= 1e-6",
+                     _met(cap, met["max_abs_param_diff"])])
     f8 = res.get("float8")
     if f8:
         rows.append([f"float8 / bf16 tokens/s, GPT of {f8['model']['parameters'] / 1e6:.0f}M "

@@ -91,6 +91,16 @@ def summary(parts: dict[str, Any]) -> dict[str, Any]:
         out["gpt2_small"] = {"tokens_per_s_by_stage": _stages(gpt, "tokens_per_s"),
                              "levers": gpt.get("levers"),
                              "parameters": gpt.get("model", {}).get("parameters")}
+    captured = parts.get("captured", {}).get("result")
+    if captured:
+        out["captured"] = {
+            "launch_bound_captured_vs_hand": captured["launch_bound"]["speedup_captured_vs_hand"],
+            "launch_bound_captured_vs_eager": captured["launch_bound"][
+                "speedup_captured_vs_eager"],
+            "gpt2_captured_vs_eager": (captured.get("gpt2") or {}).get(
+                "speedup_captured_vs_eager"),
+            "max_abs_param_diff": captured["equality"]["max_abs_param_diff"],
+            "targets": captured.get("targets"), "met": captured.get("met")}
     float8 = parts.get("float8", {}).get("result")
     if float8:
         out["float8"] = {k: float8.get(k) for k in ("speedup", "target", "meets_target")}

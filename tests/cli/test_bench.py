@@ -257,8 +257,9 @@ def test_gpu_suite_parses_and_its_cheap_parts_dry_run(tmp_path: Path) -> None:
     header = script.split("# Usage:")[0]
     listed = [m.group(1) for m in re.finditer(r"^#   (\w+) {2,}\S", header, re.M)]
     run = list(dict.fromkeys(re.findall(r"^\s*run_part (\w+) ", script, re.M)))
-    assert listed == run == ["environment", "gpt2", "float8", "memory", "gpu_tests",
-                             "bench_resnet50", "transforms", "data", "sharded_muon", "compile"]
+    assert listed == run == ["environment", "gpt2", "captured", "float8", "memory",
+                             "gpu_tests", "bench_resnet50", "transforms", "data",
+                             "sharded_muon", "compile"]
     out = tmp_path / "gpu.json"
     env = {**os.environ, "PYTHON": sys.executable}
     proc = subprocess.run(
@@ -286,12 +287,14 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     assert result["dry_run"] is True
     assert result["date"] and result["device"]
     parts = result["parts"]
-    names = ["environment", "gpt2", "float8", "memory", "gpu_tests", "bench_resnet50",
-             "transforms", "data", "sharded_muon", "compile"]
+    names = ["environment", "gpt2", "captured", "float8", "memory", "gpu_tests",
+             "bench_resnet50", "transforms", "data", "sharded_muon", "compile"]
     assert list(parts) == names  # the figures only a GPU gives come first
     for name in names:
         assert parts[name]["status"] == "ok", (name, parts[name])
     assert [s["name"] for s in parts["float8"]["result"]["sides"]] == ["bf16", "float8"]
+    assert parts["captured"]["result"]["equality"]["bitwise"]  # the tape on the CPU
+    assert summary_has_captured(result)
     estimate = parts["memory"]["result"]["estimate"]
     assert estimate["meets_target"] and _number(estimate["ratio"])
     anchors = parts["memory"]["result"]["estimate_anchors"]
@@ -321,6 +324,12 @@ def test_gpu_suite_dry_run(tmp_path: Path) -> None:
     assert summary["gpt2_small"]["tokens_per_s_by_stage"]
     assert _number(summary["float8"]["speedup"]) and summary["float8"]["target"] == 1.2
     assert summary["regional_compile"]["targets"]["compile_ratio"] == "<= 0.5"
+
+
+def summary_has_captured(result: dict) -> bool:
+    captured = result["summary"]["captured"]
+    return (_number(captured["launch_bound_captured_vs_hand"])
+            and captured["max_abs_param_diff"] == 0.0 and captured["met"]["max_abs_param_diff"])
 
 
 def test_saved_activations_peak_is_one_micro_batch_under_accumulation() -> None:

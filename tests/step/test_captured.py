@@ -216,3 +216,46 @@ def test_every_stacking_order_with_captured_builds_the_same_update():
             reference = step
         assert step.spec == reference.spec
     assert str(reference).startswith("with_ema")
+
+
+def _cuda_setup(seed=0):
+    torch.manual_seed(seed)
+    model = Net().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01, device="cuda"),
+                                  fused=True)
+    return model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 2, 0.5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+@pytest.mark.parametrize("stack", ["clipping", "accumulation"])
+def test_cuda_graphs_equal_the_eager_step_in_fp32(stack):
+    made = ((lambda fn: af.with_clipping(max_norm=0.5)(fn)) if stack == "clipping"
+            else (lambda fn: af.with_accumulation(2)(fn)))
+    eager_state, state = af.TrainState(*_cuda_setup()), af.TrainState(*_cuda_setup())
+    eager, step = made(classify), af.captured(made(classify))
+    for i, batch in enumerate(_batches(10)):
+        batch = batch.to("cuda")
+        if i == 6:
+            batch["x"][0, 0] = float("nan")
+        expected, got = eager(eager_state, batch), step(state, batch)
+        for key in expected.keys():
+            torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6,
+                                       equal_nan=True, msg=f"{stack}: {key} at {i}")
+    eager_state.sync(), state.sync()
+    assert_params_equal(state.model, eager_state.model, exact=False, atol=1e-6)
+    assert state.slots["nonfinite"].skipped == eager_state.slots["nonfinite"].skipped == 1
+    assert state.scheduler.last_epoch == eager_state.scheduler.last_epoch == 9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+@pytest.mark.parametrize("read", ["item", "cpu"])
+def test_a_host_read_is_refused_on_cuda(read):
+    def fn(model, batch):
+        loss = classify(model, batch)["loss"]
+        value = loss.item() if read == "item" else loss.cpu()
+        return loss * (2 if value > 0 else 1)
+
+    state = af.TrainState(*_cuda_setup())
+    with pytest.raises(RuntimeError, match="captured"):
+        af.captured(fn)(state, make_batch().to("cuda"))
+    assert state.step == 0
