@@ -511,7 +511,7 @@ def test_every_transform_has_a_page_listed_in_the_site() -> None:
 
     nav = (ROOT / "mkdocs.yml").read_text()
     for name in ("with_amp", "with_accumulation", "with_clipping", "compiled", "checkpointed",
-                 "distributed", "with_nonfinite"):
+                 "distributed", "with_nonfinite", "captured"):
         assert getattr(af, name)
         assert (DOCS / "transforms" / f"{name}.md").exists()
         assert f"transforms/{name}.md" in nav
