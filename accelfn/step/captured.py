@@ -34,7 +34,7 @@ from ..core.plan import Plan, Sums
 from ..core.state import TrainState
 from ..parts import accumulation, capture, clipping, compilation, nonfinite
 from ..parts.capture import Recorder
-from . import micro
+from . import checks, micro
 from .spec import Spec
 
 if TYPE_CHECKING:
@@ -90,8 +90,7 @@ class _Recording:
     """One recording of a step's update on a state: the recorder, the calls warmed up, the
     batch's signature and its static copy, and the outputs each replay rewrites."""
 
-    __slots__ = ("batch", "context", "fingerprint", "metrics", "recorder", "signature", "spec",
-                 "warm")
+    __slots__ = ("batch", "fingerprint", "metrics", "recorder", "signature", "spec", "warm")
 
     def __init__(self, recorder: Recorder, spec: Spec) -> None:
         self.recorder = recorder
@@ -103,7 +102,6 @@ class _Recording:
         self.fingerprint: tuple[Any, ...] | None = None
         self.batch: Batch | None = None
         self.metrics: dict[str, Tensor] | None = None
-        self.context: UpdateContext | None = None
 
 
 _RECORDINGS: weakref.WeakKeyDictionary[TrainState, dict[Step, _Recording]] = (
@@ -163,11 +161,13 @@ def call(step: Step, ctx: CallContext, batch: Batch) -> TensorDict:
         _record(step, rec, ctx, batch)
     else:
         _copy_in(rec.batch, batch)
-    assert rec.context is not None and rec.metrics is not None
+    assert rec.metrics is not None
     rec.recorder.replay(0)  # the gradients and the flags
     _settle(ctx)  # the previous update's decision, while the device computes this one's
     rec.recorder.replay(1)  # the optimizer steps unless flagged
-    return _finish(step, rec.context, rec.metrics, copy=True)
+    # no reference to the state is kept with the recording: the state's memory goes with it
+    return _finish(step, UpdateContext(state, ctx.prepared, rec.metrics["loss"]), rec.metrics,
+                   copy=True)
 
 
 def _settle(ctx: CallContext) -> None:
@@ -186,7 +186,7 @@ def _record(step: Step, rec: _Recording, ctx: CallContext, batch: Batch) -> None
     try:
         uctx, metrics = rec.recorder.record(lambda: _gradients(step, rec.spec, ctx, static))
         rec.recorder.record(lambda: _apply(ctx, uctx, metrics))
-        rec.context, rec.metrics = uctx, metrics
+        rec.metrics = metrics
     except BaseException as error:
         _abort(step, ctx)
         del _RECORDINGS[ctx.state][step]
@@ -272,19 +272,27 @@ def _finish(step: Step, uctx: UpdateContext, outputs: Mapping[str, Tensor], copy
     counted, what runs after it, the metrics (copied out of a recording's memory)."""
     state, guard = uctx.state, step._guard
     flags = outputs.get("flags")
-    if flags is not None:  # read at the next call, after the next replay rewrote them: a
-        # copy (on CUDA the guard's own copy to host memory, queued before that replay)
-        kept = flags.clone() if copy and not flags.is_cuda else flags
-        state.slot(nonfinite.SLOT, nonfinite.Guard).defer(kept, state.step, guard)
-    nonfinite.schedule(guard, state, None if flags is not None else False)
-    state.step += 1
-    metrics = {k: v.clone() if copy else v for k, v in outputs.items() if k != "flags"}
-    after = step._after
-    if after:
-        skipped = (outputs["skipped"].bool() if flags is not None and not guard.advance
-                   else torch.zeros((), dtype=torch.bool, device=uctx.device))
-        for update in after:
-            update(uctx, skipped)
+    counted = False
+    try:
+        if flags is not None:  # read at the next call, after the next replay rewrote them:
+            # a copy (on CUDA the guard's own copy to host memory, queued before that replay)
+            kept = flags.clone() if copy and not flags.is_cuda else flags
+            state.slot(nonfinite.SLOT, nonfinite.Guard).defer(kept, state.step, guard)
+        nonfinite.schedule(guard, state, None if flags is not None else False)
+        state.step += 1; counted = True  # noqa: E702  (one line: counted as it counts)
+        metrics = {k: v.clone() if copy else v for k, v in outputs.items() if k != "flags"}
+        after = step._after
+        if after:
+            skipped = (outputs["skipped"].bool() if flags is not None and not guard.advance
+                       else torch.zeros((), dtype=torch.bool, device=uctx.device))
+            for update in after:
+                update(uctx, skipped)
+    except BaseException as error:  # the update was applied: it counts, as in the engine
+        if not counted:
+            state.step += 1
+        error.add_note(checks.after_update_failed(state.step, None if flags is not None
+                                                  else False))
+        raise
     return compat.tensordict_unchecked(metrics, _SCALAR, None)  # type: ignore[no-any-return]
 
 

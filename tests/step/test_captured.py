@@ -259,3 +259,47 @@ def test_a_host_read_is_refused_on_cuda(read):
     with pytest.raises(RuntimeError, match="captured"):
         af.captured(fn)(state, make_batch().to("cuda"))
     assert state.step == 0
+
+
+def test_a_failure_after_the_replay_counts_the_update_and_the_next_call_works():
+    eager_state, state = af.TrainState(*_setup()), af.TrainState(*_setup())
+    fail = []
+
+    def scheduler_step(original):
+        def step(*args, **kwargs):
+            if fail:
+                fail.clear()
+                raise RuntimeError("scheduler failed")
+            return original(*args, **kwargs)
+        return step
+
+    for s in (eager_state, state):
+        s.scheduler.step = scheduler_step(s.scheduler.step)
+    eager = af.with_nonfinite(policy="off")(classify)  # the scheduler steps in the update
+    step = af.captured(warmup=1, recorder=TapeRecorder)(eager)
+    batches = _batches(6)
+    for i, batch in enumerate(batches):
+        for s, f in ((eager_state, eager), (state, step)):
+            if i == 3:
+                fail.append(1)
+                with pytest.raises(RuntimeError, match="scheduler failed") as raised:
+                    f(s, batch)
+                assert "counts as update 4" in "".join(raised.value.__notes__)
+            else:
+                f(s, batch)
+    assert state.step == eager_state.step == 6
+    assert_params_equal(state.model, eager_state.model)
+
+
+def test_a_recording_does_not_keep_its_state_alive():
+    import gc
+    import weakref
+
+    state = af.TrainState(*_setup())
+    step = af.captured(warmup=1, recorder=TapeRecorder)(classify)
+    for batch in _batches(3):
+        step(state, batch)
+    gone = weakref.ref(state)
+    del state
+    gc.collect()
+    assert gone() is None
