@@ -1,12 +1,14 @@
 """The captured update: the engine's sequence for an update recorded once and replayed.
 
-    refuse a batch of other shapes; settle the previous update's skip decision
-    warm-up calls (the first with host reads refused), eager, then once: record
-    device work, recorded:   plan = split(batch) -> forward and backward of each micro-batch
-                             -> divide -> clip -> flags -> optimizer step unless flagged
-    each call:               copy the batch in -> replay
-    host work, every call:   defer the flags -> schedulers -> step += 1 -> after the update
-                             (EMA, compile cache) -> the metrics, copied out
+    refuse a batch of other shapes; copy the batch into the recording's memory
+    warm-up calls, eager (the first with host reads refused), then once: record
+    part 1, recorded:   plan = split(batch) -> forward and backward of each micro-batch
+                        -> divide -> clip -> the decision's flags
+    host:               settle the previous update's decision (its schedulers step)
+    part 2, recorded:   the rates -> optimizer step unless flagged -> gradients cleared
+    each call:          replay part 1 -> settle -> replay part 2
+    host, every call:   defer the flags -> schedulers -> step += 1 -> after the update
+                        (EMA, compile cache) -> the metrics, copied out
 
 The device work is the engine's own (``micro``, ``clipping.clip``, ``nonfinite``'s flags,
 ``optimizers.step_unless``), for the updates it can record (``check``); the host work is
@@ -153,14 +155,17 @@ def call(step: Step, ctx: CallContext, batch: Batch) -> TensorDict:
         factory = options.recorder or capture.CudaGraphs
         rec = recordings[step] = _Recording(factory(ctx.device), step.spec)
         rec.signature, rec.fingerprint = signature, printed
+        # the memory every call reads its batch from, the warm-up calls' too: compiled code
+        # is compiled for the tensors it is recorded with (a clone's strides may differ)
+        rec.batch = _static(batch)
+    else:
+        _copy_in(rec.batch, batch)
     if rec.warm < options.warmup:
-        uctx, metrics = _eager(step, rec, ctx, batch)
+        uctx, metrics = _eager(step, rec, ctx)
         rec.warm += 1
         return _finish(step, uctx, metrics, copy=False)
     if rec.metrics is None:
-        _record(step, rec, ctx, batch)
-    else:
-        _copy_in(rec.batch, batch)
+        _record(step, rec, ctx)
     assert rec.metrics is not None
     rec.recorder.replay(0)  # the gradients and the flags
     _settle(ctx)  # the previous update's decision, while the device computes this one's
@@ -178,11 +183,11 @@ def _settle(ctx: CallContext) -> None:
         guard.settle(ctx.state)
 
 
-def _record(step: Step, rec: _Recording, ctx: CallContext, batch: Batch) -> None:
+def _record(step: Step, rec: _Recording, ctx: CallContext) -> None:
     """Record the update in two parts replayed in turn (the gradients and flags; the
     optimizer steps), between which the host settles the previous update's decision; a
     failure applies nothing and drops the recording."""
-    rec.batch = static = _static(batch)
+    static = rec.batch
     try:
         uctx, metrics = rec.recorder.record(lambda: _gradients(step, rec.spec, ctx, static))
         rec.recorder.record(lambda: _apply(ctx, uctx, metrics))
@@ -196,7 +201,7 @@ def _record(step: Step, rec: _Recording, ctx: CallContext, batch: Batch) -> None
         raise
 
 
-def _eager(step: Step, rec: _Recording, ctx: CallContext, batch: Batch
+def _eager(step: Step, rec: _Recording, ctx: CallContext
            ) -> tuple[UpdateContext, dict[str, Tensor]]:
     """A warm-up call: the recorded work run eagerly, on the recorder's warm-up stream (the
     first with host reads refused until its optimizer step); a failure leaves no gradient
@@ -205,9 +210,9 @@ def _eager(step: Step, rec: _Recording, ctx: CallContext, batch: Batch
         with rec.recorder.warming():
             if rec.warm == 0:
                 with capture.host_reads_refused(ctx.device):
-                    uctx, metrics = _gradients(step, rec.spec, ctx, batch)
+                    uctx, metrics = _gradients(step, rec.spec, ctx, rec.batch)
             else:
-                uctx, metrics = _gradients(step, rec.spec, ctx, batch)
+                uctx, metrics = _gradients(step, rec.spec, ctx, rec.batch)
             _settle(ctx)
             _apply(ctx, uctx, metrics)
         return uctx, metrics

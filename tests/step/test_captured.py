@@ -303,3 +303,27 @@ def test_a_recording_does_not_keep_its_state_alive():
     del state
     gc.collect()
     assert gone() is None
+
+
+def test_every_call_reads_its_batch_from_the_recordings_memory():
+    """The warm-up calls run on the recording's copy of the batch too, so that code
+    compiled in a warm-up call sees the tensors it is recorded with (a batch of views, as
+    ``tokens[:, :-1]``, has strides its copy does not keep: compiled for the view, the code
+    would recompile inside the recording on a GPU)."""
+    seen = []
+
+    def looking(model, batch):
+        seen.append((batch["x"].data_ptr(), batch["x"].stride()))
+        return classify(model, batch)
+
+    def views(seed):
+        batch = make_batch(n=10, seed=seed)
+        batch["x"] = torch.cat([batch["x"], batch["x"]], dim=1)[:, :6]
+        return batch
+
+    state = af.TrainState(*_setup())
+    step = af.captured(recorder=TapeRecorder)(looking)
+    for seed in range(6):
+        step(state, views(seed))
+    assert len(seen) == 4  # three warm-up calls and the recording: replays run no Python
+    assert len(set(seen)) == 1 and seen[0][1] == (6, 1)
