@@ -327,3 +327,24 @@ def test_every_call_reads_its_batch_from_the_recordings_memory():
         step(state, views(seed))
     assert len(seen) == 4  # three warm-up calls and the recording: replays run no Python
     assert len(set(seen)) == 1 and seen[0][1] == (6, 1)
+
+
+def test_captured_passes_the_contract_kit_against_the_plain_loop():
+    from accelfn.testing import check_transform, plain_update
+
+    def adamw(model):
+        return torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True)
+
+    def loss(model, batch):
+        return F.cross_entropy(model(batch["x"]), batch["y"])
+
+    report = check_transform(
+        af.captured(warmup=1, recorder=TapeRecorder), loss_fn=loss, make_optimizer=adamw,
+        reference=lambda model, optimizer, batch: plain_update(model, optimizer, batch, loss),
+        steps=4)
+    assert report.passed == ["reference", "purity", "orders", "resume", "no host sync",
+                             "bad input"]
+    assert report.orders == 24  # with bf16 amp, accumulation and clipping, every order
+    assert report.not_applicable == [
+        "a failing loss function or optimizer step: a captured step replays its recorded "
+        "update without calling them"]
