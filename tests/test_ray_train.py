@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
 
 import pytest
@@ -50,6 +51,9 @@ def crashed(tmp_path_factory):
     out = tmp_path_factory.mktemp("ray") / "run"
     # a loaded machine can take a minute to start a worker group (Ray's default limit)
     os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = "600"
+    # ray.init gives this process a SIGTERM handler that exits (sys.exit(15)), and keeps it
+    # after shutdown: put back the one before, or a later test's handler chains into it
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         report = load_example().main([
@@ -58,6 +62,8 @@ def crashed(tmp_path_factory):
     finally:
         ray.shutdown()
         del os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"]
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
     return report, out
 
 

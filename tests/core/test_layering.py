@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "observe.monitor": {"core", "step", "observe"},
     "checkpointing": {"core", "step"},
     "recipes": {"core", "data"},
-    "testing": {"core", "step", "transforms", "observe"},
+    "testing": {"core", "parts", "step", "transforms", "observe"},
     "cli": {"core", "step", "transforms", "data", "observe", "checkpointing", "recipes",
             "__init__"},
     "assets": set(),
