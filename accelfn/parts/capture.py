@@ -235,9 +235,11 @@ class CudaGraphs:
     def warming(self) -> Iterator[None]:
         current = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(current)
-        with torch.cuda.stream(self.stream):
-            yield
-        current.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                yield
+        finally:  # what the warm-up call did is done before the current stream goes on
+            current.wait_stream(self.stream)
 
     def record(self, fn: Callable[[], T]) -> T:
         graph = torch.cuda.CUDAGraph()
