@@ -178,9 +178,7 @@ def call(step: Step, ctx: CallContext, batch: Batch) -> TensorDict:
 def _settle(ctx: CallContext) -> None:
     """Settle the previous update's deferred decision (its schedulers step, and this
     update's optimizer step reads their rates), as the eager step does before its own."""
-    guard = ctx.state.slot(nonfinite.SLOT, nonfinite.Guard)
-    if guard._pending is not None:
-        guard.settle(ctx.state)
+    ctx.state.slot(nonfinite.SLOT, nonfinite.Guard).settle(ctx.state)  # none pending: nothing
 
 
 def _record(step: Step, rec: _Recording, ctx: CallContext) -> None:
@@ -193,7 +191,7 @@ def _record(step: Step, rec: _Recording, ctx: CallContext) -> None:
         rec.recorder.record(lambda: _apply(ctx, uctx, metrics))
         rec.metrics = metrics
     except BaseException as error:
-        _abort(step, ctx)
+        step._abort(ctx)  # the engine's undo: no gradient, no decision deferred
         del _RECORDINGS[ctx.state][step]
         if isinstance(error, Exception):
             raise RuntimeError(f"captured(): the update could not be recorded ({error}); it "
@@ -217,7 +215,7 @@ def _eager(step: Step, rec: _Recording, ctx: CallContext
             _apply(ctx, uctx, metrics)
         return uctx, metrics
     except BaseException:
-        _abort(step, ctx)
+        step._abort(ctx)  # the engine's undo: no gradient, no decision deferred
         raise
 
 
@@ -299,9 +297,3 @@ def _finish(step: Step, uctx: UpdateContext, outputs: Mapping[str, Tensor], copy
                                                   else False))
         raise
     return compat.tensordict_unchecked(metrics, _SCALAR, None)  # type: ignore[no-any-return]
-
-
-def _abort(step: Step, ctx: CallContext) -> None:
-    """After a failed call: no gradient left, no decision deferred."""
-    optimizers_.clear_grads(ctx.state.optimizers)
-    nonfinite.abort(ctx)
