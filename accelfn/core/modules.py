@@ -1,16 +1,18 @@
-"""Module utilities: finding a model's repeated blocks, wrapping a forward in place."""
+"""Module utilities: finding a model's repeated blocks, wrapping a forward in place, eval mode
+for a while."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import nn
 
-__all__ = ["find_blocks", "inner_forward", "wrap_forward"]
+__all__ = ["evaluating", "find_blocks", "inner_forward", "wrap_forward"]
 
 Wrapper = Callable[..., Any]  # wrapper(module, inner_forward, *args, **kwargs)
 
@@ -85,3 +87,19 @@ def running_stat_modules(block: nn.Module) -> tuple[nn.Module, ...]:
     """The modules of ``block`` whose forward updates running statistics in training mode:
     batch/instance norms with ``track_running_stats`` (any module following that convention)."""
     return tuple(m for m in block.modules() if getattr(m, "track_running_stats", False) is True)
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module) -> Iterator[None]:
+    """``model.eval()`` for the body; afterwards ``model.train(mode)`` as it was, then every
+    module's own mode as it was: a submodule the user keeps in eval mode (a frozen
+    BatchNorm while fine-tuning) stays there, which ``model.train()`` alone would undo."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(modes[0][1])  # the model's own train(), overridden or not
+        for module, training in modes:
+            module.training = training
+

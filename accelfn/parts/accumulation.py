@@ -23,6 +23,7 @@ import torch
 from ..core.batch import Batch, batch_size, check_batch_dim, split_batch, split_checked
 from ..core.contexts import CallContext
 from ..core.plan import Plan, Sums
+from ..core.state import TrainState
 
 __all__ = ["FINEST_SPLIT", "Accumulation", "abort", "count", "flush", "metrics", "retry",
            "split"]
@@ -198,6 +199,19 @@ def flush(options: Accumulation, ctx: CallContext) -> Sums | None:
         return None
     window = ctx.state.slot(_SLOT, _Window)
     return window.close() if window.calls else None
+
+
+def refuse_open_window(state: TrainState) -> None:
+    """Refuse a call of a step that does not count calls while a ``mode="calls"`` window is
+    open on ``state``: it would clear the window's gradients while the window still counts
+    their call (its update would then apply part of its batches). Before anything changes."""
+    window = state.get_slot(_SLOT)
+    if type(window) is _Window and window.calls:
+        raise RuntimeError(
+            f"an accumulation window is open on this TrainState ({window.calls} call(s) of "
+            "with_accumulation(n, mode='calls') with gradients not yet applied), and this "
+            "step would clear them: call flush(state) on the accumulating step first (it "
+            "applies the open window), or call this step at a window boundary")
 
 
 def abort(options: Accumulation, ctx: CallContext) -> None:

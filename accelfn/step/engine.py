@@ -36,6 +36,7 @@ from ..core.batch import Batch, batch_size, check_batch
 from ..core.carry import SLOT as CARRY
 from ..core.carry import Carries, takes_carry
 from ..core.contexts import CallContext, Prepared, UpdateContext, entered, held
+from ..core.modules import evaluating
 from ..core.outputs import unpack
 from ..core.plan import Plan, Sums
 from ..core.state import TrainState
@@ -64,7 +65,8 @@ _DEFAULT_GUARD = NonFinite()  # every update decides
 _UNCOMMITTED = Decision(True)  # an update the replica groups did not commit: skipped
 _SCALAR = torch.Size([])
 _NOTHING = contextlib.nullcontext()
-_FIXED = frozenset({"fn", "transforms", "spec", "_key", "_after", "_guard", "_carry"})
+_FIXED = frozenset({"fn", "transforms", "spec", "_key", "_after", "_guard", "_outside_windows",
+                    "_carry"})
 _PREPARING = ("float8", "precision", "checkpointing", "sharding", "compilation", "averaging")
 
 
@@ -99,6 +101,9 @@ class Step:
             getattr(self.spec, place) is t.part for place in _PREPARING))
         self._after = tuple(self.spec.after_update)
         self._guard = self.spec.nonfinite or _DEFAULT_GUARD
+        # a step that does not count calls clears gradients a calls window holds: refused
+        self._outside_windows = self.spec.accumulation is None or \
+            self.spec.accumulation.mode != "calls"
         self._carry = takes_carry(fn)
         if self.spec.capture is not None:  # what a replay cannot reproduce: refused now
             captured.check(self.spec, self._carry)
@@ -181,6 +186,8 @@ class Step:
     def __call__(self, state: TrainState, batch: Batch) -> TensorDict:
         check_batch(batch)
         ctx = CallContext(state, self.prepare(state))
+        if self._outside_windows:
+            accumulation.refuse_open_window(state)
         if self.spec.capture is not None:  # recorded once, replayed (accelfn.step.captured)
             return captured.call(self, ctx, batch)
         try:  # every exit, at any line, leaves no gradients (undoing twice changes nothing)
@@ -389,7 +396,8 @@ class Step:
     def evaluate(self, state: TrainState, batch: Batch, **options: Any) -> TensorDict:
         """The same forward as a training call (autocast, compiled), without gradients.
 
-        The model is put in eval mode for the call and restored afterwards; metrics are
+        The model is put in eval mode for the call, and every module's own mode restored
+        afterwards (a submodule kept in eval mode stays there); metrics are
         weighted over micro-batches exactly as in training. ``options`` go to the transforms
         that take them (``weights="ema"`` with ``with_ema``).
         """
@@ -400,10 +408,7 @@ class Step:
         plan = self._plan(ctx, batch)
         n = len(plan.micros)
         sums = Sums()
-        model = ctx.model
-        was_training = model.training
-        model.eval()
-        try:
+        with evaluating(ctx.model):
             managers = [] if ema is None else [averaging.evaluate(ema, ctx, options)]
             carried: dict[int, Any] = {}
             with torch.no_grad(), entered(managers):
@@ -417,8 +422,6 @@ class Step:
                     if isinstance(coef, Tensor):  # weight 0 (all padding): left out, as in
                         values = micro.without_empty(coef, values)  # training
                     sums.add(coef, values)
-        finally:
-            model.train(was_training)
         if self._carry:
             state.slot(CARRY, Carries).commit("evaluate", carried)
         return TensorDict(sums.result(divide=n > 1), batch_size=[])

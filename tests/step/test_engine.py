@@ -88,6 +88,23 @@ def test_evaluate_no_grad_eval_mode_and_no_update(net):
     assert state.step == 0
 
 
+def test_evaluate_restores_each_modules_own_mode():
+    """A submodule the user keeps in eval mode (a frozen BatchNorm while fine-tuning) is in
+    eval mode again after ``evaluate``, and the next update leaves its statistics alone."""
+    model = nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    model[1].eval().requires_grad_(False)
+    state = af.TrainState(model, torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=0.1))
+    step = af.lift(classify)
+    step(state, make_batch())
+    modes = [m.training for m in model.modules()]
+    statistics = model[1].running_mean.clone()
+    step.evaluate(state, make_batch(seed=1))
+    assert [m.training for m in model.modules()] == modes
+    step(state, make_batch(seed=2))
+    assert torch.equal(model[1].running_mean, statistics)
+
+
 def test_describe_shows_stack_outermost_first():
     step = af.compiled(af.with_amp(af.with_accumulation(4)(af.with_clipping(max_norm=1.0)(
         classify))))

@@ -148,6 +148,29 @@ def test_calls_mode_refuses_to_checkpoint_an_open_window(net):
     assert state.state_dict()["slots"]["accumulation"] == {"calls": 0}
 
 
+def test_another_step_on_a_state_with_an_open_window_is_refused_with_nothing_changed(net):
+    """A second step on a state whose calls window holds gradients would clear them while the
+    window still counts their call: it is refused, naming the fix, and the window goes on."""
+    probe = GradProbe()
+    step = af.apply_transform(af.with_accumulation(2, mode="calls")(classify), probe.transform)
+    other = af.lift(classify)
+    ref_model = copy.deepcopy(net)
+    state = af.TrainState(net, torch.optim.SGD(net.parameters(), lr=0.0))
+    first, second = make_batch(n=4, seed=1), make_batch(n=6, seed=2)
+    step(state, first)
+    held = [p.grad.clone() for p in net.parameters()]
+    with pytest.raises(RuntimeError, match=r"window is open.*flush\(state\)"):
+        other(state, second)
+    assert all(torch.equal(p.grad, g) for p, g in zip(net.parameters(), held))
+    assert state.step == 0
+    step(state, second)  # closes the window: first + second, as if nothing had come between
+    whole = torch.cat([first.to_tensordict(), second.to_tensordict()])
+    for got, want in zip(probe.grads, full_batch_grads(ref_model, as_dict(whole), classify)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    other(state, second)  # at a window boundary the other step runs
+    assert state.step == 2
+
+
 def test_calls_mode_failures_refused_input_keeps_window_failed_call_discards_it(net):
     probe = GradProbe()
     fail = {"on": False}
