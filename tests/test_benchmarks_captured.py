@@ -28,3 +28,18 @@ def test_the_dry_run_measures_every_side_and_finds_the_replay_bitwise(tmp_path):
     assert [row[0].split(",")[0] for row in rows] == [
         "captured / hand-written loop", "same", "captured against eager"]
     assert rows[-1][1:] == ["0.0e+00", "<= 1e-6", "yes"]
+
+
+def test_a_failing_section_is_recorded_and_the_next_still_runs(tmp_path, monkeypatch):
+    """One GPU slot is not lost to one failure: the error is in the figures, written after
+    each section, and the benchmark exits 1."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("no recording")
+
+    monkeypatch.setattr(captured, "equality", broken)
+    out = tmp_path / "captured.json"
+    assert captured.main(["--dry-run", "--json", str(out)]) == 1
+    result = json.loads(out.read_text())
+    assert result["equality"] == {"error": "RuntimeError: no recording"}
+    assert set(result["launch_bound"]["ms_per_update"]) == {"hand", "eager", "captured"}
+    assert result["met"]["max_abs_param_diff"] is None

@@ -21,6 +21,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -31,8 +33,8 @@ from torch import Tensor
 from ..core import compat
 from ..core.state import TrainState
 
-__all__ = ["Capture", "CudaGraphs", "Recorder", "check", "device_rates", "fingerprint",
-           "host_read_error", "host_reads_refused"]
+__all__ = ["Capture", "CudaGraphs", "Recorder", "changed", "check", "fingerprint",
+           "host_read_error", "host_reads_refused", "prepare_optimizers", "uncaptured_steps"]
 
 T = TypeVar("T")
 
@@ -103,32 +105,74 @@ def check(options: Capture, state: TrainState, checks_flags: bool) -> None:
                     "capturable=True")
 
 
-def device_rates(state: TrainState) -> None:
-    """Every learning rate a tensor on its parameters' device (a scheduler fills it in
-    place, and each replay reads it); kept as it is where it is one already."""
+# the device tensor made for each group's rate, kept so that a float put back into the group
+# (a hand-written schedule, load_state_dict) is filled into it rather than a new tensor
+_RATES: weakref.WeakKeyDictionary[TrainState, dict[int, tuple[dict[str, Any], Tensor]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def prepare_optimizers(state: TrainState) -> None:
+    """Make the optimizers' groups what a recording replays, before each call: every learning
+    rate a tensor on its parameters' device (torch's schedulers fill it in place, and each
+    replay reads it; a float put back is filled into the same tensor), and every fused group
+    ``capturable`` (torch refuses a step inside a capture otherwise; the fused kernel
+    computes the same with it)."""
+    made = _RATES.get(state, {})
+    kept: dict[int, tuple[dict[str, Any], Tensor]] = {}
     for optimizer in state.optimizers:
         for group in optimizer.param_groups:
             lr, params = group["lr"], group["params"]
             device = params[0].device if params else state.device
-            if not isinstance(lr, Tensor):
-                group["lr"] = torch.tensor(float(lr), device=device)
-            elif lr.device != device:
-                group["lr"] = lr.detach().to(device)
+            if isinstance(lr, Tensor):
+                if lr.device != device:
+                    group["lr"] = lr.detach().to(device)
+            else:
+                old = made.get(id(group))
+                if old is not None and old[0] is group and old[1].device == device:
+                    old[1].fill_(float(lr))
+                    group["lr"] = old[1]
+                else:
+                    group["lr"] = torch.tensor(float(lr), device=device)
+            kept[id(group)] = (group, group["lr"])
+            if group.get("fused") and not group.get("capturable", True):
+                group["capturable"] = True
+    _RATES[state] = kept
 
 
-def fingerprint(state: TrainState) -> tuple[Any, ...]:
-    """What a recording holds fixed and a call may have changed since: the optimizers' state
-    and groups (``load_state_dict`` replaces them), their hyperparameters (recorded as
-    numbers), their rates' tensors, and where each parameter's data lives."""
-    out: list[Any] = []
+@contextlib.contextmanager
+def uncaptured_steps() -> Iterator[None]:
+    """Around the warm-up calls' optimizer steps: torch warns once that a capturable
+    optimizer stepped outside a capture, which is what a warm-up is for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*capturable=True.*without .* graph capture")
+        yield
+
+
+def fingerprint(state: TrainState) -> tuple[tuple[str, Any], ...]:
+    """What a recording holds fixed and a call may have changed since, each entry named: the
+    optimizers' state and groups (``load_state_dict`` replaces them), their hyperparameters
+    (recorded as numbers), their rates' tensors, and where each parameter's data lives."""
+    out: list[tuple[str, Any]] = []
     for optimizer in state.optimizers:
-        out.append(id(optimizer.state))
-        for group in optimizer.param_groups:
-            out.append(id(group))
-            out.extend((k, id(v) if isinstance(v, Tensor) else v)
+        name = type(optimizer).__name__
+        out.append((f"{name}'s state", id(optimizer.state)))
+        for i, group in enumerate(optimizer.param_groups):
+            where = f"{name}'s group {i}"
+            out.append((where, id(group)))
+            out.extend((f"{where} {k!r}", id(v) if isinstance(v, Tensor) else v)
                        for k, v in group.items() if k != "params")
-            out.extend(p.data_ptr() for p in group["params"])
+            out.append((f"{where}'s parameters' memory",
+                        tuple(p.data_ptr() for p in group["params"])))
     return tuple(out)
+
+
+def changed(before: tuple[tuple[str, Any], ...], after: tuple[tuple[str, Any], ...]
+            ) -> list[str]:
+    """The names of the entries of two fingerprints that differ (all of them when the
+    optimizers' groups are not the same ones)."""
+    if [name for name, _ in before] != [name for name, _ in after]:
+        return ["the optimizers' groups"]
+    return [name for (name, a), (_, b) in zip(before, after) if a != b]
 
 
 # ----------------------------------------------------------------- host reads
@@ -143,10 +187,15 @@ def _host_read(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | 
     tags = op.tags
     if torch.Tag.data_dependent_output in tags or name == "is_nonzero":
         return "reads a tensor's value on the host (.item(), bool(), float(), if tensor:)"
+    indices = (args[1] if len(args) > 1 and name in _INDEXING else None) or ()
+    if indices and isinstance(args[0], Tensor) and args[0].device.type != "cpu" and any(
+            isinstance(i, Tensor) and i.device.type == "cpu" and i.dim() > 0 for i in indices):
+        return ("indexes a device tensor by a tensor on the host, which is copied to the "
+                "device at each call (make the index on the device: device=...)")
     if torch.Tag.dynamic_output_shape in tags:
         if name in _INDEXING and not any(
                 isinstance(i, Tensor) and i.dtype in (torch.bool, torch.uint8)
-                for i in (args[1] if len(args) > 1 else ()) or ()):
+                for i in indices):
             return None  # indexing by integer tensors: its shape is the index's
         return (f"makes a tensor whose shape depends on the values ({name}: a boolean mask, "
                 "nonzero, unique, masked_select)")
@@ -156,6 +205,10 @@ def _host_read(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | 
         target_cpu = target is not None and torch.device(target).type == "cpu"
         if isinstance(source, Tensor) and source.device.type != "cpu" and target_cpu:
             return "copies a tensor to the host (.cpu(), .tolist(), .numpy())"
+        if isinstance(source, Tensor) and source.device.type == "cpu" and \
+                target is not None and torch.device(target).type != "cpu":
+            return ("copies a tensor from the host to the device (.to(device), .cuda(), a "
+                    "tensor made without device=), which a replay would not repeat")
     return None
 
 
@@ -229,6 +282,9 @@ class CudaGraphs:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        # torch's default capture stream is one for the process, made on the device current
+        # when first used: each recorder records on a stream of its own device
+        self.capture = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self.graphs: list[torch.cuda.CUDAGraph] = []
 
     @contextlib.contextmanager
@@ -244,9 +300,14 @@ class CudaGraphs:
     def record(self, fn: Callable[[], T]) -> T:
         graph = torch.cuda.CUDAGraph()
         pool = self.graphs[0].pool() if self.graphs else None
-        with torch.cuda.device(self.device), torch.cuda.graph(
-                graph, pool=pool, capture_error_mode="thread_local"):
-            out = fn()
+        current = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.device(self.device), torch.cuda.graph(
+                    graph, pool=pool, stream=self.capture, capture_error_mode="thread_local"):
+                out = fn()
+        finally:  # a capture that CUDA invalidated raises before torch puts the stream back
+            if torch.cuda.current_stream(self.device) != current:
+                torch.cuda.set_stream(current)
         self.graphs.append(graph)
         return out
 

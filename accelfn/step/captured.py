@@ -92,7 +92,8 @@ class _Recording:
     """One recording of a step's update on a state: the recorder, the calls warmed up, the
     batch's signature and its static copy, and the outputs each replay rewrites."""
 
-    __slots__ = ("batch", "fingerprint", "metrics", "recorder", "signature", "spec", "warm")
+    __slots__ = ("batch", "fingerprint", "metrics", "recorder", "restarts", "signature", "spec",
+                 "warm")
 
     def __init__(self, recorder: Recorder, spec: Spec) -> None:
         self.recorder = recorder
@@ -104,10 +105,12 @@ class _Recording:
         self.fingerprint: tuple[Any, ...] | None = None
         self.batch: Batch | None = None
         self.metrics: dict[str, Tensor] | None = None
+        self.restarts = 0  # warm-ups begun again, in a row, before anything was recorded
 
 
-_RECORDINGS: weakref.WeakKeyDictionary[TrainState, dict[Step, _Recording]] = (
-    weakref.WeakKeyDictionary())
+# per state, per step (a step dropped takes its recording with it, its graphs' memory too)
+_RECORDINGS: weakref.WeakKeyDictionary[
+    TrainState, weakref.WeakKeyDictionary[Step, _Recording]] = weakref.WeakKeyDictionary()
 
 
 def _signature(batch: Batch) -> tuple[Any, ...]:
@@ -140,7 +143,9 @@ def call(step: Step, ctx: CallContext, batch: Batch) -> TensorDict:
     options = step.spec.capture
     assert options is not None
     state = ctx.state
-    recordings = _RECORDINGS.setdefault(state, {})
+    recordings = _RECORDINGS.get(state)
+    if recordings is None:
+        recordings = _RECORDINGS[state] = weakref.WeakKeyDictionary()
     rec = recordings.get(step)
     signature = _signature(batch)
     if rec is not None and rec.signature != signature:
@@ -149,12 +154,15 @@ def call(step: Step, ctx: CallContext, batch: Batch) -> TensorDict:
             f"is recorded for ({_described(rec.signature or ())}); a recorded update replays "
             "fixed shapes. Give every batch the same shapes (drop_last=True, sequences padded "
             "or packed to one length), or leave captured() out")
-    capture.device_rates(state)  # again: optimizer.load_state_dict puts back float rates
+    capture.prepare_optimizers(state)  # again: load_state_dict puts back float rates
     printed = capture.fingerprint(state)
     if rec is None or rec.fingerprint != printed:  # new, or what it held fixed changed
         factory = options.recorder or capture.CudaGraphs
+        restarts = 0 if rec is None or rec.metrics is not None else rec.restarts + 1
+        if restarts == 2 and rec is not None and rec.fingerprint is not None:
+            _warn_unstable(state, capture.changed(rec.fingerprint, printed))
         rec = recordings[step] = _Recording(factory(ctx.device), step.spec)
-        rec.signature, rec.fingerprint = signature, printed
+        rec.signature, rec.fingerprint, rec.restarts = signature, printed, restarts
         # the memory every call reads its batch from, the warm-up calls' too: compiled code
         # is compiled for the tensors it is recorded with (a clone's strides may differ)
         rec.batch = _static(batch)
@@ -167,12 +175,23 @@ def call(step: Step, ctx: CallContext, batch: Batch) -> TensorDict:
     if rec.metrics is None:
         _record(step, rec, ctx)
     assert rec.metrics is not None
+    # gradients something else left are not this update's (as the eager step's new window)
+    optimizers_.clear_grads(state.optimizers)
     rec.recorder.replay(0)  # the gradients and the flags
     _settle(ctx)  # the previous update's decision, while the device computes this one's
     rec.recorder.replay(1)  # the optimizer steps unless flagged
     # no reference to the state is kept with the recording: the state's memory goes with it
     return _finish(step, UpdateContext(state, ctx.prepared, rec.metrics["loss"]), rec.metrics,
                    copy=True)
+
+
+def _warn_unstable(state: TrainState, names: list[str]) -> None:
+    state.warn_once("captured.unstable", (
+        f"captured(): the update is never recorded: {', '.join(names)} changed at each of "
+        "the last calls, and a recording holds it fixed, so every call begins the eager "
+        "warm-up again (slower than the eager step). Change it in place (a rate tensor's "
+        "fill_, as torch's schedulers do; OneCycleLR(cycle_momentum=False)), or leave "
+        "captured() out"))
 
 
 def _settle(ctx: CallContext) -> None:
@@ -212,7 +231,8 @@ def _eager(step: Step, rec: _Recording, ctx: CallContext
             else:
                 uctx, metrics = _gradients(step, rec.spec, ctx, rec.batch)
             _settle(ctx)
-            _apply(ctx, uctx, metrics)
+            with capture.uncaptured_steps():
+                _apply(ctx, uctx, metrics)
         return uctx, metrics
     except BaseException:
         step._abort(ctx)  # the engine's undo: no gradient, no decision deferred
@@ -225,6 +245,9 @@ def _gradients(step: Step, spec: Spec, ctx: CallContext, batch: Batch
     decision's flags: as ``Step._forward_backward`` and ``Step._sequence`` compute them
     (``spec``: the step's, autocast's cache off)."""
     state = ctx.state
+    # gradients something else left are not this update's, and a recorded backward must
+    # make its own in the recording's memory rather than add into tensors freed later
+    optimizers_.clear_grads(state.optimizers)
     acc = spec.accumulation
     plan = Plan((batch,)) if acc is None else accumulation.split(acc, ctx, batch)
     sums = Sums()

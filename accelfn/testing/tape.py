@@ -19,7 +19,7 @@ recording torch.compile runs the model eagerly) and the profiler's markers. A ho
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -98,7 +98,7 @@ class TapeRecorder:
 
         rng = torch.get_rng_state()
         try:
-            with compat.aten_interceptor(handle):
+            with compat.aten_interceptor(handle), _capturing_optimizers():
                 out = fn()
         finally:
             with torch.no_grad():
@@ -119,6 +119,26 @@ class TapeRecorder:
                     if isinstance(old, Tensor) and not _same_memory(old, new):
                         old.copy_(new)
         self.replays += 1
+
+
+@contextlib.contextmanager
+def _capturing_optimizers() -> Iterator[None]:
+    """An optimizer's step inside the recording refused unless its groups are capturable, as
+    torch refuses it while a CUDA stream captures (its check looks for a capturing stream of
+    an accelerator, which the CPU has not)."""
+    name = compat.OPTIMIZER_CAPTURE_CHECK
+    check = getattr(torch.optim.Optimizer, name)
+
+    def capturing(self: torch.optim.Optimizer) -> None:
+        if not all(group.get("capturable", False) for group in self.param_groups):
+            raise RuntimeError(f"Attempting graph capture of step() for an instance of "
+                               f"{type(self).__name__} but param_groups' capturable is False.")
+
+    setattr(torch.optim.Optimizer, name, capturing)
+    try:
+        yield
+    finally:
+        setattr(torch.optim.Optimizer, name, check)
 
 
 def _same_memory(old: Tensor, new: Any) -> bool:

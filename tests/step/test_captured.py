@@ -248,17 +248,23 @@ def test_cuda_graphs_equal_the_eager_step_in_fp32(stack):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
-@pytest.mark.parametrize("read", ["item", "cpu"])
+@pytest.mark.parametrize("read", ["item", "cpu", "to_device", "host_index"])
 def test_a_host_read_is_refused_on_cuda(read):
     def fn(model, batch):
         loss = classify(model, batch)["loss"]
+        if read == "to_device":  # a copy from the host: it synchronises, a replay skips it
+            return loss * torch.ones(()).add(1).to(loss.device)
+        if read == "host_index":  # indexed by a tensor made on the host
+            return loss + batch["x"][torch.arange(2)].sum() * 0
         value = loss.item() if read == "item" else loss.cpu()
         return loss * (2 if value > 0 else 1)
 
     state = af.TrainState(*_cuda_setup())
+    stream = torch.cuda.current_stream()
     with pytest.raises(RuntimeError, match="captured"):
         af.captured(fn)(state, make_batch().to("cuda"))
     assert state.step == 0
+    assert torch.cuda.current_stream() == stream  # no capture stream left behind
 
 
 def test_a_failure_after_the_replay_counts_the_update_and_the_next_call_works():
@@ -348,3 +354,67 @@ def test_captured_passes_the_contract_kit_against_the_plain_loop():
     assert report.not_applicable == [
         "a failing loss function or optimizer step: a captured step replays its recorded "
         "update without calling them"]
+
+
+def test_gradients_left_before_the_recording_are_not_this_updates():
+    """A backward outside the step (a probe, a GAN's other loss) leaves gradients before the
+    recording and between replays: the captured update ignores them, as the eager step's new
+    window does, and its replays do not add into them."""
+    eager_model, eager_opt, _ = _setup()
+    model, opt, _ = _setup()
+    eager_state, state = af.TrainState(eager_model, eager_opt), af.TrainState(model, opt)
+    eager = af.with_clipping(classify, max_norm=1e9)
+    step = af.captured(warmup=1, recorder=TapeRecorder)(af.with_clipping(classify,
+                                                                         max_norm=1e9))
+    for i, batch in enumerate(_batches(6)):
+        if i in (1, 3):  # before the recording, and before a replay
+            for m in (eager_model, model):
+                classify(m, make_batch(seed=99))["loss"].backward()
+        want, got = eager(eager_state, batch), step(state, batch)
+        assert torch.equal(got["grad_norm"], want["grad_norm"]), i
+    eager_state.sync()
+    state.sync()
+    assert_params_equal(model, eager_model)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_optimizer_is_made_capturable_and_a_float_rate_put_back_is_filled_in_place():
+    """The fused groups become capturable (torch refuses a step in a capture otherwise); a
+    rate a hand-written schedule sets as a float each call is filled into the recorded
+    tensor: recorded once, replayed after, equal to the eager step given the same tensor."""
+    recorders = Recorders()
+    eager_model, eager_opt, _ = _setup()
+    model, opt, _ = _setup()
+    opt.param_groups[0]["lr"] = 0.01
+    eager_state, state = af.TrainState(eager_model, eager_opt), af.TrainState(model, opt)
+    step = af.captured(recorder=recorders)(classify)
+    eager = af.lift(classify)
+    for i, batch in enumerate(_batches(8)):
+        rate = 0.01 * (1 - i / 8)
+        opt.param_groups[0]["lr"] = rate  # a float, as nanoGPT's loop sets it
+        eager_opt.param_groups[0]["lr"].fill_(torch.tensor(rate, dtype=torch.float32))
+        step(state, batch)
+        eager(eager_state, batch)
+    assert opt.param_groups[0]["capturable"] is True
+    assert len(recorders.made) == 1 and recorders.replays == 2 * (8 - 3)
+    eager_state.sync()
+    state.sync()
+    assert_params_equal(model, eager_model)
+
+
+def test_a_dropped_step_takes_its_recording_with_it():
+    """Recordings are kept per state and step, the step weakly: a step built anew each epoch
+    does not keep every old recording (and its graphs' memory) alive."""
+    import gc
+    import weakref
+    model, opt, _ = _setup()
+    state = af.TrainState(model, opt)
+    recorders = []
+    for _ in range(3):  # an epoch, its step built anew
+        step = af.captured(warmup=1, recorder=TapeRecorder)(classify)
+        for batch in _batches(3):
+            step(state, batch)
+        recorders.append(weakref.ref(step))
+        del step
+        gc.collect()
+    assert all(ref() is None for ref in recorders)

@@ -149,3 +149,53 @@ def test_a_host_read_at_the_recording_is_refused_by_the_tape():
     assert "reads a tensor's value on the host" in str(raised.value.__cause__)
     assert state.step == 1
     assert all(torch.equal(v, weights[k]) for k, v in state.model.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["to_device", "copy_from_host", "host_index"])
+def test_a_copy_from_the_host_to_the_device_is_refused(kind):
+    """A host-to-device copy synchronises and a replay would not repeat it: refused, naming
+    it (the meta device stands in for a GPU; the refusal reads devices only)."""
+    from accelfn.parts.capture import host_read_error
+    device = torch.zeros(4, device="meta")
+    host = torch.zeros(4)
+    aten = torch.ops.aten
+    calls = {"to_device": (aten._to_copy.default, (host,), {"device": torch.device("meta")}),
+             "copy_from_host": (aten.copy_.default, (device, host), {}),
+             "host_index": (aten.index.Tensor, (device, [torch.tensor([0, 2])]), {})}
+    op, args, kwargs = calls[kind]
+    error = host_read_error(op, args, kwargs)
+    assert error is not None and "captured()" in str(error)
+    assert ("from the host to the device" in str(error)) == (kind != "host_index")
+    assert ("tensor on the host" in str(error)) == (kind == "host_index")
+    # the same on the device, or a 0-d host scalar index, is not refused
+    assert host_read_error(aten.index.Tensor, (device, [torch.tensor([0, 2],
+                                                                      device="meta")]), {}) is None
+    assert host_read_error(aten._to_copy.default, (device,),
+                           {"device": torch.device("meta")}) is None
+
+
+def test_an_optimizer_step_that_is_not_capturable_is_refused_by_the_tape_as_by_cuda():
+    """torch refuses an optimizer step inside a CUDA capture unless its groups are
+    capturable, fused or not: the tape does too, so the CPU tests see it."""
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01), fused=True)
+    classify(model, make_batch())["loss"].backward()
+    optimizer.step()  # eager: no capture, no refusal
+    with pytest.raises(RuntimeError, match="capturable is False"):
+        TapeRecorder().record(optimizer.step)
+    optimizer.param_groups[0]["capturable"] = True
+    TapeRecorder().record(optimizer.step)
+
+
+def test_a_hyperparameter_changed_at_every_call_is_named_in_a_warning():
+    """OneCycleLR writes new betas each step, so the update is never recorded: said once,
+    naming what changed and the fix."""
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.01, total_steps=50)
+    state = af.TrainState(model, optimizer, scheduler)
+    step = af.captured(recorder=TapeRecorder)(classify)
+    with pytest.warns(RuntimeWarning, match=r"never recorded: AdamW's group 0 'betas'.*"
+                                         r"cycle_momentum=False"):
+        for i in range(6):
+            step(state, make_batch(seed=i))
