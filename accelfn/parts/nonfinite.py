@@ -191,8 +191,8 @@ class Guard:
             state = ("the last was skipped on the device; " + _BUFFERS if done
                      else f"the last was refused: {_REFUSED}")
             raise NonFiniteError(
-                f"{in_a_row} updates in a row had {what} (last at update "
-                f"{update}); training diverged: {state} Lower the learning rate or check "
+                f"{in_a_row} updates in a row had {what} (the last at state.step == "
+                f"{update}, counted from 0); training diverged: {state} Lower the learning rate or check "
                 "the data")
         return True
 
