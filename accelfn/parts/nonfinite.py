@@ -192,8 +192,8 @@ class Guard:
                      else f"the last was refused: {_REFUSED}")
             raise NonFiniteError(
                 f"{in_a_row} updates in a row had {what} (the last at state.step == "
-                f"{update}, counted from 0); training diverged: {state} Lower the learning rate or check "
-                "the data")
+                f"{update}, counted from 0); training diverged: {state} Lower the learning "
+                "rate or check the data")
         return True
 
     def state_dict(self) -> dict[str, int]:
