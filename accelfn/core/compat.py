@@ -425,9 +425,10 @@ def inductor_precompiled_headers(since: float) -> list[str]:
 
 # the method torch's optimizers call at each step to refuse a step inside a CUDA graph capture
 # unless their groups are capturable (the CPU tape of accelfn.testing plays it on the CPU)
-OPTIMIZER_CAPTURE_CHECK = next(name for name in (
+# (None in a torch without one: the tape then plays no such check)
+OPTIMIZER_CAPTURE_CHECK: str | None = next((name for name in (
     "_accelerator_graph_capture_health_check", "_cuda_graph_capture_health_check")
-    if hasattr(torch.optim.Optimizer, name))
+    if hasattr(torch.optim.Optimizer, name)), None)
 
 
 _TD_NEW = TensorDict.__new__

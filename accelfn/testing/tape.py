@@ -127,6 +127,9 @@ def _capturing_optimizers() -> Iterator[None]:
     torch refuses it while a CUDA stream captures (its check looks for a capturing stream of
     an accelerator, which the CPU has not)."""
     name = compat.OPTIMIZER_CAPTURE_CHECK
+    if name is None:
+        yield
+        return
     check = getattr(torch.optim.Optimizer, name)
 
     def capturing(self: torch.optim.Optimizer) -> None:
