@@ -94,12 +94,12 @@ def evaluating(model: nn.Module) -> Iterator[None]:
     """``model.eval()`` for the body; afterwards ``model.train(mode)`` as it was, then every
     module's own mode as it was: a submodule the user keeps in eval mode (a frozen
     BatchNorm while fine-tuning) stays there, which ``model.train()`` alone would undo."""
+    training = model.training
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         yield
     finally:
-        model.train(modes[0][1])  # the model's own train(), overridden or not
-        for module, training in modes:
-            module.training = training
-
+        model.train(training)  # the model's own train(), overridden or not
+        for module, mode in modes:
+            module.training = mode
