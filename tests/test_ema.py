@@ -559,3 +559,27 @@ def test_a_sharded_save_inside_ema_weights_is_refused_before_writing(tmp_path):
     for k, v in state.model.state_dict().items():
         assert torch.equal(v, before[k]), k
     ckpt.save(tmp_path / "run", state, step=step, sharded=True)  # after the block: works
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["plain", "dcp"])
+def test_a_load_inside_ema_weights_is_refused_before_anything_changes(tmp_path, sharded):
+    # torch.distributed.checkpoint writes into the model and optimizer before the state is
+    # loaded: the refusal must come first, leaving the optimizer's moments as they were
+    from accelfn import checkpointing as ckpt
+
+    state, step = _ema_run()
+    step(state, make_batch(seed=0))
+    path = ckpt.save(tmp_path / "run", state, step=step, sharded=sharded)
+    step(state, make_batch(seed=1))
+    optimizer = copy.deepcopy(state.optimizer.state_dict())
+    own = copy.deepcopy(state.model.state_dict())
+    with ema_weights(state), pytest.raises(RuntimeError, match="after the block"):
+        ckpt.load(path, state, step=step)
+    after = state.optimizer.state_dict()
+    for i, moments in optimizer["state"].items():
+        for k, v in moments.items():
+            assert torch.equal(after["state"][i][k], v), (i, k)
+    for k, v in state.model.state_dict().items():
+        assert torch.equal(v, own[k]), k
+    assert state.step == 2
+    assert ckpt.load(path, state, step=step).step == 1  # after the block it loads

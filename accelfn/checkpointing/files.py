@@ -282,11 +282,40 @@ def rotate(root: Path, keep: int | None, newest: Path) -> None:
             found = parse_name(old.name)
             if old != newest and found is not None and found[0] == named[0]:
                 remove_checkpoint(old)
+        _set_aside_later(root, newest, named[0])
     if keep is not None:
         committed = [p for p in checkpoints(root) if p != newest]
         for old in committed[: max(0, len(committed) - (keep - 1))]:
             remove_checkpoint(old)
     fsync_dir(root)
+
+
+ABANDONED_PREFIX = "abandoned-"
+
+
+def _set_aside_later(root: Path, newest: Path, step: int) -> None:
+    """Rename the committed checkpoints of a step past ``step`` to ``abandoned-step-…``.
+
+    They are a branch the run went back from (an earlier checkpoint was loaded and training
+    went on into this folder): ordered by step they would stay the newest, so ``latest()`` and
+    a requeued job would resume the branch given up and ``keep=`` would evict the checkpoint
+    gone back to. Renamed whole with their marker, they still load by path; nothing is
+    deleted."""
+    later = [old for old in checkpoints(root)
+             if (found := parse_name(old.name)) is not None and found[0] > step]
+    for old in later:
+        aside = root / f"{ABANDONED_PREFIX}{old.name}"
+        n = 0
+        while aside.exists():
+            n += 1
+            aside = root / f"{ABANDONED_PREFIX}{old.name}.{n}"
+        os.rename(old, aside)
+        warnings.warn(
+            f"{old} was saved at a later step than {newest.name}, the checkpoint just "
+            f"committed: it belongs to a run that went back to an earlier checkpoint, so it was "
+            f"renamed {aside.name} (latest() and keep= now follow the run saved last; load it "
+            "by its path, or delete it when it is no longer wanted)",
+            RuntimeWarning, stacklevel=4)
 
 
 def check_files(path: Path) -> dict[str, Any]:

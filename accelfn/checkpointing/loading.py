@@ -142,6 +142,8 @@ def _compare(record: dict[str, Any], state: TrainState, step: Step | None,
 def _read_and_check(path: Path, states: dict[str, TrainState], loader: Any,
                     steps: dict[str, Step | None], allow_resharding: bool, rank: int,
                     world: int, dropped: frozenset[str]) -> _Checked:
+    for state in states.values():  # DCP writes into the model before the state could refuse
+        state.refuse_while_lent("load()")
     marker = check_files(path)
     listed = marker["files"]
     meta = check_meta(loads_json(read_verified(path, META_FILE, listed), str(path / META_FILE)),
@@ -341,17 +343,19 @@ def load(
             error = exc
         failed = anyone(error is not None)
     if failed:
-        for name, own in states.items():
-            _rollback(own, snapshots[name])
+        unrolled = [problem for name, own in states.items()
+                    if (problem := _rollback(own, snapshots[name])) is not None]
         with contextlib.suppress(Exception):
             set_rng_state(rng_before)
         cause = error if error is not None else CheckpointError("failed on another process")
         if not isinstance(cause, Exception):  # KeyboardInterrupt, SystemExit: as they are
             raise cause
+        outcome = ("nothing was restored (the state and RNGs were rolled back)" if not unrolled
+                   else f"rolling the state back failed too ({'; '.join(unrolled)}), so it may "
+                   "hold part of the checkpoint: build a new state")
         raise CheckpointError(
-            f"restoring {resolved} failed ({type(cause).__name__}: {cause}); nothing was "
-            "restored (the state and RNGs were rolled back). Build the state, step and loader "
-            "as the checkpointed run did"
+            f"restoring {resolved} failed ({type(cause).__name__}: {cause}); {outcome}. Build "
+            "the state, step and loader as the checkpointed run did"
         ) from cause
     if loader is None and meta["loader"] and checked.rank_state is not None and rank == 0:
         warnings.warn(
@@ -424,12 +428,16 @@ def _slot_targets(path: Path, state: TrainState, saved: dict[str, Any]) -> dict[
     return {k: v.detach().clone() for k, v in live.items()}
 
 
-def _rollback(state: TrainState, snapshot: dict[str, Any]) -> None:
+def _rollback(state: TrainState, snapshot: dict[str, Any]) -> str | None:
     """Put back what a failed ``load()`` changed in ``state`` (the original error is raised
-    after)."""
+    after); what went wrong if it could not (None: rolled back)."""
     pending = getattr(state, "_pending", None)
-    with contextlib.suppress(Exception):
+    problem = None
+    try:
         state.load_state_dict(snapshot)
+    except Exception as error:
+        problem = f"{type(error).__name__}: {error}"
     if isinstance(pending, dict):  # slots the failed load left waiting for their transform
         for name in [k for k in pending if k not in snapshot["slots"]]:
             del pending[name]
+    return problem

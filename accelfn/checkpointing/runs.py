@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .collective import rank_world
-from .files import checkpoints, latest
+from .files import checkpoints, is_committed, latest
 from .format import META_FILE, CheckpointError, CheckpointInfo
 from .loading import load
 from .saving import save
@@ -208,8 +208,8 @@ class RunFolder:
     # ------------------------------------------------------------------------------ folder
     def _find(self, path: Path) -> tuple[Path, Path]:
         """(run folder, checkpoint) named by ``resume``."""
-        if path in checkpoints(path.parent):
-            return path.parent, path
+        if path in checkpoints(path.parent) or (is_committed(path) and not path.is_symlink()):
+            return path.parent, path  # a checkpoint, also copied or renamed (best/, abandoned-)
         newest = latest(path)
         if newest is not None:
             return path, newest

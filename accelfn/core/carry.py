@@ -73,14 +73,44 @@ def kept(old: Any, new: Any, skip: Tensor) -> Any:
     return None
 
 
+def _leaves(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    return []
+
+
+def _elsewhere(value: Any, device: torch.device) -> bool:
+    return any(leaf.device != device for leaf in _leaves(value))
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    if isinstance(value, Tensor):
+        return value.to(device)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_moved(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _moved(v, device) for k, v in value.items()}
+    return value
+
+
 class Carries:
     """The carried values, by mode (``"train"``, ``"evaluate"``) and micro-batch position."""
 
     def __init__(self) -> None:
         self.values: dict[str, dict[int, Any]] = {"train": {}, "evaluate": {}}
 
-    def get(self, mode: str, index: int) -> Any:
-        return self.values[mode].get(index)
+    def get(self, mode: str, index: int, device: torch.device | None = None) -> Any:
+        """The carry of micro-batch ``index``, its tensors on ``device`` (a checkpoint loads
+        them on the CPU: moved once, when a step on the GPU first asks)."""
+        values = self.values[mode]
+        value = values.get(index)
+        if device is not None and value is not None and _elsewhere(value, device):
+            value = values[index] = _moved(value, device)
+        return value
 
     def commit(self, mode: str, new: dict[int, Any]) -> None:
         self.values[mode].update(new)

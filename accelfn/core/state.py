@@ -41,12 +41,10 @@ class Deferred(Protocol):
 class Window(Protocol):
     """A slot holding an open accumulation window (calls whose gradients are not applied
     yet): the state is not at an update boundary while ``open_calls`` > 0; a rollback copy
-    keeps the window (``rollback_state_dict``), loading a checkpoint discards it."""
+    keeps the window (``rollback_state_dict``); loading a checkpoint drops it."""
 
     @property
     def open_calls(self) -> int: ...
-
-    def discard(self) -> None: ...
 
     def rollback_state_dict(self) -> Any: ...
 
@@ -94,6 +92,7 @@ class TrainState:
         self._updates = 0  # updates applied in all (timm schedulers' num_updates)
         self._slots: dict[str, Any] = {}
         self._pending: dict[str, Any] = {}
+        self._factories: dict[str, Callable[[], Any]] = {}  # each slot's, to start it afresh
         self._preparations: list[tuple[Any, Any, str]] = []
         self._scheduler_marks: list[Any] = [_mark(s) for s in schedulers]
         self._epoch_check = EpochCheck(schedulers, scheduler_every)  # end_epoch() forgotten
@@ -255,6 +254,7 @@ class TrainState:
         """
         if name not in self._slots:
             obj = factory()
+            self._factories[name] = factory
             if name in self._pending:  # kept waiting if it does not fit: a retry still gets it
                 _load_into(obj, self._pending[name], name)
                 del self._pending[name]
@@ -341,18 +341,24 @@ class TrainState:
                          "every": self.scheduler_every, "updates": self._updates},
         }
 
+    def refuse_while_lent(self, what: str) -> None:
+        """Raise RuntimeError naming ``what`` inside ``with af.ema_weights(state):``, where
+        the model holds borrowed weights that its own replace when the block ends."""
+        if self._lent:
+            raise RuntimeError(
+                f"{what} inside `with af.ema_weights(state):` (the model holds borrowed "
+                "weights, and its own come back when the block ends, over what would be "
+                "loaded); load after the block")
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what [`state_dict`][] returned; refuses a mismatched checkpoint whole.
 
-        Loading a checkpoint rolls back to it: an accumulation window open at the call
-        (``mode="calls"``) is discarded with the gradients it accumulated. A failed load
-        changes nothing, the open window included. [`snapshot`][]'s copy loads too, and
-        puts back exactly what it copied."""
-        if self._lent:
-            raise RuntimeError(
-                "load_state_dict inside `with af.ema_weights(state):` (the model holds "
-                "borrowed weights, and its own come back when the block ends, over what "
-                "would be loaded); load after the block")
+        Loading a checkpoint rolls back to it: the transforms' state it does not hold (an
+        average, a loss scale, counters of a later run) starts afresh, as in a new state, and
+        an accumulation window open at the call (``mode="calls"``) is discarded with the
+        gradients it accumulated. A failed load changes nothing, the open window included.
+        [`snapshot`][]'s copy loads too, and puts back exactly what it copied."""
+        self.refuse_while_lent("load_state_dict")
         missing = {"model", "optimizer", "scheduler", "step", "slots"} - set(state_dict)
         if missing:
             raise KeyError(f"not a TrainState checkpoint: missing {sorted(missing)}")
@@ -371,10 +377,7 @@ class TrainState:
             self._apply(backup)  # whole or nothing: never a partial restore
             raise
         if "pending" not in state_dict and was_open:  # a checkpoint: the window is gone
-            for name, obj in self._slots.items():
-                if name not in state_dict["slots"] and isinstance(obj, Window):
-                    obj.discard()
-            self.model.zero_grad(set_to_none=True)
+            self.model.zero_grad(set_to_none=True)  # (its slot was started afresh)
 
     def snapshot(self) -> dict[str, Any]:
         """A deep copy of the whole state, to roll back to with [`load_state_dict`][].
@@ -441,13 +444,17 @@ class TrainState:
         self.epoch = int(schedule.get("epoch", 0))
         self._real_updates = int(schedule.get("real_updates", 0))
         self._updates = int(schedule.get("updates", self.step))
-        if "pending" in state_dict:  # a rollback
-            self._pending = dict(state_dict["pending"])
+        # a rollback puts back what waited; a checkpoint's missing slots start afresh
+        self._pending = dict(state_dict["pending"]) if "pending" in state_dict else {}
         for name, saved in state_dict["slots"].items():
             if name in self._slots:
                 _load_into(self._slots[name], saved, name)
             else:
                 self._pending[name] = saved
+        if "pending" not in state_dict:  # last, once the model is loaded: what a new state
+            for name, obj in self._slots.items():  # would make (an average of these weights)
+                if name not in state_dict["slots"]:
+                    _load_into(obj, _save(self._factories[name]()), name)
         if "grads" in state_dict:  # a rollback with a window open: its gradients
             for p, grad in zip(self.model.parameters(), state_dict["grads"]):
                 p.grad = None if grad is None else grad.to(p.device, copy=True)

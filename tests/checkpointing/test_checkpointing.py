@@ -231,6 +231,36 @@ def test_saving_the_same_step_twice_keeps_one_checkpoint_and_evicts_nothing(tmp_
                                                             "step-000000002.2"]
 
 
+def test_a_save_after_going_back_moves_the_abandoned_later_checkpoints_aside(tmp_path):
+    # a run diverges, the user loads an earlier checkpoint (as the non-finite refusal says)
+    # and trains on into the same folder: latest(), load(folder) and keep= must follow the
+    # branch trained now, not the higher step numbers of the one given up; nothing is deleted
+    state, loader, step = setup()
+    it = iter(loader)
+    run(state, it, step, 3)
+    early = ckpt.save(tmp_path, state, step=step, keep=2)
+    run(state, it, step, 3)
+    ckpt.save(tmp_path, state, step=step, keep=2)  # step 6: the branch given up
+    back, _, back_step = setup(seed=1)
+    ckpt.load(early, back, step=back_step)
+    run(back, iter(loader), back_step, 1)
+    with pytest.warns(RuntimeWarning, match=r"step-000000006.*abandoned-step-000000006"):
+        now = ckpt.save(tmp_path, back, step=back_step, keep=2)
+    assert now.name == "step-000000004"
+    assert ckpt.checkpoints(tmp_path) == [early, now]  # keep=2 evicted neither
+    assert ckpt.latest(tmp_path) == now
+    aside = tmp_path / "abandoned-step-000000006"
+    fresh, _, fresh_step = setup(seed=2)
+    assert ckpt.load(aside, fresh, step=fresh_step).step == 6  # kept whole, loadable by path
+    assert ckpt.load(tmp_path, fresh, step=fresh_step).step == 4
+    # a second branch given up at the same step keeps the first one aside too
+    ckpt.save(tmp_path / "other", state, step=step)
+    shutil.copytree(tmp_path / "other" / "step-000000006", tmp_path / "step-000000006")
+    with pytest.warns(RuntimeWarning, match="abandoned-step-000000006.1"):
+        ckpt.save(tmp_path, back, step=back_step, keep=2)
+    assert aside.is_dir() and (tmp_path / "abandoned-step-000000006.1").is_dir()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "remove"])
 def test_damaged_files_arerefused(saved, damage):
     _, path, _, _ = saved
@@ -380,12 +410,25 @@ def test_a_restore_that_fails_part_way_is_rolled_back(saved, monkeypatch):
     run(fresh, iter(loader), step, 1)
     loader = data.loader(dataset(), batch_size=4, seed=1)
     before = snapshot(fresh)
-    monkeypatch.setattr(type(fresh.slots["with_amp"]), "load_state_dict",
-                        lambda self, sd: (_ for _ in ()).throw(RuntimeError("scaler broke")))
+    scaler = type(fresh.slots["with_amp"])
+    own, calls = scaler.load_state_dict, []
+
+    def breaks_once(self, sd):  # the checkpoint's scale fails; putting ours back works
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("scaler broke")
+        return own(self, sd)
+
+    monkeypatch.setattr(scaler, "load_state_dict", breaks_once)
     with pytest.raises(ckpt.CheckpointError, match=r"scaler broke.*nothing was restored"):
         ckpt.load(path, fresh, loader=loader, step=step)
-    monkeypatch.undo()
     assert_unchanged(before, fresh)
+    # a rollback that fails too is not called one
+    monkeypatch.setattr(scaler, "load_state_dict",
+                        lambda self, sd: (_ for _ in ()).throw(RuntimeError("scaler broke")))
+    with pytest.raises(ckpt.CheckpointError, match=r"rolling the state back failed too"):
+        ckpt.load(path, fresh, loader=loader, step=step)
+    monkeypatch.undo()
     assert fresh.optimizer.state  # still its own AdamW moments
     assert next(iter(loader)) is not None  # the loader starts at its own beginning
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -93,6 +94,11 @@ def test_resume_takes_a_checkpoint_a_run_folder_or_the_newest_run(tmp_path):
     by_checkpoint = RunFolder("tiny", resume=old.path / "step-000000003", root=tmp_path)
     assert by_checkpoint.path == old.path
     assert len(list((tmp_path / "tiny").iterdir())) == 2  # a resume makes no new folder
+    # a checkpoint copied or renamed (best/, abandoned-step-…) is a checkpoint too, as load()
+    # takes it; its folder is the run's
+    shutil.copytree(old.path / "step-000000003", old.path / "best")
+    by_copy = RunFolder("tiny", resume=old.path / "best", root=tmp_path)
+    assert (by_copy.path, by_copy.checkpoint) == (old.path, old.path / "best")
 
 
 def test_a_resumed_run_continues_exactly_and_keeps_its_plan(tmp_path):

@@ -142,7 +142,42 @@ def test_loading_a_checkpoint_without_the_window_discards_it_too():
     step(state, make_batch(seed=0))
     state.load_state_dict(saved)
     assert all(p.grad is None for p in state.model.parameters())
-    assert state.state_dict()["slots"]["accumulation"] == {"calls": 0}
+    assert state.state_dict()["slots"]["accumulation"] == {"calls": 0}  # afresh: closed
+
+
+def test_loading_a_checkpoint_without_a_transforms_state_starts_it_afresh():
+    # a checkpoint saved before the first step holds no average, loss scale nor counters:
+    # loading it into a state that trained on must give what a new state loading it has,
+    # not keep the later run's (an EMA of other weights, a grown loss scale)
+    def build():
+        torch.manual_seed(0)
+        return _state(Net()), af.with_ema(decay=0.5)(
+            af.with_amp(dtype=torch.float16, init_scale=2.0**16, growth_interval=1)(classify))
+
+    state, step = build()
+    saved = copy.deepcopy(state.state_dict())
+    assert saved["slots"] == {}
+    batches = [make_batch(seed=i) for i in range(5)]
+    for b in batches[:3]:
+        step(state, b)
+    assert state.slots["with_amp"].get_scale() > 2.0**16
+    state.load_state_dict(copy.deepcopy(saved))
+    assert state.slots["with_amp"].get_scale() == 2.0**16  # as a new state's
+    fresh, _ = build()
+    fresh.load_state_dict(copy.deepcopy(saved))
+    for b in batches[3:]:
+        step(state, b)
+        step(fresh, b)
+    assert_params_equal(state.model, fresh.model)
+    assert state.slots["with_amp"].get_scale() == fresh.slots["with_amp"].get_scale()
+    ours, theirs = af.ema_state_dict(state), af.ema_state_dict(fresh)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    # a slot waiting for its transform (loaded, never created) is not kept past a load
+    # of a checkpoint without it either
+    other, _ = build()
+    other.load_state_dict(copy.deepcopy(state.state_dict()))  # pending: with_ema, with_amp
+    other.load_state_dict(copy.deepcopy(saved))
+    assert other.state_dict()["slots"] == {}
 
 
 def test_a_failed_load_keeps_the_open_window_and_its_gradients():
