@@ -84,12 +84,14 @@ class Hang:
     it was in (its Flight Recorder entry: ``seq``, ``op``, ``group``, ``ranks``, ``sizes``),
     the ranks of that group that ``absent`` (left no word within ``grace_s``: stuck
     elsewhere or dead), those ``behind`` at an earlier collective (rank -> its sequence
-    number), and where this process's Flight Recorder ``dump`` went."""
+    number), those ``elsewhere``: at the same number in another collective (rank -> its op
+    and sizes), and where this process's Flight Recorder ``dump`` went."""
 
     rank: int
     collective: dict[str, Any] | None
     absent: list[int] = field(default_factory=list)
     behind: dict[int, int] = field(default_factory=dict)
+    elsewhere: dict[int, str] = field(default_factory=dict)
     grace_s: float = 0.0
     dump: str | None = None
     note: str | None = None
@@ -108,7 +110,11 @@ class Hang:
                          "the collective, or dead)")
         for rank, seq in sorted(self.behind.items()):
             parts.append(f"rank {rank} was still at collective #{seq}")
-        if not self.absent and not self.behind and self.note is None:
+        for rank, theirs in sorted(self.elsewhere.items()):
+            parts.append(f"rank {rank} was in {theirs} as its collective #{c['seq'] if c else '?'}"
+                         ": the processes ran different collectives (a different number of "
+                         "micro-batches or of steps, or a collective some processes skip)")
+        if not self.absent and not self.behind and not self.elsewhere and self.note is None:
             parts.append("every rank of the group reached it")
         if self.note:
             parts.append(self.note)
@@ -145,31 +151,39 @@ def _grace(collective: dict[str, Any] | None) -> float:
 
 
 def _exchange(rank: int, collective: dict[str, Any] | None, ranks: list[int],
-              grace_s: float) -> tuple[list[int], dict[int, int], str | None]:
+              grace_s: float) -> tuple[list[int], dict[int, int], dict[int, str], str | None]:
     """Leave this rank's collective in the store; wait up to ``grace_s`` for the other
-    ``ranks``; return those absent and those behind (at an earlier sequence number)."""
+    ``ranks``; return those absent, those behind (at an earlier sequence number) and those
+    in another collective at the same number."""
     try:
         store = compat_distributed.default_store()
         store.set_timeout(timedelta(seconds=grace_s))
-        mine = {"seq": (collective or {}).get("seq"), "group": (collective or {}).get("group_id")}
+        c = collective or {}
+        mine = {"seq": c.get("seq"), "group": c.get("group_id"), "op": c.get("op"),
+                "sizes": c.get("sizes")}
         store.set(f"{_KEY}{rank}", json.dumps(mine))
         others = [r for r in ranks if r != rank]
         deadline = time.monotonic() + grace_s
         while others and not store.check([f"{_KEY}{r}" for r in others]) \
                 and time.monotonic() < deadline:
             time.sleep(0.05)
-        absent, behind = [], {}
+        absent, behind, elsewhere = [], {}, {}
         for r in others:
             if not store.check([f"{_KEY}{r}"]):
                 absent.append(r)
                 continue
             theirs = json.loads(store.get(f"{_KEY}{r}"))
-            if collective and theirs.get("group") == mine["group"] and \
-                    theirs.get("seq") is not None and theirs["seq"] < collective["seq"]:
+            if not collective or theirs.get("group") != mine["group"] or \
+                    theirs.get("seq") is None:
+                continue
+            if theirs["seq"] < collective["seq"]:
                 behind[r] = int(theirs["seq"])
-        return absent, behind, None
+            elif theirs["seq"] == collective["seq"] and \
+                    (theirs.get("op"), theirs.get("sizes")) != (mine["op"], mine["sizes"]):
+                elsewhere[r] = f"{theirs.get('op')} (sizes {theirs.get('sizes')})"
+        return absent, behind, elsewhere, None
     except Exception as error:  # the store's host may be the one that died
-        return [], {}, f"the store could not be asked which ranks arrived ({error})"
+        return [], {}, {}, f"the store could not be asked which ranks arrived ({error})"
 
 
 def name_hang(*, dump: bool = True) -> Hang | None:
@@ -196,9 +210,9 @@ def name_hang(*, dump: bool = True) -> Hang | None:
             path = None
     ranks = (collective or {}).get("ranks") or list(range(world))
     grace = _grace(collective)
-    absent, behind, note = _exchange(rank, collective, ranks, grace)
+    absent, behind, elsewhere, note = _exchange(rank, collective, ranks, grace)
     _named = Hang(rank=rank, collective=collective, absent=absent, behind=behind,
-                  grace_s=grace, dump=path, note=note)
+                  elsewhere=elsewhere, grace_s=grace, dump=path, note=note)
     return _named
 
 

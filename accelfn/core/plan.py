@@ -81,11 +81,15 @@ class Sums:
         return sum(coefs)  # type: ignore[arg-type]
 
     def result(self, divide: bool) -> dict[str, Tensor]:
-        """The sums, divided by the total weight when ``divide`` (the weighted means)."""
+        """The sums, divided by the total weight when ``divide`` (the weighted means); 0
+        where the total is 0 (this process' rows all padding: its terms are 0, the others'
+        update goes on), on the device."""
         out = {k: v[0] if len(v) == 1 else torch.stack(v).sum(0) for k, v in self._terms.items()}
         weight = self.weight if divide else None
         if weight is None:
             return out
+        if isinstance(weight, Tensor):
+            weight = torch.where(weight == 0, 1.0, weight)
         return {k: v / weight for k, v in out.items()}
 
 

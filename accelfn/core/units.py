@@ -1,13 +1,15 @@
-"""The unit absolute weights are counted in under loss scaling.
+"""The unit absolute weights are counted in under loss scaling and fp16 compression.
 
 Absolutely weighted micro-batches (``with_accumulation(n, mode="calls")``, or a returned
 ``"weight"``) multiply each loss by its sample or token count and divide the gradients by the
-window's total after the backward. Without loss scaling the magnitude of that objective does
-not matter; with it (fp16's GradScaler), ``loss * 4096 * 2**16`` overflows fp16 in the backward
-where the plain loop's ``scaler.scale(loss / n).backward()`` does not. Under a ``scale_loss``
-hook the engine therefore counts weights in a unit: a power of two near the first update's
-total weight, so each objective is about ``loss / n`` as in the plain loop. A power of two
-divides exactly, so the gradients (numerator and divisor divided alike) are unchanged.
+window's total after the backward. In float32 the magnitude of that objective does not
+matter; in fp16 it does: under fp16's GradScaler ``loss * 4096 * 2**16`` overflows in the
+backward where the plain loop's ``scaler.scale(loss / n).backward()`` does not, and DDP's fp16
+compression hook casts gradients the sample count times larger than a mean loss's. Under a
+``scale_loss`` hook or ``compression="fp16"`` the engine therefore counts weights in a unit:
+a power of two near the first update's total weight, so each objective is about
+``loss / n`` as in the plain loop. A power of two divides exactly, so the gradients (numerator
+and divisor divided alike) are unchanged.
 
 The unit is agreed once per TrainState, at its first weighted micro-batch, and kept in the
 state (checkpointed with it): every process must count in the same unit, or DDP would

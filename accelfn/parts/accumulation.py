@@ -51,10 +51,6 @@ class _Window:
         """Calls of the open window (0 at an update boundary), read by TrainState."""
         return self.calls
 
-    def discard(self) -> None:
-        """Forget the open window (TrainState clears its gradients)."""
-        self.close()
-
     def state_dict(self) -> dict[str, Any]:
         if self.calls:
             raise RuntimeError(
@@ -113,7 +109,9 @@ def _warn_small_batch(n: int, size: int) -> None:
         f"update per call, so this batch is one update in {size} micro-batch(es) of one "
         "sample. If the loader yields micro-batches (as with Accelerate's or Fabric's "
         f"gradient accumulation), use with_accumulation({n}, mode='calls'): one update every "
-        f"{n} calls. (Warned once.)", UserWarning, stacklevel=6)
+        f"{n} calls. Under distributed(strategy='fsdp'/'hsdp') or static_graph=True every "
+        "process must run as many micro-batches: one given fewer rows than the others waits "
+        "in a collective they never reach. (Warned once.)", UserWarning, stacklevel=6)
 
 
 

@@ -22,7 +22,7 @@ from ..core.contexts import CallContext, Prepared, UpdateContext
 from ..core.processes import init_distributed, ray_train_device, world_size
 from ..core.state import TrainState
 from .distributed import ft
-from .distributed.ddp import all_reduce_grads, wrap_ddp
+from .distributed.ddp import Replicated, all_reduce_grads, wrap_ddp
 from .distributed.errors import Translating, translate
 from .distributed.fsdp import (
     check_optimizers,
@@ -121,8 +121,9 @@ def _wrap(o: Sharding, prepared: Prepared, state: TrainState, grid: Any = None,
     run as its root's forward, the optimizers pointed at the shards."""
     model, device = prepared.model, prepared.device
     if not o.fsdp:
-        return wrap_ddp(model, device, o.static_graph, o.compression, o.bucket_cap_mb,
-                        o.find_unused_parameters)
+        return Replicated(model, lambda: wrap_ddp(
+            model, device, o.static_graph, o.compression, o.bucket_cap_mb,
+            o.find_unused_parameters))
     # the islands phase (with_amp) set the compute dtype: FSDP's parameter dtype
     before = parameter_names(model)
     mesh = build_mesh(grid, device.type) \
@@ -162,10 +163,14 @@ def _shard_fault_tolerant(o: Sharding, prepared: Prepared, state: TrainState,
     return dataclasses.replace(prepared, call=call, process_group=dist.group.WORLD)
 
 
-def _micro_context(o: Sharding, ctx: CallContext,
+def _micro_context(o: Sharding, ctx: CallContext, index: int,
                    sync: bool) -> contextlib.AbstractContextManager[Any] | None:
     fsdp = o.fsdp
     model = ctx.model
+    if index == 0 and not fsdp and ctx.training:  # an update's (or a call's) first
+        call = ctx.prepared.call
+        assert isinstance(call, Replicated)
+        call.refresh(window_open=_UNSYNCED.get(model, False))
     if sync:
         if fsdp:
             _fsdp(model).set_requires_gradient_sync(True)
@@ -195,7 +200,7 @@ def micro(o: Sharding, ctx: CallContext, index: int,
         ft.RUNTIMES[ctx.model].start()
     # torch.distributed's failures in the forward (DDP's unused parameters found at the
     # next forward, FSDP's all-gathers, a timeout) are explained (errors.translate)
-    return Translating(_micro_context(o, ctx, sync), model=ctx.model,
+    return Translating(_micro_context(o, ctx, index, sync), model=ctx.model,
                        where=" in a micro-batch's forward")
 
 
@@ -243,6 +248,7 @@ def abort(o: Sharding, ctx: CallContext) -> None:
     engine's zero_grad does not clear)."""
     fsdp = o.fsdp
     if not fsdp and o.fault_tolerance is None:
+        _UNSYNCED.pop(ctx.model, None)  # the engine discarded the window's gradients
         return
     # A failed call: the engine cleared the gradients the optimizer holds. FSDP2 also
     # keeps the unreduced gradients of micro-batches that skipped reduce-scatter
@@ -349,9 +355,9 @@ def _fsdp(model: nn.Module) -> Any:
 
 def _ddp(ctx: CallContext) -> nn.parallel.DistributedDataParallel:
     """The DistributedDataParallel that runs the step function as its forward."""
-    ddp = ctx.prepared.call
-    assert isinstance(ddp, nn.parallel.DistributedDataParallel)
-    return ddp
+    call = ctx.prepared.call
+    assert isinstance(call, Replicated)
+    return call.ddp  # type: ignore[return-value]
 
 
 def _positive_int(name: str, value: object) -> int:

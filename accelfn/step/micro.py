@@ -56,7 +56,7 @@ def forward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx: CallContext,
             with managers[0]: return fn(model, micro)  # noqa: E701  (one line: see above)
         with entered(managers): return fn(model, micro)  # noqa: E701
     mode = "train" if ctx.training else "evaluate"
-    carry = ctx.state.slot(CARRY, Carries).get(mode, index)
+    carry = ctx.state.slot(CARRY, Carries).get(mode, index, ctx.device)
     if call is None:
         with entered(managers): out = fn(model, micro, carry=carry)  # noqa: E701
     else:
@@ -120,6 +120,10 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
     fixed = _coefficients(plan, absolute)
     distributed, amp, float8 = spec.sharding, spec.precision, spec.float8
     scale = precision.scale if amp is not None and amp.scales else None
+    # fp16 in the backward (the loss scale's, or DDP's fp16 compression of the gradients):
+    # weights counted in a unit, so the objective is about the mean loss (accelfn.core.units)
+    in_units = scale is not None or (distributed is not None
+                                      and distributed.compression == "fp16")
     plain = not carries and distributed is None and spec.checkpointing is None
     # autocast and nothing else: entered here, without a call
     autocast = amp if plain and float8 is None else None
@@ -169,7 +173,7 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
                 metrics = cleared or metrics
             else:
                 coef = fixed[i]
-        if absolute and scale is not None and coef is not None:  # see accelfn.core.units
+        if absolute and in_units and coef is not None:  # see accelfn.core.units
             coef = coef * units.inverse_unit(ctx, coef, n * plan.calls)
         objective = loss if coef is None else loss * coef
         if metrics:

@@ -23,6 +23,16 @@ def test_the_account_names_the_collective_and_the_ranks_that_never_arrived():
     assert "TORCH_FR_BUFFER_SIZE is 0" in off and "ranks 0, 2 never arrived" in off
 
 
+def test_ranks_in_another_collective_at_the_same_number_are_named():
+    # rank 0 all-gathers (an FSDP2 micro-batch) where rank 1 all-reduces (its update): they
+    # all arrived, at different collectives
+    text = Hang(rank=0, collective=COLLECTIVE,
+                elsewhere={1: "gloo:all_gather (sizes [[46]])"}).describe()
+    assert ("rank 1 was in gloo:all_gather (sizes [[46]]) as its collective #12: the "
+            "processes ran different collectives") in text
+    assert "every rank of the group reached it" not in text
+
+
 def test_gloo_and_nccl_texts_of_a_hang_are_recognised_and_nothing_else():
     assert is_hang_error(RuntimeError("[../unbound_buffer.cc:78] Timed out waiting 2000ms for "
                                       "recv operation to complete"))
@@ -36,3 +46,39 @@ def test_gloo_and_nccl_texts_of_a_hang_are_recognised_and_nothing_else():
 def test_without_a_process_group_nothing_is_named_and_errors_pass_through():
     assert name_hang() is None
     assert raise_named(RuntimeError("Timed out waiting 5ms"), "reduce_metrics") is None
+
+
+class _Store:
+    """A store that every other rank already wrote its collective to."""
+
+    def __init__(self, theirs: dict[str, str]) -> None:
+        self.values = dict(theirs)
+
+    def set_timeout(self, timeout) -> None:
+        pass
+
+    def set(self, key: str, value: str) -> None:
+        self.values[key] = value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.values for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.values[key].encode()
+
+
+def test_the_exchange_tells_ranks_behind_from_ranks_in_another_collective(monkeypatch):
+    import json
+
+    from accelfn.core import compat_distributed, hangs
+
+    def word(seq, op, sizes):
+        return json.dumps({"seq": seq, "group": "0", "op": op, "sizes": sizes})
+
+    store = _Store({f"{hangs._KEY}1": word(12, "gloo:all_gather", [[46]]),
+                    f"{hangs._KEY}2": word(11, "gloo:all_reduce", [[5]]),
+                    f"{hangs._KEY}3": word(12, "gloo:all_reduce", [[5]])})
+    monkeypatch.setattr(compat_distributed, "default_store", lambda: store)
+    absent, behind, elsewhere, note = hangs._exchange(0, COLLECTIVE, [0, 1, 2, 3], 0.1)
+    assert (absent, behind, note) == ([], {2: 11}, None)
+    assert elsewhere == {1: "gloo:all_gather (sizes [[46]])"}  # rank 3 is where rank 0 is

@@ -120,8 +120,115 @@ def _ema_fsdp(out_dir: str) -> dict:
             "error": error, "save_error": save_error}
 
 
+def clamped_token_loss(model, batch):
+    """The masked mean over valid tokens that docs/reliability.md recommends: divided by the
+    count clamped to 1, so an all-padding batch has a zero gradient."""
+    import torch.nn.functional as F
+
+    per = F.cross_entropy(model(batch["x"]), batch["y"], reduction="none")
+    mask = batch["mask"].float()
+    tokens = mask.sum()
+    return {"loss": (per * mask).sum() / tokens.clamp(min=1), "weight": tokens}
+
+
+def padded_batch(step: int) -> dict:
+    """``global_batch(step)`` with every row of rank 1 padding (no valid token)."""
+    batch = global_batch(step)
+    batch["mask"][RANK_ROWS[1]] = False
+    return batch
+
+
+def _zero_tokens(strategy: str, accumulate: bool) -> dict:
+    """Rank 1's rows are all padding: the update is rank 0's rows' alone, not skipped."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    inner = af.with_accumulation(2)(clamped_token_loss) if accumulate else clamped_token_loss
+    step = af.distributed(strategy=strategy)(inner)
+    rank = dist.get_rank()
+    skipped, losses = [], []
+    for i in range(STEPS):
+        metrics = step(state, {k: v[RANK_ROWS[rank]] for k, v in padded_batch(i).items()})
+        skipped.append(float(metrics["skipped"]))
+        losses.append(float(metrics["loss"]))
+    return {"params": _full(model), "skipped": skipped, "losses": losses}
+
+
+FROZEN_STEPS = 1  # updates with the blocks frozen, then STEPS with them unfrozen
+
+
+def _unfreeze(strategy: str) -> dict:
+    """The fine-tuning recipe: the blocks frozen for the first update, unfrozen after; the
+    optimizer holds every parameter from the start."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    step = af.distributed(strategy=strategy)(classify)
+    rank = dist.get_rank()
+    af.freeze(model, "blocks")
+    for i in range(FROZEN_STEPS + STEPS):
+        if i == FROZEN_STEPS:
+            af.unfreeze(model, "blocks")
+        step(state, {k: v[RANK_ROWS[rank]] for k, v in global_batch(i).items()})
+    return {"params": _full(model)}
+
+
+def _unfreeze_in_window() -> dict:
+    """Unfrozen between two calls of one window: refused, the next calls train on."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Net()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = af.with_accumulation(2, mode="calls")(af.distributed(classify))
+    rank = dist.get_rank()
+    batch = {k: v[RANK_ROWS[rank]] for k, v in global_batch(0).items()}
+    af.freeze(model, "blocks")
+    step(state, batch)
+    af.unfreeze(model, "blocks")
+    error = None
+    try:
+        step(state, batch)
+    except ValueError as exc:
+        error = str(exc)
+    for _ in range(2):  # a new window, with DDP built again over every parameter
+        step(state, batch)
+    return {"error": error, "step": state.step, "params": _full(model)}
+
+
+BIG = 1e4  # a regression target whose summed-over-rows gradient overflows float16
+
+
+def _regression(model, batch):
+    out = model(batch["x"])[:, 0]
+    return torch.nn.functional.mse_loss(out, batch["x"][:, 0] * 0 + BIG)
+
+
+def _fp16_compression() -> dict:
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=1e-6))
+    step = af.distributed(compression="fp16")(_regression)
+    rank = dist.get_rank()
+    metrics = step(state, {k: v[RANK_ROWS[rank]] for k, v in global_batch(0).items()})
+    return {"params": _full(model), "skipped": float(metrics["skipped"])}
+
+
 WORKER_CASES = {
     "ema_fsdp": _ema_fsdp,  # takes the output directory
+    "zero_tokens_ddp": lambda: _zero_tokens("ddp", False),
+    "zero_tokens_ddp_acc2": lambda: _zero_tokens("ddp", True),
+    "zero_tokens_fsdp": lambda: _zero_tokens("fsdp", False),
+    "unfreeze_ddp": lambda: _unfreeze("ddp"),
+    "unfreeze_fsdp": lambda: _unfreeze("fsdp"),
+    "unfreeze_in_window_ddp": _unfreeze_in_window,
+    "fp16_compression": _fp16_compression,
     "static_graph_acc3": _static_graph_accumulation,
     "calls_flush_ddp": lambda: _calls_flush("ddp"),
     "calls_flush_fsdp": lambda: _calls_flush("fsdp"),
@@ -207,6 +314,16 @@ def _reference_calls() -> dict[str, torch.Tensor]:
 pytestmark = pytest.mark.distributed
 
 
+def _reference(batch_of, loss_fn) -> torch.nn.Module:
+    """One process's STEPS updates (SGD with momentum) on every rank's rows of each step."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for i in range(STEPS):
+        reference_update(model, optimizer, batch_of(i), loss_fn)
+    return model
+
+
 @pytest.mark.parametrize("case", ["calls_flush_ddp", "calls_flush_fsdp"])
 def test_flushed_short_window_equals_single_process(results, case):
     # the flushed window's calls ran under no_sync: its gradients must still be reduced
@@ -221,6 +338,63 @@ def test_flushed_short_window_equals_single_process(results, case):
         for name in expected:  # DDP replicas stay bitwise identical
             assert torch.equal(results[0][case]["params"][name],
                                results[1][case]["params"][name])
+
+
+@pytest.mark.parametrize("case", ["zero_tokens_ddp", "zero_tokens_ddp_acc2",
+                                  "zero_tokens_fsdp"])
+def test_a_process_whose_rows_are_all_padding_does_not_skip_the_others_update(results, case):
+    # its local mean over no token is 0/0: it must not be taken for a non-finite loss
+    model = _reference(padded_batch, clamped_token_loss)
+    for rank in range(2):
+        got = results[rank][case]
+        assert got["skipped"] == [0.0] * STEPS, (rank, got["skipped"])
+        if rank == 1:  # its mean over no token: 0, not NaN
+            assert got["losses"] == [0.0] * STEPS, got["losses"]
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(got["params"][name], value.detach(), atol=1e-5,
+                                       rtol=1e-5, msg=f"{case} rank {rank} {name}")
+
+
+@pytest.mark.parametrize("case", ["unfreeze_ddp", "unfreeze_fsdp"])
+def test_blocks_unfrozen_after_the_first_update_are_synchronised(results, case):
+    # DDP registers the trainable parameters when it is built: unfrozen ones must be
+    # reduced too, or each process trains its own copy of them
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    af.freeze(model, "blocks")
+    for i in range(FROZEN_STEPS + STEPS):
+        if i == FROZEN_STEPS:
+            af.unfreeze(model, "blocks")
+        reference_update(model, optimizer, global_batch(i), classify)
+    for rank in range(2):
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(results[rank][case]["params"][name], value.detach(),
+                                       atol=1e-5, rtol=1e-5, msg=f"{case} rank {rank} {name}")
+
+
+def test_unfreezing_inside_an_accumulation_window_is_refused_and_training_goes_on(results):
+    for rank in range(2):
+        got = results[rank]["unfreeze_in_window_ddp"]
+        assert got["error"] is not None and "between updates" in got["error"], got["error"]
+        assert got["step"] == 1
+    for name, value in results[0]["unfreeze_in_window_ddp"]["params"].items():
+        assert torch.equal(value, results[1]["unfreeze_in_window_ddp"]["params"][name]), name
+
+
+def test_fp16_compression_does_not_overflow_where_torchs_hook_does_not(results):
+    # the weighted objective is counted in a unit near the mean loss's, as under fp16's
+    # loss scaling: torch's DDP with fp16_compress_hook over the mean loss does not overflow
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    reference_update(model, optimizer, global_batch(0), _regression)
+    for rank in range(2):
+        got = results[rank]["fp16_compression"]
+        assert got["skipped"] == 0.0
+        for name, value in model.named_parameters():
+            torch.testing.assert_close(got["params"][name], value.detach(), atol=1e-4,
+                                       rtol=1e-3, msg=f"rank {rank} {name}")
 
 
 def test_ema_over_fsdp_equals_averaged_model_of_single_process(results):
@@ -284,11 +458,7 @@ def test_sharded_ema_without_its_step_is_refused_and_changes_nothing(results, ca
 
 
 def test_static_graph_with_accumulation_equals_single_process(results):
-    torch.manual_seed(0)
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for i in range(STEPS):
-        reference_update(model, optimizer, global_batch(i), classify)
+    model = _reference(global_batch, classify)
     for rank in range(2):
         got = results[rank]["static_graph_acc3"]
         assert got["error"] is None

@@ -13,6 +13,7 @@ none of DDP's communication hooks, static graph or bucket settings.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from tensordict import TensorDictBase
 from torch import nn
 
-__all__ = ["StepCall", "all_reduce_grads", "match_gradient_strides", "plain_output",
+__all__ = ["Replicated", "StepCall", "all_reduce_grads", "match_gradient_strides", "plain_output",
            "wrap_ddp"]
 
 
@@ -71,6 +72,57 @@ def wrap_ddp(model: nn.Module, device: torch.device, static_graph: bool,
                                                 start_powerSGD_iter=2)
         ddp.register_comm_hook(hook_state, powerSGD_hook.powerSGD_hook)
     return ddp
+
+
+class Replicated:
+    """What runs the step function under DDP: ``build()``'s ``DistributedDataParallel``,
+    built again when the model's trainable parameters change between updates (a layer
+    unfrozen for fine-tuning, ``af.unfreeze``).
+
+    DDP registers the parameters that require a gradient when it is built: one unfrozen
+    later would keep a gradient of its own process only (the replicas drifting apart with no
+    error), one frozen later fails the next forward. Rebuilding is what a hand-written loop
+    does (``DistributedDataParallel(model.module, ...)`` again); it costs one broadcast, and
+    ``compression="powersgd"`` starts its error feedback afresh. The check is a host walk of
+    ``requires_grad`` at each update's first micro-batch, no device work."""
+
+    def __init__(self, model: nn.Module, build: Callable[[], nn.Module]) -> None:
+        self._model = model
+        self._build = build
+        self._trainable = _trainable(model)
+        self._hooks: list[tuple[Any, Callable[..., Any]]] = []
+        self.ddp: nn.Module = build()
+
+    def __call__(self, call: Callable[[], Any]) -> Any:
+        return self.ddp(call)
+
+    def register_comm_hook(self, state: Any, hook: Callable[..., Any]) -> None:
+        """``DistributedDataParallel.register_comm_hook``, kept across rebuilds."""
+        self.ddp.register_comm_hook(state, hook)  # type: ignore[operator]
+        self._hooks.append((state, hook))
+
+    def refresh(self, window_open: bool) -> None:
+        """Build DDP again if the trainable parameters changed since it was built; refused
+        inside an accumulation window (its gradients were reduced by the other set)."""
+        now = _trainable(self._model)
+        if now == self._trainable:
+            return
+        if window_open:
+            raise ValueError(
+                "the model's trainable parameters changed (requires_grad) inside an "
+                "accumulation window, whose gradients DDP reduces as one set; freeze or "
+                "unfreeze between updates (after the window's last call, or step.flush(state))")
+        old, self.ddp = self.ddp, None  # type: ignore[assignment]
+        del old  # its reducer's hooks go with it, before the new one adds its own
+        gc.collect()
+        self.ddp = self._build()
+        for hook_state, hook in self._hooks:
+            self.ddp.register_comm_hook(hook_state, hook)  # type: ignore[operator]
+        self._trainable = now
+
+
+def _trainable(model: nn.Module) -> tuple[bool, ...]:
+    return tuple(p.requires_grad for p in model.parameters())
 
 
 _CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
