@@ -5,8 +5,10 @@ The graph that :func:`loader` builds (each stage a ``torchdata.nodes.BaseNode``)
     IndexBatchSampler            shuffle (seed, epoch), shard by rank, batch the indices
       -> Mapper / PoolMapper (threads or processes) over TensorDictGather | SampleCollator
          (or IterableWrapper -> IterableBatcher for iterables)
+      -> CatchErrors             an exception becomes an item holding it, to cross threads
       -> Prefetcher              batches prepared ahead in a background thread
       -> PinMemory               page-locked host memory (only when CUDA is there)
+      -> RaiseErrors             raises that exception object, as the dataset raised it
       -> ToDevice                non-blocking copy on a side stream, overlapping compute
       -> ApplyTransform          GPU-side batch transform, seeded per (epoch, batch)
 
@@ -16,7 +18,8 @@ transform overlaps the loop's compute; its seeds, hence its output, are the same
 and a :class:`~accelfn.data.BatchLoader` iterates it, epoch after epoch, with an exact
 ``state_dict()`` and a record of how long the loop waited for each batch. The nodes live in
 ``sampling`` (the sampler), ``gather`` and ``collate`` (the sources), ``workers`` (the
-persistent pool), ``stages`` (``ToDevice``, ``ApplyTransform``) and ``batch_loader``.
+persistent pool), ``stages`` (``ToDevice``, ``ApplyTransform``, ``CatchErrors``,
+``RaiseErrors``) and ``batch_loader``.
 """
 
 from __future__ import annotations
@@ -28,14 +31,14 @@ from typing import Any, Literal
 
 import torch
 from tensordict import TensorDict, TensorDictBase
-from torchdata.nodes import BaseNode, IterableWrapper, Mapper, PinMemory, Prefetcher
+from torchdata.nodes import BaseNode, IterableWrapper, Mapper
 
 from .batch_loader import BatchLoader
 from .collate import IterableBatcher, SampleCollator
 from .gather import TensorDictGather
 from .gpu import host_keys
 from .sampling import DataLoaderDrawsNode, DataLoaderRNG, IndexBatchSampler, resolve_shard
-from .stages import ApplyTransform, ToDevice, resolve_device
+from .stages import ApplyTransform, ToDevice, in_threads, resolve_device
 from .workers import PoolMapper
 
 __all__ = ["loader"]
@@ -414,10 +417,8 @@ def loader(
     if transform is not None and on_host:
         node = ApplyTransform(node, transform, seed=seed, rank=rank, num_workers=host_workers)
         close_fns.append(node.close)
-    if prefetch > 0 and not on_device_source:
-        node = Prefetcher(node, prefetch_factor=prefetch)
-    if pin_memory and not on_device_source:
-        node = PinMemory(node)
+    if not on_device_source:  # exceptions cross the threads as raised
+        node = in_threads(node, prefetch=prefetch, pin_memory=pin_memory)
     if dev is not None:
         node = ToDevice(node, dev, keep_on_host=host_keys(transform))
     if transform is not None and not on_host:

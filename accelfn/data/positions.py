@@ -2,7 +2,8 @@
 
 A loader's position is its root node's state, nested one level per stage. Some stages only
 move batches along — the ``Prefetcher``, ``PinMemory``, ``ToDevice``, the ``Mapper`` or
-``PoolMapper`` over the sampler — and where the batch transform runs (before the prefetcher
+``PoolMapper`` over the sampler, the ``CatchErrors`` and ``RaiseErrors`` around the threads
+(whose state is their source's) — and where the batch transform runs (before the prefetcher
 for host batches, after the copy for device ones) depends on ``device``. None of that changes
 the batches, so a position saved with one ``prefetch``, ``pin_memory`` or ``device`` must
 resume with another (a checkpoint taken on a GPU machine, resumed on a CPU one).
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 
 from torchdata.nodes import BaseNode, ParallelMapper, PinMemory, Prefetcher
 
-from .stages import ApplyTransform, ToDevice
+from .stages import ApplyTransform, CatchErrors, RaiseErrors, ToDevice
 from .workers import PoolMapper
 
 __all__ = ["CorePosition", "core_node", "core_position", "staged_position"]
@@ -76,7 +77,7 @@ def core_position(state: Any) -> CorePosition:
 
 def _is_stage(node: BaseNode[Any]) -> bool:
     return isinstance(node, (Prefetcher, PinMemory, ToDevice, ApplyTransform, ParallelMapper,
-                             PoolMapper))
+                             PoolMapper, CatchErrors, RaiseErrors))
 
 
 def _stages(root: BaseNode[Any]) -> tuple[list[BaseNode[Any]], BaseNode[Any]]:
@@ -111,6 +112,8 @@ def staged_position(root: BaseNode[Any], position: CorePosition) -> Any:
         )
     state = position.core
     for layer in reversed(layers):
+        if isinstance(layer, (CatchErrors, RaiseErrors)):  # their state is their source's
+            continue
         if isinstance(layer, (Prefetcher, PinMemory)):
             state = {"snapshot": state, "steps_since_snapshot": 0}
         elif isinstance(layer, ApplyTransform):

@@ -3,6 +3,9 @@
 * :class:`ToDevice` copies batches to the device without blocking, on a side stream.
 * :class:`ApplyTransform` applies a batch transform with a generator seeded per batch from
   ``(seed, rank, epoch, batch_number)``, in the loop's thread or in worker threads.
+* :func:`in_threads` puts the prefetching and pinning threads over a node so that an exception
+  raised below them reaches the loop as raised (:class:`CatchErrors` and
+  :class:`RaiseErrors`), not rebuilt by torch's ``ExceptionWrapper``.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 import torch
 from tensordict import TensorDictBase
-from torchdata.nodes import BaseNode, Mapper
+from torchdata.nodes import BaseNode, Mapper, PinMemory, Prefetcher
 
 from .epochs import EpochCounting
 from .gpu import accepts_generator, host_keys
@@ -22,7 +25,7 @@ from .rng import seeded_draws
 from .sampling import mix_seed
 from .workers import PoolMapper
 
-__all__ = ["ApplyTransform", "ToDevice"]
+__all__ = ["ApplyTransform", "CatchErrors", "RaiseErrors", "ToDevice", "in_threads"]
 
 
 class ToDevice(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchdata: untyped
@@ -235,6 +238,92 @@ class ApplyTransform(BaseNode[TensorDictBase]):  # type: ignore[misc]  # torchda
         """Stop the worker threads, if any (a later ``reset()`` starts new ones)."""
         if self._pool is not None:
             self._pool.close()
+
+
+class _Raised:
+    """An exception raised below the threads, carried up as an item (the object itself)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class CatchErrors(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
+    """Below a ``Prefetcher`` or ``PinMemory``: an exception of the source is returned as an
+    item holding the exception object (for :class:`RaiseErrors` above the threads to raise),
+    then the node ends (``StopIteration``) until its next ``reset()``, as the thread would
+    stop.
+
+    torchdata's threads send an exception on as torch's ``ExceptionWrapper``, whose
+    ``reraise()`` builds a new one from the formatted traceback ("Caught X in
+    _populate_queue..."): the message changes, the attributes are lost, and a class whose
+    constructor takes other arguments becomes a ``RuntimeError``. Its state is its source's
+    (a position is the same with or without it).
+    """
+
+    def __init__(self, source: BaseNode[Any]) -> None:
+        super().__init__()
+        self.source = source
+        self._failed = False
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._failed = False
+        self.source.reset(initial_state)
+
+    def next(self) -> Any:
+        if self._failed:
+            raise StopIteration
+        try:
+            return next(self.source)
+        except StopIteration:
+            raise
+        except Exception as e:
+            self._failed = True
+            return _Raised(e)
+
+    def get_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self.source.state_dict()
+        return state
+
+
+class RaiseErrors(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped
+    """Above the threads: raise the exception object that :class:`CatchErrors` caught below
+    them (its type, message, attributes and notes as the source raised it). Its state is
+    its source's."""
+
+    def __init__(self, source: BaseNode[Any]) -> None:
+        super().__init__()
+        self.source = source
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.source.reset(initial_state)
+
+    def next(self) -> Any:
+        item = next(self.source)
+        if isinstance(item, _Raised):
+            raise item.error
+        return item
+
+    def get_state(self) -> dict[str, Any]:
+        state: dict[str, Any] = self.source.state_dict()
+        return state
+
+
+def in_threads(node: BaseNode[Any], *, prefetch: int, pin_memory: bool) -> BaseNode[Any]:
+    """``node`` behind a ``Prefetcher`` (``prefetch > 0``) and ``PinMemory`` thread, with
+    :class:`CatchErrors` below them and :class:`RaiseErrors` above, so that an exception of
+    ``node`` reaches the loop as raised; ``node`` itself if neither applies."""
+    if prefetch <= 0 and not pin_memory:
+        return node
+    node = CatchErrors(node)
+    if prefetch > 0:
+        node = Prefetcher(node, prefetch_factor=prefetch)
+    if pin_memory:
+        node = PinMemory(node)
+    return RaiseErrors(node)
 
 
 def resolve_device(device: Any, pin_memory: bool | None) -> tuple[torch.device | None, bool]:

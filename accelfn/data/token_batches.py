@@ -33,7 +33,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 from tensordict import TensorDict
-from torchdata.nodes import BaseNode, PinMemory, Prefetcher
+from torchdata.nodes import BaseNode
 
 from .batch_loader import BatchLoader
 from .epochs import EpochSource
@@ -46,7 +46,7 @@ from .packing import (
     window_rows,
 )
 from .sampling import mix_seed, resolve_shard
-from .stages import ToDevice, resolve_device
+from .stages import ToDevice, in_threads, resolve_device
 from .tokens import TokenFiles
 
 __all__ = ["PackedRows", "TokenWindows", "token_loader"]
@@ -313,8 +313,13 @@ def token_loader(
         shuffle_rows: packing only: rows per shuffled block (default 1024); they are packed
             ahead (a list of their documents' places: memory bounded by this).
         seed: seed of the windows' offsets and of the permutations.
-        drop_last: drop the final incomplete round of batches (default); without it the
-            last batch is smaller (windows) or padded with empty rows (packing).
+        drop_last: drop the final incomplete round of batches (default). Without it the
+            last batch is smaller: windows, the rank's remaining windows (the last round
+            wraps around to the first windows, so that every rank has as many); packing, the
+            ``count < batch_size * world_size`` rows left are shared out in turn and every
+            rank's last batch has ``ceil(count / world_size)`` rows, a rank with fewer real
+            rows getting empty ones (targets ``-100``, ``document_ids`` ``-1``) so that all
+            ranks' batches have one size.
         device: where batches go (``None``: stay on the host); pinned and copied without
             blocking on CUDA, as [`loader`][accelfn.data.loader] does.
         prefetch: batches prepared ahead in a background thread (0: none).
@@ -405,10 +410,7 @@ def token_loader(
                           world_size=world_size, delimiter=delimiter, opens=opens,
                           shuffle=shuffle, shuffle_rows=config["shuffle_rows"], seed=seed)
     close_fns: list[Callable[[], None]] = [files.close]
-    if prefetch > 0:
-        node = Prefetcher(node, prefetch_factor=prefetch)
-    if pin:
-        node = PinMemory(node)
+    node = in_threads(node, prefetch=prefetch, pin_memory=pin)  # exceptions cross as raised
     if dev is not None:
         node = ToDevice(node, dev)
     return BatchLoader(node, num_batches=num_batches, config=config, close_fns=close_fns,

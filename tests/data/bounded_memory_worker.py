@@ -15,6 +15,7 @@ import sys
 import torch
 
 import accelfn.data as ad
+from accelfn.data.positions import core_node
 
 GIB = 2**30
 
@@ -42,7 +43,7 @@ def main(path: str) -> None:
         next(it)
     resource.setrlimit(resource.RLIMIT_AS, (address_space() + GIB, resource.RLIM_INFINITY))
     before = peak_rss_mib()
-    node = windows.root.source  # the Prefetcher's source: the windows node
+    node = core_node(windows.root)  # the node below the stages: the windows node
     starts = [int(s) for b in range(1, 200) for s in node.window_starts(0, b)]
     for _ in range(199):
         batch = next(its[0])

@@ -83,6 +83,55 @@ def test_an_error_while_reading_an_iterable_names_the_position():
     assert f"sample {BAD} of epoch 0 of the iterable source" in _shown(info.value)
 
 
+class RecordError(Exception):
+    """A dataset's own exception, whose constructor takes other arguments than a message."""
+
+    def __init__(self, path: list[str], offset: int) -> None:
+        super().__init__(f"bad record in {path[0]} at {offset}")
+        self.path = path
+        self.offset = offset
+
+
+SHARD = ["shard-3.bin"]  # the attribute the loop must get back: this object, not a copy
+
+
+class BadRecord:
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int):
+        if i == BAD:
+            raise RecordError(SHARD, 4096)
+        return {"x": torch.tensor(float(i))}
+
+
+PIN = [False, True] if torch.cuda.is_available() else [False]
+
+
+@pytest.mark.parametrize("pin_memory", PIN, ids=["unpinned", "pinned"][: len(PIN)])
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("prefetch", [2, 0])
+def test_a_dataset_exception_reaches_the_loop_as_raised(prefetch, num_workers, pin_memory):
+    # Through the prefetch (and pinning) threads too: the very exception object the dataset
+    # raised, with its message, attributes and the note naming the sample; not rebuilt.
+    with ad.loader(BadRecord(), batch_size=4, shuffle=False, prefetch=prefetch,
+                   num_workers=num_workers, pin_memory=pin_memory) as loader:
+        it = iter(loader)
+        with pytest.raises(RecordError) as info:
+            while True:
+                next(it)
+        e = info.value
+        assert type(e) is RecordError
+        assert e.path is SHARD and e.offset == 4096
+        assert e.args == ("bad record in shard-3.bin at 4096",)
+        assert str(e) == "bad record in shard-3.bin at 4096"
+        assert e.__notes__ == [f"while loading sample {BAD} of epoch 0: in dataset[{BAD}]"]
+        # the failed batch is retried at the next next(), and fails again (no second note)
+        with pytest.raises(RecordError) as again:
+            next(it)
+        assert again.value is not e and len(again.value.__notes__) == 1
+
+
 class Samples:
     def __init__(self, samples) -> None:
         self.samples = samples

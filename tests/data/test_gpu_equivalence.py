@@ -81,6 +81,67 @@ def test_random_resized_crop_nearest_names_the_keys():
     assert ad.RandomResizedCrop(9, keys=("image", "mask"), nearest=()).nearest == ()
 
 
+class _FixedBox(ad.RandomResizedCrop):
+    """The same box ``(x1, y1, x2, y2)`` for every sample."""
+
+    def __init__(self, size, box) -> None:
+        super().__init__(size)
+        self.box = box
+
+    def boxes(self, b, height, width, generator, device):
+        return torch.tensor([self.box], dtype=torch.float32, device=device).expand(b, 4)
+
+
+@pytest.mark.parametrize("size", [(40, 40), (10, 10), (3, 7), (25, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.uint8])
+def test_random_resized_crop_reads_no_pixel_outside_the_box(size, dtype):
+    # An all-zero box in a bright image: upsampled, kept, shrunk, or both, torchvision's crop
+    # then resize has no pixel of the outside; neither may the batched resampling.
+    bright = 1.0 if dtype.is_floating_point else 255
+    img = torch.full((3, 2, 20, 20), bright).to(dtype)
+    img[..., 5:15, 5:15] = 0
+    out = _FixedBox(size, [5.0, 5.0, 15.0, 15.0])(TensorDict({"image": img}, [3]))["image"]
+    assert out.shape == (3, 2, *size) and out.dtype == dtype
+    assert out.count_nonzero().item() == 0
+    for i in range(3):
+        ref = TF.resized_crop(img[i], 5, 5, 10, 10, list(size), antialias=True)
+        assert ref.count_nonzero().item() == 0
+
+
+# upsampling, shrinking (antialiased, as torchvision by default), one axis each way, identity
+RRC_SIZES = [(80, 60), (16, 16), (7, 100), (37, 53)]
+
+
+@pytest.mark.parametrize("size", RRC_SIZES)
+def test_random_resized_crop_equals_torchvision_resized_crop_per_sample(size):
+    b, h, w = 32, 37, 53
+    x = torch.rand(b, 3, h, w, generator=gen(0))
+    t = ad.RandomResizedCrop(size)
+    boxes = t.boxes(b, h, w, gen(1), CPU)
+    out = t(TensorDict({"image": x}, [b]), generator=gen(1))["image"]
+    for i in range(b):
+        x1, y1, x2, y2 = (int(v) for v in boxes[i])
+        ref = TF.resized_crop(x[i], y1, x1, y2 - y1, x2 - x1, list(size), antialias=True)
+        torch.testing.assert_close(out[i], ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("size", RRC_SIZES)
+def test_random_resized_crop_uint8_is_torchvision_within_one_level(size):
+    # torchvision resizes uint8 on the CPU with fixed-point weights; accelfn in float32, then
+    # rounds: at most one level apart.
+    batch = _rrc_batch(b=32, h=37, w=53)
+    b, h, w = 32, 37, 53
+    t = ad.RandomResizedCrop(size)
+    boxes = t.boxes(b, h, w, gen(2), CPU)
+    out = t(batch.exclude("mask"), generator=gen(2))["image"]
+    assert out.dtype == torch.uint8
+    for i in range(b):
+        x1, y1, x2, y2 = (int(v) for v in boxes[i])
+        ref = TF.resized_crop(batch["image"][i], y1, x1, y2 - y1, x2 - x1, list(size),
+                              antialias=True)
+        assert (out[i].int() - ref.int()).abs().max().item() <= 1, (i, boxes[i])
+
+
 # --------------------------------------------------------------------------------------------
 # RandomCrop: padding as torchvision (int, [all], [left/right, top/bottom], [l, t, r, b])
 
@@ -261,3 +322,22 @@ def test_normalize_float_is_bitwise_v2_normalize(src, dtype):
     ref = v2.Normalize(MEAN, STD)(v2.ToDtype(dtype)(x))
     assert out.dtype == dtype and torch.equal(out, ref)
     assert torch.equal(x, torch.rand(6, 3, 16, 16, generator=gen(4)).to(src))  # input kept
+
+
+# --------------------------------------------------------------------------------------------
+# RandomHorizontalFlip
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.uint16, torch.uint32, torch.uint64, torch.uint8, torch.int64, torch.float32,
+              torch.bool])
+def test_flip_equals_torchvision_horizontal_flip_per_sample(dtype):
+    # uint16/32/64 have no multiplication in torch: they are selected, like floats
+    b = 16
+    x = randint((b, 3, 5, 7), 0, 2 if dtype == torch.bool else 60000, dtype)
+    out = ad.RandomHorizontalFlip()(TensorDict({"image": x}, [b]), generator=gen(4))["image"]
+    flip = torch.rand(b, generator=gen(4)) < 0.5  # the draw RandomHorizontalFlip makes
+    assert 0 < flip.sum().item() < b and out.dtype == dtype
+    for i in range(b):
+        ref = TF.horizontal_flip(x[i]) if flip[i] else x[i]
+        assert torch.equal(out[i], ref), i

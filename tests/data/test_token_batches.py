@@ -10,6 +10,7 @@ import torch
 from helpers import roundtrip, torchrun
 
 import accelfn.data as ad
+from accelfn.data.positions import core_node
 
 EOT = 999
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -36,7 +37,7 @@ def same(a: list[dict], b: list[dict]) -> bool:
 def test_windows_visit_every_window_once_per_epoch_in_a_new_order(tmp_path):
     stream, path = corpus(tmp_path)
     loader = ad.token_loader(path, batch_size=4, seq_len=32, seed=1, drop_last=False)
-    node = loader.root.source
+    node = core_node(loader.root)
     starts = []
     for e in range(3):
         batches = epoch(loader)
@@ -54,7 +55,7 @@ def test_windows_visit_every_window_once_per_epoch_in_a_new_order(tmp_path):
     assert same(epoch(again), epoch(ad.token_loader(path, batch_size=4, seq_len=32, seed=1,
                                                    drop_last=False)))
     in_order = ad.token_loader(path, batch_size=4, seq_len=32, shuffle=False)
-    assert [int(s) for s in in_order.root.source.window_starts(0, 0)] == [0, 32, 64, 96]
+    assert [int(s) for s in core_node(in_order.root).window_starts(0, 0)] == [0, 32, 64, 96]
 
 
 def test_windows_give_document_ids_and_positions_from_the_delimiter(tmp_path):
@@ -77,8 +78,8 @@ def test_windows_shard_by_rank(tmp_path, drop_last):
                                drop_last=drop_last) for r in range(w)]
     counts = {len(x) for x in loaders}
     assert len(counts) == 1  # every rank the same number of batches
-    node = loaders[0].root.source
-    shards = [[int(s) for b in range(len(x)) for s in x.root.source.window_starts(0, b)]
+    node = core_node(loaders[0].root)
+    shards = [[int(s) for b in range(len(x)) for s in core_node(x.root).window_starts(0, b)]
               for x in loaders]
     seen = [s for shard in shards for s in shard]
     if drop_last:
@@ -311,3 +312,48 @@ def test_two_processes_shard_by_torch_distributed_and_weigh_tokens(tmp_path):
     for got in results:
         for name, value in expected.items():
             torch.testing.assert_close(got["params"][name], value, rtol=1e-5, atol=1e-6)
+
+
+class ShardError(Exception):
+    """A read error whose constructor takes other arguments than a message."""
+
+    def __init__(self, shard: list[str], offset: int) -> None:
+        super().__init__(f"cannot read {shard[0]} at {offset}")
+        self.shard = shard
+        self.offset = offset
+
+
+@pytest.mark.parametrize("packing", ["windows", "greedy"])
+@pytest.mark.parametrize("prefetch", [2, 0])
+def test_a_read_error_reaches_the_loop_as_raised(tmp_path, monkeypatch, packing, prefetch):
+    # Through the prefetch (and pinning) threads too: the exception object raised while
+    # reading, with its type, message and attributes; not rebuilt as a RuntimeError.
+    from accelfn.data import token_batches
+
+    _, path = corpus(tmp_path)
+    shard = ["shard-3.bin"]
+    read = token_batches.window_rows if packing == "windows" else token_batches.packed_rows
+    calls = {"n": 0}
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise ShardError(shard, 4096)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(token_batches, read.__name__, failing)
+    kw = {"eot": EOT} if packing != "windows" else {}
+    loader = ad.token_loader(path, batch_size=2, seq_len=16, packing=packing, prefetch=prefetch,
+                             pin_memory=torch.cuda.is_available(), **kw)
+    it = iter(loader)
+    got = []
+    with pytest.raises(ShardError) as info:
+        while True:
+            got.append({k: v.clone() for k, v in next(it).items()})
+    e = info.value
+    assert type(e) is ShardError and e.shard is shard and e.offset == 4096
+    assert e.args == ("cannot read shard-3.bin at 4096",)
+    rest = epoch(it)  # the failed batch is read again: the epoch is whole
+    monkeypatch.setattr(token_batches, read.__name__, read)
+    assert same(got + rest, epoch(ad.token_loader(path, batch_size=2, seq_len=16,
+                                                  packing=packing, prefetch=0, **kw)))

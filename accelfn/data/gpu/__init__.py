@@ -4,8 +4,9 @@ Each transform is a callable ``t(batch, generator=None) -> batch`` over a Tensor
 image keys hold ``(batch, channels, height, width)`` tensors (uint8 or floating point). Random
 transforms draw one set of parameters **per sample** from ``generator`` (a ``torch.Generator``
 on the batch's device; the loader seeds one per batch from ``seed``, epoch and batch number),
-with no per-sample Python loop: crops are index arithmetic + one ``gather``, resized crops one
-``roi_align`` call, flips one masked select. When several keys are listed (e.g. an image and
+with no per-sample Python loop: crops are index arithmetic + one ``gather``, resized crops a
+separable resampling with per-sample weights (a row selection per filter tap and axis), flips
+one masked select. When several keys are listed (e.g. an image and
 its segmentation mask), they all get the same per-sample parameters.
 
 The same code runs on the CPU (tests) and on CUDA, so both give the same distributions.

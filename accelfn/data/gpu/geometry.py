@@ -120,15 +120,100 @@ class RandomCrop:
         )
 
 
+def _taps(
+    n_out: int, size: int, start: torch.Tensor, length: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each of ``n_out`` outputs reads along one axis of ``size`` pixels, resampling the
+    span ``[start, start + length)`` of each sample (float ``(b,)``, integer-valued): source
+    indices ``(b, n_out, taps)`` and their weights, ``dtype``.
+
+    The weights are those of ``torch.nn.functional.interpolate(mode="bilinear",
+    align_corners=False, antialias=True)`` of the span alone (a triangle filter widened by
+    the scale when shrinking, truncated at the span's ends and normalised): plain bilinear
+    interpolation when enlarging. Every index is inside the span; a tap past the span's end
+    has weight 0 and reads the span's last pixel.
+    """
+    device = start.device
+    length = length.to(dtype)
+    scale = (length / n_out)[:, None]  # (b, 1): input pixels per output pixel
+    support = scale.clamp(min=1.0)  # the filter's half-width in input pixels
+    center = scale * (torch.arange(n_out, device=device, dtype=dtype) + 0.5)  # (b, n_out)
+    # the first pixel within the support: as torch's (int64)(center - support + 0.5), >= 0
+    first = (center - support + 0.5).floor().clamp_(min=0)
+    # the support, an open interval 2 * support wide, holds at most ceil(2 * support) pixels;
+    # the widest span is the whole axis
+    taps = min(size, math.ceil(2 * max(size / n_out, 1.0)))
+    j = first[..., None] + torch.arange(taps, device=device, dtype=dtype)  # (b, n_out, taps)
+    w = (1 - ((j - center[..., None] + 0.5) / support[..., None]).abs()).clamp_(min=0)
+    w = torch.where(j < length[:, None, None], w, 0)
+    total = w[..., 0]
+    for k in range(1, taps):  # in a fixed order, whatever the batch (no reduction kernel)
+        total = total + w[..., k]
+    w = w / total[..., None]
+    index = torch.minimum(j, (length - 1)[:, None, None]) + start.to(dtype)[:, None, None]
+    return index.long(), w
+
+
+def _resample_rows(x: torch.Tensor, index: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Resample ``x`` ``(b, c, n, m)`` along ``n`` with ``_taps``' ``index`` and weights ``w``
+    ``(b, n_out, taps)``: ``(b, c, n_out, m)``, the weighted rows added in tap order."""
+    b, c, n, m = x.shape
+    n_out, taps = index.shape[1:]
+    lines = x.reshape(b * c * n, m)
+    base = n * torch.arange(b * c, device=index.device).view(b, c, 1)
+    out = x.new_empty(b, c, n_out, m)
+    part = torch.empty_like(out) if taps > 1 else out
+    for k in range(taps):  # in a fixed order, whatever the batch (no reduction kernel)
+        dst = out if k == 0 else part
+        rows = (base + index[:, None, :, k]).reshape(-1)
+        torch.index_select(lines, 0, rows, out=dst.view(b * c * n_out, m))
+        dst.mul_(w[:, None, :, k, None])
+        if k:
+            out.add_(part)
+    return out
+
+
+def resized_crops(x: torch.Tensor, boxes: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """The box ``(x1, y1, x2, y2)`` (integer-valued floats, ``(b, 4)``) of each image of ``x``
+    ``(b, c, h, w)``, resized to ``size``: float32 (float64 for float64 ``x``).
+
+    Per sample, ``torchvision.transforms.v2.functional.resized_crop(x[i], y1, x1, y2 - y1,
+    x2 - x1, size, antialias=True)`` (crop, then ``interpolate(mode="bilinear",
+    antialias=True)``: bilinear when enlarging, the triangle filter widened to the scale when
+    shrinking) up to float rounding; only pixels inside the box are read. Separable and
+    batched (per axis and filter tap: one selection of rows, a multiply and an add, with
+    per-sample weights), no host sync; each sample's result does not depend on the others in
+    the batch.
+    """
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    _, _, height, width = x.shape
+    th, tw = size
+    x1, y1, x2, y2 = boxes.unbind(1)
+    # columns first, as rows of the transposed image (transposed before the conversion of
+    # integer pixels: the smaller copy), then the rows of the result
+    cols = x.transpose(2, 3).contiguous().to(work)
+    y = _resample_rows(cols, *_taps(tw, width, x1, x2 - x1, work))  # (b, c, tw, height)
+    y = y.transpose(2, 3).contiguous()
+    return _resample_rows(y, *_taps(th, height, y1, y2 - y1, work))
+
+
 class RandomResizedCrop:
     """Crop a random area and aspect ratio, then resize to ``size``, independently per sample.
 
     The box is drawn as in ``torchvision.transforms.v2.RandomResizedCrop`` (area fraction
     uniform in ``scale``, log-aspect uniform in ``log(ratio)``, 10 tries, then a centre crop
-    clamped to ``ratio``), vectorised over the batch. Images are resampled by one
-    ``torchvision.ops.roi_align`` call (bilinear, averaging several points per output pixel
-    when shrinking, which acts as antialiasing); integer images are resampled in float32 and
-    rounded back to their dtype. The ``nearest`` keys (segmentation masks, label maps) are
+    clamped to ``ratio``), vectorised over the batch. Images are resampled as torchvision's
+    ``resized_crop(..., antialias=True)`` (its default) does it per sample: the box alone,
+    resized with ``interpolate(mode="bilinear", align_corners=False, antialias=True)``
+    (bilinear when enlarging, the triangle filter widened to the scale when shrinking), so
+    only pixels inside the box are read, at its edges too. Batched and separable, with
+    per-sample weights (no loop over samples, no host sync); float32 and float64 images are
+    resampled in their dtype, others in float32, and integer images rounded back to their
+    dtype. Compared with ``torchvision.transforms.v2.functional.resized_crop(x[i], y1, x1,
+    y2 - y1, x2 - x1, size, antialias=True)`` with the same box (tested on the CPU): float32
+    images in [0, 1] within 1e-5 (measured: 4e-7), float64 within float64 rounding, uint8
+    images within one level (torchvision resizes uint8 on the CPU with fixed-point weights).
+    The ``nearest`` keys (segmentation masks, label maps) are
     resampled with nearest-neighbour sampling instead, as one ``gather`` from the same boxes:
     values stay in their label set, dtype kept, bitwise equal to torchvision's
     ``resized_crop`` of a ``tv_tensors.Mask`` (``InterpolationMode.NEAREST``).
@@ -250,13 +335,10 @@ class RandomResizedCrop:
     def __call__(
         self, batch: TensorDictBase, generator: torch.Generator | None = None
     ) -> TensorDictBase:
-        from torchvision.ops import roi_align  # type: ignore[import-untyped]
-
         xs = same_size_images(batch, self.keys, "RandomResizedCrop")
         b, device = xs[0].shape[0], xs[0].device
         height, width = xs[0].shape[-2:]
         boxes = self.boxes(b, height, width, generator, device)
-        rois = torch.cat([torch.arange(b, device=device, dtype=boxes.dtype)[:, None], boxes], 1)
         flat = self._nearest_index(boxes, width) if self.nearest else None
         out = batch.copy()
         for k, x in zip(self.keys, xs):
@@ -267,8 +349,7 @@ class RandomResizedCrop:
                 y = x3.gather(2, flat.expand(b, x3.shape[1], flat.shape[-1]))
                 out.set(k, y.reshape(b, *lead, *self.size))
                 continue
-            work = x4 if x4.dtype in (torch.float32, torch.float64) else x4.float()
-            y = roi_align(work, rois.to(work.dtype), self.size, 1.0, -1, True)
+            y = resized_crops(x4, boxes, self.size)
             if not x.dtype.is_floating_point:
                 info = torch.iinfo(x.dtype)
                 y = y.round_().clamp_(info.min, info.max)
@@ -302,8 +383,18 @@ class RandomResizedCrop:
         )
 
 
+# Flipped by selection: bool, and the unsigned types wider than uint8, which torch cannot
+# multiply or add.
+_SELECTED = (torch.bool, torch.uint16, torch.uint32, torch.uint64)
+
+
 class RandomHorizontalFlip:
-    """Mirror each sample left-right with probability ``p`` (one masked select, no loop)."""
+    """Mirror each sample left-right with probability ``p`` (one masked select, no loop).
+
+    Per sample, bitwise ``torchvision.transforms.v2.functional.horizontal_flip`` (or the
+    sample unchanged), for every dtype (floats, bool, signed and unsigned integers of every
+    width).
+    """
 
     def __init__(self, p: float = 0.5, *, keys: str | Sequence[str] = ("image",)) -> None:
         if not 0 <= p <= 1:
@@ -320,11 +411,11 @@ class RandomHorizontalFlip:
         out = batch.copy()
         for k, x in zip(self.keys, xs):
             mask = flip.view(b, *([1] * (x.dim() - 1)))
-            if x.dtype.is_floating_point or x.dtype == torch.bool:
+            if x.dtype.is_floating_point or x.dtype in _SELECTED:
                 y = torch.where(mask, x.flip(-1), x)
             else:
-                # Exact for integers (one term is always zero) and several times faster than
-                # torch.where on CPU; not used for floats, where 0 * inf would give nan.
+                # Exact for integers (one term is always zero) and faster than torch.where
+                # on CPU for uint8; not used for floats, where 0 * inf would give nan.
                 m = mask.to(x.dtype)
                 y = x.flip(-1) * m + x * (1 - m)
             out.set(k, y)

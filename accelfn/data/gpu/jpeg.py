@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDictBase
 
 from .base import as_pair, fit_image, image
-from .geometry import RandomResizedCrop
+from .geometry import RandomResizedCrop, resized_crops
 
 __all__ = ["DecodeJPEG"]
 
@@ -31,7 +31,9 @@ class DecodeJPEG:
     ``crop.boxes_per_sample``, from the loader's ``generator``) and resized to ``crop.size``:
     ImageNet's training crop of the whole decoded image, equal bitwise to ``crop`` applied to
     each decoded image alone with that box (and to ``crop`` of the decoded batch when all the
-    images have one size). One ``roi_align`` per image, so no image is resized first.
+    images have one size), so torchvision's ``resized_crop`` (``antialias=True``) of the
+    decoded image within one level (see [`RandomResizedCrop`][]). One resampling per image,
+    reading only the pixels inside its box, so no image is resized first.
 
     Args:
         key: key of the padded encoded bytes.
@@ -141,17 +143,13 @@ class DecodeJPEG:
     ) -> torch.Tensor:
         """``crop`` of each image (a list of uint8 ``(C, H, W)`` of any sizes), stacked: as
         ``RandomResizedCrop.__call__`` does it for uint8, a box per image on its own size."""
-        from torchvision.ops import roi_align  # type: ignore[import-untyped]
-
         crop = self.crop
         assert crop is not None
         sizes = [(int(img.shape[-2]), int(img.shape[-1])) for img in images]
         boxes = crop.boxes_per_sample(sizes, generator, device)
-        # (image index 0, box) rows: each image is a batch of one, its row a view (no kernel)
-        rois = torch.cat([boxes.new_zeros(len(sizes), 1), boxes], 1)
+        # each image is a batch of one, its box a view (no kernel)
         y = torch.cat([
-            roi_align(img[None].float(), rois[i:i + 1], crop.size, 1.0, -1, True)
-            for i, img in enumerate(images)
+            resized_crops(img[None], boxes[i:i + 1], crop.size) for i, img in enumerate(images)
         ])
         return y.round_().clamp_(0, 255).to(torch.uint8)
 
