@@ -63,7 +63,9 @@ def inner_forward(module: nn.Module, tag: str) -> Callable[..., Any]:
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's repeated blocks: children of ``nn.ModuleList``/``nn.Sequential`` that share
-    a class with a sibling and have parameters and submodules, outermost only.
+    a class with a sibling and have parameters and submodules, outermost only, in the model's
+    order (that of ``model.named_modules()``), whatever their classes: swin_t's stages and
+    the PatchMerging layers between them come interleaved, as they run.
 
     Finds the transformer blocks of a GPT, the residual blocks of a torchvision ResNet.
     """
@@ -80,7 +82,12 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                     and any(True for _ in sample.parameters())):
                 found.extend(members)
     names = [n for n, _ in found]
-    return [(n, m) for n, m in found if not any(n.startswith(o + ".") for o in names if o != n)]
+    outermost = [(n, m) for n, m in found
+                 if not any(n.startswith(o + ".") for o in names if o != n)]
+    # siblings were gathered class by class, and the containers outermost first: sort by the
+    # place in the model (every path: a module shared under two names keeps both)
+    order = {n: i for i, (n, _) in enumerate(model.named_modules(remove_duplicate=False))}
+    return sorted(outermost, key=lambda item: order[item[0]])
 
 
 def running_stat_modules(block: nn.Module) -> tuple[nn.Module, ...]:

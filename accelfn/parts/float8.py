@@ -267,18 +267,21 @@ def _names(names: list[str]) -> str:
 def plan(options: Float8, model: nn.Module) -> Float8Layers:
     """Which Linear layers of ``model`` ``options`` convert and which they leave out, with why:
     a pure function of the layers' types and shapes (and the predicate), computed without
-    touching the model. Layers already in float8 count as converted."""
+    touching the model. Layers already in float8 count as converted, except those inside an
+    ``nn.MultiheadAttention``, which never run in float8 (see ``_left_out``)."""
     float8_linear = _float8_linear()
     converted: dict[str, tuple[int, int]] = {}
     left_out: dict[str, tuple[tuple[int, int], str]] = {}
+    in_attention = {id(child) for module in model.modules()
+                    if isinstance(module, nn.MultiheadAttention) for child in module.children()}
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or not name:
             continue
         shape = (module.in_features, module.out_features)
-        if isinstance(module, float8_linear):
+        if isinstance(module, float8_linear) and id(module) not in in_attention:
             converted[name] = shape
             continue
-        why = _left_out(options, name, module)
+        why = _left_out(options, name, module, id(module) in in_attention)
         if why is None:
             converted[name] = shape
         else:
@@ -286,8 +289,18 @@ def plan(options: Float8, model: nn.Module) -> Float8Layers:
     return Float8Layers(repr(options), options.rule, converted, left_out, prepared=False)
 
 
-def _left_out(options: Float8, name: str, module: nn.Linear) -> str | None:
-    """Why ``module`` stays out of float8 (the first reason, in this order), or None."""
+# nn.MultiheadAttention hands its out_proj's weight and bias to F.multi_head_attention_forward
+# (and so does its fast path): the layer's forward never runs, a Float8Linear's neither.
+_IN_ATTENTION = ("inside nn.MultiheadAttention, which passes the weight to "
+                 "F.multi_head_attention_forward and never calls the layer's forward")
+
+
+def _left_out(options: Float8, name: str, module: nn.Linear,
+              in_attention: bool = False) -> str | None:
+    """Why ``module`` stays out of float8 (the first reason, in this order), or None.
+    ``in_attention``: ``module`` is a child of an ``nn.MultiheadAttention``."""
+    if in_attention:
+        return _IN_ATTENTION
     forward = type(module).forward
     if forward is not nn.Linear.forward:
         return (f"a forward of its own ({type(module).__name__}.forward, which the float8 "

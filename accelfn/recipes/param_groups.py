@@ -119,7 +119,9 @@ def _torchvision_kinds(model: nn.Module, norm_types: tuple[type[nn.Module], ...]
 
 
 def _layer_ids(model: nn.Module, blocks: Sequence[str] | None) -> tuple[dict[str, int], int]:
-    """Depth of each parameter: 0 before the first block, block i -> i + 1, L + 1 after."""
+    """Depth of each parameter: 0 before the first block, block i (1-based, in the order
+    of ``find_blocks``, the model's, or of ``blocks``) -> i, L + 1 after; before, between
+    and after in the order of ``model.named_parameters()``."""
     if blocks is None:
         paths = [name for name, _ in find_blocks(model)]
         if not paths:
@@ -211,8 +213,20 @@ def param_groups(
     ``layer_decay`` (with ``lr``) gives layer-wise learning rates: the parameters of the
     ``i``-th of ``L`` blocks get ``lr * layer_decay ** (L + 1 - i)``, those before the first
     block (stem, embeddings) ``lr * layer_decay ** (L + 1)``, those after the last (final
-    norm, head) ``lr``. Blocks are [`accelfn.find_blocks`][] (a ResNet's residual blocks,
-    a transformer's layers) unless ``blocks`` lists module paths, shallowest first.
+    norm, head) ``lr``, and those between two blocks the rate of the block after them.
+    Blocks are [`accelfn.find_blocks`][] (a ResNet's residual blocks, a transformer's
+    layers), numbered in the model's order, unless ``blocks`` lists module paths, shallowest
+    first. "Before", "after" and "between" are the order of ``model.named_parameters()``
+    (the order the modules were registered in, which is usually the order they run in).
+    A stem is before the first block unless ``find_blocks`` counts it as one: a stem that
+    shares a class with a sibling in the same ``nn.Sequential`` is a block. So swin_t's
+    patch embedding ``features.0`` (a ``Sequential``, like the four stages beside it) is
+    block 1 of 8 (stages and PatchMerging layers the other 7), as are mobilenet_v2's and
+    efficientnet_b0's first convolution (a ``Conv2dNormActivation``, like their last one:
+    that last one is block ``L``), and maxvit_t's two stem convolutions blocks 1 and 2;
+    ResNet's ``conv1``, ViT's ``conv_proj`` and convnext's ``features.0`` are before the
+    first block. Pass ``blocks=[...]`` (e.g. ``[f"features.{i}" for i in range(1, 8)]``
+    for swin_t) to put a stem before the first block.
 
     Frozen parameters (``requires_grad=False``) are left out unless ``trainable_only=False``
     (use that if you will [`unfreeze`][] them later with the same optimizer). With

@@ -55,8 +55,10 @@ def with_float8(
       ``m``; given with ``layers`` other than ``"auto"``, refused.
 
     A subclass of ``nn.Linear`` that overrides ``forward`` is never converted (its forward
-    would be lost). ``describe(step, state)`` lists the layers converted and those left out,
-    with why (``float8_layers(model)`` gives them as data). ``recipe`` is torchao's:
+    would be lost), nor a Linear inside ``nn.MultiheadAttention`` (which never calls its
+    forward: ``out_proj``'s weight goes to ``F.multi_head_attention_forward``).
+    ``describe(step, state)`` lists the layers converted and those left out, with why
+    (``float8_layers(model)`` gives them as data). ``recipe`` is torchao's:
     ``"tensorwise"`` (fastest), ``"rowwise"`` or ``"rowwise_with_gw_hp"`` (more accurate).
 
     On CUDA the model must be compiled (``compiled`` in the stack; the call is refused

@@ -186,6 +186,38 @@ def test_layer_decay_params_between_blocks_go_with_the_next_block():
     assert {n: g["lr"] for g in explicit for n, _ in g["params"]} == lr_of
 
 
+@pytest.mark.parametrize("name", ["swin_t", "swin_v2_t", "mobilenet_v2", "efficientnet_b0",
+                                  "densenet121"])
+def test_layer_decay_rates_grow_with_depth_on_models_with_blocks_of_several_classes(name):
+    # their repeated blocks are of several classes (swin's stages and PatchMerging layers):
+    # the rates follow the model's order, not the blocks grouped by class
+    with torch.device("meta"):
+        model = getattr(torchvision.models, name)(weights=None)
+    groups = param_groups(model, weight_decay=0.05, lr=1.0, layer_decay=0.5, named=True)
+    lr_of = {n: g["lr"] for g in groups for n, _ in g["params"]}
+    rates = [lr_of[n] for n, _ in model.named_parameters()]
+    assert rates == sorted(rates)
+    blocks = [n for n, _ in af.find_blocks(model)]
+    firsts = [next(lr_of[n] for n, _ in model.named_parameters() if n.startswith(b + "."))
+              for b in blocks]
+    assert firsts == [0.5 ** (len(blocks) + 1 - i) for i in range(1, len(blocks) + 1)]
+    assert rates[-1] == 1.0
+
+
+def test_layer_decay_counts_swins_patch_embedding_as_its_first_block():
+    # the documented stem rule: swin_t's patch embedding (features.0) is a Sequential
+    # sibling of the stages, so it is block 1 of 8; PatchMerging layers sit between stages
+    with torch.device("meta"):
+        model = torchvision.models.swin_t(weights=None)
+    groups = param_groups(model, weight_decay=0.05, lr=1.0, layer_decay=0.5, named=True)
+    lr_of = {n: g["lr"] for g in groups for n, _ in g["params"]}
+    assert lr_of["features.0.0.weight"] == 0.5 ** 8
+    assert lr_of["features.1.0.norm1.weight"] == 0.5 ** 7
+    assert lr_of["features.2.reduction.weight"] == 0.5 ** 6
+    assert lr_of["features.7.1.mlp.0.weight"] == 0.5
+    assert lr_of["head.weight"] == 1.0
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"layer_decay": 0.8}, "needs lr="),
     ({"lr": 0.1, "layer_decay": 1.5}, r"\(0, 1\]"),

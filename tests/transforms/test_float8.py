@@ -173,6 +173,42 @@ def test_a_linear_subclass_with_its_own_forward_keeps_it():
     assert not eligible(OwnForward(32, 32), 16)
 
 
+class Attention(nn.Module):
+    """nn.MultiheadAttention wide enough (1040) for the tensorwise rule to choose its
+    out_proj by shape, beside a Linear of the same shape that runs its forward."""
+
+    def __init__(self, dim: int = 1040) -> None:
+        super().__init__()
+        self.att = nn.MultiheadAttention(dim, 8, batch_first=True)
+        self.fc = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, 5)
+
+    def forward(self, x):
+        h, _ = self.att(x, x, x, need_weights=False)
+        return self.head(self.fc(h).mean(1))
+
+
+def test_multihead_attentions_out_proj_is_left_out_with_why():
+    # MultiheadAttention passes out_proj.weight to F.multi_head_attention_forward and never
+    # calls out_proj's forward: a Float8Linear there would never run in float8
+    torch.manual_seed(0)
+    model = Attention()
+    state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    step = with_float8(ce)  # layers="auto": the tensorwise rule chooses (1040, 1040)
+    why = ("inside nn.MultiheadAttention, which passes the weight to "
+           "F.multi_head_attention_forward and never calls the layer's forward")
+    assert plan(Float8(), model).left_out["att.out_proj"] == ((1040, 1040), why)
+    batch = TensorDict({"x": torch.randn(2, 3, 1040), "y": torch.randint(0, 5, (2,))}, [2])
+    step.evaluate(state, batch)
+    assert converted(model) == ["fc"]
+    assert type(model.att.out_proj) is nn.modules.linear.NonDynamicallyQuantizableLinear
+    layers = float8_layers(model)
+    assert list(layers.converted) == ["fc"]
+    assert layers.left_out["att.out_proj"] == ((1040, 1040), why)
+    assert f"  left out, {why}: 'att.out_proj' (K=1040, N=1040)" in af.describe(
+        step, state).splitlines()
+
+
 def test_nothing_to_convert_is_refused_with_the_shapes_and_the_rule():
     model = mlp(dim=32)
     state = af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
