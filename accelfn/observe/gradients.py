@@ -43,7 +43,9 @@ def layer_groups(model: nn.Module) -> tuple[list[tuple[str, nn.Parameter]], list
 def group_norms(norms: Sequence[Tensor], index: Sequence[int], n_layers: int) -> Tensor:
     """Per-layer L2 norms from per-parameter norms (on their device, no host read)."""
     stacked = torch.stack([n.float() for n in norms])
-    idx = torch.tensor(list(index), device=stacked.device)
+    # made on the host and sent without waiting: torch.tensor(..., device="cuda") would
+    # copy from pageable memory and synchronise the stream
+    idx = torch.tensor(list(index)).to(stacked.device, non_blocking=True)
     sq = torch.zeros(n_layers, device=stacked.device).index_add_(0, idx, stacked * stacked)
     return sq.sqrt()
 

@@ -86,8 +86,10 @@ class Totals:
     wait: float = 0.0
     samples: float = 0.0
     samples_n: int = 0
+    samples_step: float = 0.0  # the step time of the rows that counted samples
     tokens: float = 0.0
     tokens_n: int = 0
+    tokens_step: float = 0.0
     first: Mapping[str, Any] | None = None
     last: Mapping[str, Any] | None = None
     times: Quantiles = field(default_factory=Quantiles)
@@ -102,9 +104,11 @@ class Totals:
         if row["samples"]:
             self.samples += row["samples"]
             self.samples_n += 1
+            self.samples_step += float(row["step_s"])
         if row["tokens"]:
             self.tokens += row["tokens"]
             self.tokens_n += 1
+            self.tokens_step += float(row["step_s"])
         self.times.add(float(row["step_s"]))
         self.first = self.first or row
         self.last = row

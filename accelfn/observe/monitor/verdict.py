@@ -59,8 +59,11 @@ def summarise(rows: Sequence[dict[str, Any]] | RunningSummary, *, warmup: int,
     n = totals.n
     total_step = totals.step
     share = totals.wait / totals.iter if totals.iter > 0 else None
-    sps = totals.samples / total_step if totals.samples_n and total_step > 0 else None
-    tps = totals.tokens / total_step if totals.tokens_n and total_step > 0 else None
+    # over the rows that counted them: a row without a count is no row of zero samples
+    sps = (totals.samples / totals.samples_step
+           if totals.samples_n and totals.samples_step > 0 else None)
+    tps = (totals.tokens / totals.tokens_step
+           if totals.tokens_n and totals.tokens_step > 0 else None)
     mfu = (flops_per_step * n / total_step / peak
            if flops_per_step and peak and total_step > 0 else None)
     samples_gpu = list(gpu_samples)

@@ -48,6 +48,21 @@ def test_token_and_sample_counts_given_as_tensors_are_read_with_the_metrics(
     assert report.samples_per_s == pytest.approx(8 / total)
 
 
+def test_samples_per_second_counts_the_time_of_the_steps_that_counted_samples() -> None:
+    # a step given no count is no step of zero samples: its time is left out of the rate
+    mon = quiet(warmup=0)
+    with mon:
+        for i in range(6):
+            mon.step({"loss": torch.tensor(1.0)}, **({"samples": 4, "tokens": 64} if i % 2
+                                                     else {}))
+    rows = mon.rows
+    counted = [r for r in rows if r["samples"]]
+    assert len(counted) == 3 and all(r["samples"] is None for r in rows if r not in counted)
+    report = mon.report()
+    assert report.samples_per_s == pytest.approx(12 / sum(r["step_s"] for r in counted))
+    assert report.tokens_per_s == pytest.approx(192 / sum(r["step_s"] for r in counted))
+
+
 def test_a_metric_that_is_not_one_number_is_refused_by_name() -> None:
     mon = quiet()
     with mon:
