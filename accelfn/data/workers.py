@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import multiprocessing
 import os
+import pickle
 import threading
 import time
 import weakref
@@ -118,7 +119,30 @@ def _describe_samples(items: list[Any]) -> str:
 
 def _process_call(item: Any) -> Any:
     assert _WORKER_FN is not None
-    return _WORKER_FN(item)
+    try:
+        return _WORKER_FN(item)
+    except Exception as error:
+        raise _sendable(error) from None
+
+
+def _sendable(error: Exception) -> Exception:
+    """``error`` if it survives the trip back from a worker process (pickled, rebuilt from
+    its ``args``), else a RuntimeError saying what it was: one whose constructor takes
+    other arguments would fail to rebuild in the trainer, which concurrent.futures reports
+    as a worker that died."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        kind = type(error)
+        sent = RuntimeError(f"{kind.__module__}.{kind.__qualname__}: {error}")
+        for note in getattr(error, "__notes__", []):
+            sent.add_note(note)
+        sent.add_note(f"raised in a worker process; {kind.__qualname__} cannot be rebuilt from "
+                      "its args to be sent back (a constructor taking other arguments than "
+                      "super().__init__ gets: define __reduce__), so it arrives as this "
+                      "RuntimeError. worker_type='thread' or num_workers=0 raise it as it is")
+        return sent
 
 
 class PoolMapper(BaseNode[Any]):  # type: ignore[misc]  # torchdata: untyped

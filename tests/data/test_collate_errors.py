@@ -132,6 +132,21 @@ def test_a_dataset_exception_reaches_the_loop_as_raised(prefetch, num_workers, p
         assert again.value is not e and len(again.value.__notes__) == 1
 
 
+def test_a_dataset_exception_that_cannot_cross_processes_is_named_not_a_dead_worker():
+    # RecordError cannot be rebuilt from its args in the trainer: concurrent.futures would
+    # report a worker that "died abruptly"; it arrives as a RuntimeError saying what it was
+    with ad.loader(BadRecord(), batch_size=4, shuffle=False, prefetch=0, num_workers=2,
+                   worker_type="process") as loader:
+        with pytest.raises(RuntimeError) as info:
+            for _ in loader:
+                pass
+    e = info.value
+    assert type(e) is RuntimeError
+    assert str(e) == f"{__name__}.RecordError: bad record in shard-3.bin at 4096"
+    assert e.__notes__[0] == f"while loading sample {BAD} of epoch 0: in dataset[{BAD}]"
+    assert "cannot be rebuilt from its args" in e.__notes__[1]
+
+
 class Samples:
     def __init__(self, samples) -> None:
         self.samples = samples
