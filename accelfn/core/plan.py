@@ -21,12 +21,16 @@ class Sums:
     and one sum per metric, not an addition per micro-batch).
     """
 
-    __slots__ = ("_coefs", "_terms", "_weights")
+    __slots__ = ("_coefs", "_terms", "_weights", "keys", "weighted")
 
     def __init__(self) -> None:
         self._terms: dict[str, list[Tensor]] = {}
         self._coefs: list[Tensor | float] = []
         self._weights: list[Tensor] = []
+        #: the metric names and whether a "weight" came with the first micro-batch (None:
+        #: none yet); every later one of the update, in any call, must return the same
+        self.keys: frozenset[str] | None = None
+        self.weighted: bool | None = None
 
     def add_weight(self, weight: Tensor) -> None:
         """Note the ``"weight"`` a micro-batch's step function returned (its token count)."""

@@ -180,6 +180,10 @@ def split(options: Accumulation, ctx: CallContext, batch: Batch) -> Plan:
         if not isinstance(chosen, Sequence) or not chosen:
             raise ValueError(f"with_accumulation(split=...) returned {type(chosen).__name__}"
                              "; return a non-empty list of micro-batches")
+        empty = [i for i, micro in enumerate(chosen) if batch_size(micro, dim) == 0]
+        if empty:  # a mean over no sample is NaN: the update would be skipped as non-finite
+            raise ValueError(f"with_accumulation(split=...) returned empty micro-batches (at "
+                             f"{empty}); leave them out of the list it returns")
         return Plan(tuple(chosen), dim=dim)
     if n == 1:
         return Plan((batch,), dim=dim)

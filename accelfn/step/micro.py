@@ -137,7 +137,7 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
     pending: list[Tensor] = []
     backward = compat.backward
     inputs = optimizers_.backward_inputs(ctx.state)
-    weighted: bool | None = None
+    weighted = sums.weighted  # a window of calls keeps one answer across its calls
     coef: Tensor | float | None
     for i, micro in enumerate(micros):
         if direct:
@@ -155,11 +155,20 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
                 i or not check or (out.dim() == 0 and out.requires_grad)):
             loss, coef = out, fixed[i]
             weighted = False
+            if sums.keys:
+                _other_metrics(sums.keys, _NO_METRICS)
+            sums.keys = _NO_METRICS
         else:
             loss, weight, metrics = unpack(out, first=check and i == 0)
             if weighted is not None and weighted != (weight is not None):
                 raise ValueError("the step function returned 'weight' for some "
-                                 "micro-batches but not others; return it always")
+                                 "micro-batches (or calls) of an update but not others; "
+                                 "return it always")
+            names = frozenset(metrics) if metrics else _NO_METRICS
+            if sums.keys is None:
+                sums.keys = names
+            elif names != sums.keys:
+                _other_metrics(sums.keys, names)
             weighted = weight is not None
             if weight is not None:
                 sums.add_weight(weight)
@@ -202,4 +211,17 @@ def forward_and_backward(spec: Spec, fn: Callable[..., Any], carries: bool, ctx:
             raise
     if pending:
         losses.append(compat.sum_unrecorded(pending))
+    sums.weighted = weighted
     return absolute
+
+
+_NO_METRICS: frozenset[str] = frozenset()
+
+
+def _other_metrics(before: frozenset[str], now: frozenset[str]) -> None:
+    """Refuse a micro-batch (or call) whose metrics are not the update's first one's: each
+    is a mean over the whole batch, weighted by every micro-batch's share."""
+    raise ValueError(
+        f"the step function returned the metrics {sorted(now)} for a micro-batch (or call) of "
+        f"an update whose first returned {sorted(before)}; each is averaged over the whole "
+        "batch, so return the same metrics every time")

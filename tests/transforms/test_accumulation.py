@@ -285,3 +285,54 @@ def test_batches_of_at_least_n_samples_and_calls_mode_do_not_warn(net, unwarned)
         calls = af.with_accumulation(4, mode="calls")(classify)
         for i in range(4):
             calls(state, make_batch(n=2, seed=i))
+
+
+def _linear_state():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 4)
+    return model, af.TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_a_metric_returned_by_some_micro_batches_only_is_refused_before_any_change():
+    # averaged over the whole batch, it cannot be: its missing shares would count as 0
+    def sometimes(model, batch):
+        out = classify(model, batch)
+        if batch["x"].shape[0] > 4:  # the first micro-batch of 5 rows, not the second of 4
+            out["extra"] = out["loss"].detach() * 0
+        return out
+
+    model, state = _linear_state()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match=r"metrics \['accuracy'\] for a micro-batch.*"
+                                         r"\['accuracy', 'extra'\]"):
+        af.with_accumulation(2)(sometimes)(state, make_batch(n=9))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert state.step == 0 and all(p.grad is None for p in model.parameters())
+
+
+def test_weight_returned_by_some_calls_of_a_window_only_is_refused():
+    # a token count and a sample count would weigh one window's calls in two units
+    def weighted_when_long(model, batch):
+        loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["y"])
+        return {"loss": loss, "weight": torch.tensor(1000.0)} if batch["x"].shape[0] > 4 \
+            else loss
+
+    _, state = _linear_state()
+    step = af.with_accumulation(2, mode="calls")(weighted_when_long)
+    step(state, make_batch(n=8))
+    with pytest.raises(ValueError, match=r"'weight' for some micro-batches \(or calls\)"):
+        step(state, make_batch(n=2, seed=1))
+    assert state.step == 0
+
+
+def test_a_split_returning_an_empty_micro_batch_is_refused_naming_it():
+    # a mean over no sample is NaN: the update would be skipped as non-finite, silently
+    def by_label(batch, n):
+        return [batch[batch["y"] == 0], batch[batch["y"] != 0]]
+
+    _, state = _linear_state()
+    batch = make_batch(n=10)
+    batch["y"] = torch.ones(10, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"returned empty micro-batches \(at \[0\]\)"):
+        af.with_accumulation(2, split=by_label)(classify)(state, batch)
+    assert state.step == 0
