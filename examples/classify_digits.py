@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         monitor = af.Monitor(total=stop, initial=state.step,  # a resumed run's bar goes on
                              progress=not args.quiet, desc="digits",
                              throughput=af.Throughput(
-                                 samples_per_step=args.batch_size * af.world_size()),
+                                 samples_per_step=args.batch_size),
                              log_every=10,  # one step runs under the host-sync probe:
                              sync_check=af.SyncCheck(step=3),
                              state=state,  # rows numbered by state.step: a resume continues
@@ -212,7 +212,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     }
     plot = None
     if monitor is not None:  # something was trained: save it
-        report["samples_per_s"] = round(monitor.report().samples_per_s or 0.0, 1)
+        measured = monitor.report()  # this process' rate, and every process' together
+        report["samples_per_s"] = round(measured.samples_per_s or 0.0, 1)
+        report["global_samples_per_s"] = round(measured.global_samples_per_s or 0.0, 1)
         run.save(state, loader=train, step=step)
         plot = monitor.plot_file  # the whole run's, the steps before a resume too
         if plot is not None:

@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
                              progress=not args.quiet, desc=args.model,
                              log_every=10, sync_check=None,
                              throughput=af.Throughput(
-                                 samples_per_step=args.batch_size * af.world_size()),
+                                 samples_per_step=args.batch_size),
                              state=state, sinks=[af.JsonlSink(run.metrics_file)],
                              plot=run.plot_file)
         start = time.perf_counter()
@@ -265,7 +265,9 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         "out": out,
     }
     if monitor is not None:  # something was trained: save it
-        report["samples_per_s"] = round(monitor.report().samples_per_s or 0.0, 1)
+        measured = monitor.report()  # this process' rate, and every process' together
+        report["samples_per_s"] = round(measured.samples_per_s or 0.0, 1)
+        report["global_samples_per_s"] = round(measured.global_samples_per_s or 0.0, 1)
         run.save(state, loader=train, step=step)
         if monitor.plot_file is not None:  # the whole run's, the steps before a resume too
             report["plot"] = str(monitor.plot_file)

@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         monitor = af.Monitor(total=args.steps, initial=state.step,  # a resume's bar goes on
                              progress=not args.quiet, desc="student", log_every=50,
                              sync_check=None,
-                             throughput=af.Throughput(samples_per_step=64 * af.world_size()),
+                             throughput=af.Throughput(samples_per_step=64),
                              state=state, sinks=[af.JsonlSink(run.metrics_file)])
         with monitor:
             while state.step < args.steps:

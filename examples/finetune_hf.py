@@ -255,9 +255,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         monitor = af.Monitor(total=stop, initial=state.step,  # a resumed run's bar goes on
                              progress=not args.quiet, desc="hf", log_every=10,
                              throughput=af.Throughput(
-                                 samples_per_step=args.batch_size * af.world_size() // tp,
-                                 tokens_per_step=args.batch_size * args.seq_len
-                                 * af.world_size() // tp),
+                                 samples_per_step=args.batch_size / tp,  # this process'
+                                 tokens_per_step=args.batch_size * args.seq_len / tp),
                              sync_check=None, state=state,
                              sinks=[af.JsonlSink(run.metrics_file)])
         start = time.perf_counter()

@@ -436,8 +436,8 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
         monitor = af.Monitor(total=stop, initial=state.step,  # a resumed run's bar goes on
                              progress=not args.quiet, desc="gpt",
                              throughput=af.Throughput(
-                                 samples_per_step=args.batch_size * af.world_size() // tp,
-                                 flops_per_step=flops * af.world_size() // tp),
+                                 samples_per_step=args.batch_size / tp,  # this process'
+                                 flops_per_step=flops / tp),
                              log_every=10, sync_check=None, state=state,
                              sinks=[af.JsonlSink(run.metrics_file)])
         start = time.perf_counter()

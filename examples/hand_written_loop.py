@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             group["lr"] = 3e-3 * (0.5 ** epoch)
         t0 = time.perf_counter()
         for batch in train:
-            pending.append((state.step, step(state, batch)))
+            metrics = step(state, batch)
+            pending.append((state.step, metrics))        # updates counted from 1
             if len(pending) == args.log_every:
                 flush(epoch)
         flush(epoch)                                  # the epoch's last few

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict[str, float | str]:
     if trained:  # the rows and the held-out loss go to the run's metrics.jsonl
         monitor = af.Monitor(progress=False, log_every=args.log_every, sync_check=None,
                              throughput=af.Throughput(
-                                 samples_per_step=args.batch_size * af.world_size()),
+                                 samples_per_step=args.batch_size),
                              state=state, sinks=[af.JsonlSink(run.metrics_file)])
         start = time.perf_counter()
         with monitor:

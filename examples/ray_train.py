@@ -2,7 +2,7 @@
 
     python examples/ray_train.py                          # local Ray, 2 CPU workers
     python examples/ray_train.py --workers 4 --steps 120
-    python examples/ray_train.py --crash-at 25            # rank 1 dies at update 25, once
+    python examples/ray_train.py --crash-at 25            # the last worker dies at update 25, once
     python examples/ray_train.py --resume runs/ray_digits  # continue its newest run
 
 Time: 38 s on a 2-core CPU (idle; 83 s at load average 5 to 8), 60 updates, of which the
@@ -24,7 +24,7 @@ bookkeeping: ``Result.checkpoint`` and ``Result.metrics`` of ``trainer.fit()``; 
 process ``accelfn.checkpointing.load(result.checkpoint.path, state, allow_resharding=True)``
 loads the trained weights.
 
-``--crash-at N`` shows a restart: rank 1 kills itself (SIGKILL) at update N the first time;
+``--crash-at N`` shows a restart: the last worker kills itself (SIGKILL) at update N the first time;
 Ray restarts the group, which resumes from the run's newest checkpoint.
 """
 

@@ -64,8 +64,14 @@ def _run_doctor(args: argparse.Namespace) -> int:
         return _run_hang(args)
 
     report = doctor(num_workers=args.num_workers)
-    print(report.to_json() if args.json else str(report))
+    if args.json and args.memory is None:
+        print(report.to_json())
+    elif not args.json:
+        print(report)
     if args.memory is not None:  # the script's update, estimated before it trains
+        import dataclasses
+        import json
+
         from ..observe.memory import estimate_script, format_estimate
 
         if not os.path.isfile(args.memory):
@@ -74,10 +80,15 @@ def _run_doctor(args: argparse.Namespace) -> int:
             return 2
         try:
             estimate = estimate_script(args.memory)
-        except ValueError as error:
-            print(f"accelfn doctor: error: --memory {args.memory}: {error}", file=sys.stderr)
+        except Exception as error:  # the script's own failure too: said, not a traceback
+            print(f"accelfn doctor: error: --memory {args.memory}: "
+                  f"{type(error).__name__}: {error}", file=sys.stderr)
             return 2
-        print(format_estimate(estimate))
+        if args.json:  # one JSON object: the report and the estimate under "memory"
+            print(json.dumps({**report.to_dict(), "memory": dataclasses.asdict(estimate)},
+                             indent=2, default=str))
+        else:
+            print(format_estimate(estimate))
     return 0 if report.ok else 1
 
 

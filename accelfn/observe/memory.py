@@ -299,8 +299,16 @@ def estimate_script(path: str | os.PathLike[str]) -> MemoryEstimate:
     ``__main__``, so its training does not start) defines ``memory_case()`` returning
     ``(step, state, batch)``; what ``accelfn doctor --memory SCRIPT`` shows."""
     import runpy
+    import sys
 
-    found = runpy.run_path(os.fspath(path), run_name="accelfn_memory_case")
+    # its folder first on the path, as `python SCRIPT` puts it (the examples import siblings)
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)
+    try:
+        found = runpy.run_path(os.fspath(path), run_name="accelfn_memory_case")
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
     case = found.get("memory_case")
     if not callable(case):
         raise ValueError(f"{os.fspath(path)} defines no memory_case(): add a function "

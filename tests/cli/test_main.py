@@ -111,3 +111,22 @@ def test_doctor_memory_estimates_a_scripts_update_without_training(
     assert main(["doctor", "--memory", str(tmp_path / "none.py")]) == 2
     assert "defines no memory_case()" in capsys.readouterr().err
     assert main(["doctor", "--memory", str(tmp_path / "missing.py")]) == 2
+
+
+def test_doctor_memory_runs_a_script_importing_its_siblings_and_prints_one_json(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the examples import a module beside them, as `python SCRIPT` allows; --json prints
+    # one JSON object, the estimate under "memory"; a script that fails is said, exit 2
+    import json
+
+    (tmp_path / "sibling_options.py").write_text("HIDDEN = 64\n")
+    script = tmp_path / "train.py"
+    script.write_text("import sibling_options\n" + _CASE)
+    main(["doctor", "--json", "--memory", str(script)])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["memory"]["peak"] > 0 and "findings" in printed and "ok" in printed
+    assert str(tmp_path) not in sys.path  # the path is put back
+    broken = tmp_path / "broken.py"
+    broken.write_text("import no_such_module_here\n")
+    assert main(["doctor", "--memory", str(broken)]) == 2
+    assert "ModuleNotFoundError" in capsys.readouterr().err
