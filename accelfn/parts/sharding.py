@@ -168,9 +168,7 @@ def _micro_context(o: Sharding, ctx: CallContext, index: int,
     fsdp = o.fsdp
     model = ctx.model
     if index == 0 and not fsdp and ctx.training:  # an update's (or a call's) first
-        call = ctx.prepared.call
-        assert isinstance(call, Replicated)
-        call.refresh(window_open=_UNSYNCED.get(model, False))
+        _replicated(ctx).refresh(window_open=_UNSYNCED.get(model, False))
     if sync:
         if fsdp:
             _fsdp(model).set_requires_gradient_sync(True)
@@ -353,11 +351,16 @@ def _fsdp(model: nn.Module) -> Any:
     return model
 
 
-def _ddp(ctx: CallContext) -> nn.parallel.DistributedDataParallel:
-    """The DistributedDataParallel that runs the step function as its forward."""
+def _replicated(ctx: CallContext) -> Replicated:
+    """What runs the step function under DDP (its ``ddp``, built again when needed)."""
     call = ctx.prepared.call
     assert isinstance(call, Replicated)
-    return call.ddp  # type: ignore[return-value]
+    return call
+
+
+def _ddp(ctx: CallContext) -> nn.parallel.DistributedDataParallel:
+    """The DistributedDataParallel that runs the step function as its forward."""
+    return _replicated(ctx).ddp  # type: ignore[return-value]
 
 
 def _positive_int(name: str, value: object) -> int:
